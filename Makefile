@@ -1,0 +1,43 @@
+# floatxq: the two README commands (`make demo`, `make test`) plus lint and bench.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.floatxq-installed
+HYPOTHESIS_PROFILE ?= ci
+export HYPOTHESIS_PROFILE
+
+.PHONY: demo test lint bench install clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# Where torch is missing and no CUDA is present, take the CPU wheel (torch==2.13.0) instead of
+# letting the resolver pull a multi-GB CUDA build just to run the tests.
+$(STAMP): $(PY) pyproject.toml
+	@if ! $(PY) -c "import torch" >/dev/null 2>&1; then \
+	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+	    $(PIP) install "torch>=2.11"; \
+	  else \
+	    $(PIP) install "torch==2.13.0"; \
+	  fi; \
+	fi
+	$(PIP) install -e ".[test,plot]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/floatxq demo
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 -q tests property_tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check floatxq tests property_tests examples benchmarks
+	$(VENV)/bin/ruff format --check floatxq tests property_tests examples benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

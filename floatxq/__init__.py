@@ -1,0 +1,81 @@
+"""floatxq: the reference and the fast path for floating-point LLM quantization.
+
+Pure functions over tensors (formats → FP8 / NVFP4 / INT4 math → kernels → modules → lifecycle).
+Every public name lives in the module that owns its concept and is re-exported here.
+"""
+
+from floatxq.formats import (
+    E2M1_VALUES,
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    FP4_E2M1_MAX,
+    FP8_E4M3_MAX,
+    FP8_FORMATS,
+    NVFP4_BLOCK,
+    NVFP4_E4M3_SEARCH_RADIUS,
+    NVFP4_RECIPES,
+    NVFP4_SCALE_MAX,
+    NVFP4_SCALE_MIN,
+    fp8_dtype,
+    fp8_max,
+    normalize_fp8_block_size,
+    normalize_fp8_format,
+    normalize_fp8_kwargs,
+    normalize_fp8_scale_method,
+    normalize_fp8_scale_semantics,
+    normalize_nvfp4_recipe,
+    nvfp4_kernel_recipe,
+    nvfp4_uses_headroom,
+)
+from floatxq.fp8 import (
+    FP8Tokens,
+    FP8Weight,
+    decode_e8m0,
+    dequantize_fp8_weight,
+    direct_to_inverse_scale,
+    fp8_cast,
+    fp8_decode,
+    fp8_token_dequantize,
+    fp8_token_qdq,
+    fp8_token_quantize,
+    infer_scale_layout,
+    quantize_fp8_weight,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "E2M1_VALUES",
+    "FLOAT32_MAX",
+    "FLOAT32_TINY",
+    "FP4_E2M1_MAX",
+    "FP8_E4M3_MAX",
+    "FP8_FORMATS",
+    "NVFP4_BLOCK",
+    "NVFP4_E4M3_SEARCH_RADIUS",
+    "NVFP4_RECIPES",
+    "NVFP4_SCALE_MAX",
+    "NVFP4_SCALE_MIN",
+    "FP8Tokens",
+    "FP8Weight",
+    "decode_e8m0",
+    "dequantize_fp8_weight",
+    "direct_to_inverse_scale",
+    "fp8_cast",
+    "fp8_decode",
+    "fp8_dtype",
+    "fp8_max",
+    "fp8_token_dequantize",
+    "fp8_token_qdq",
+    "fp8_token_quantize",
+    "infer_scale_layout",
+    "normalize_fp8_block_size",
+    "normalize_fp8_format",
+    "normalize_fp8_kwargs",
+    "normalize_fp8_scale_method",
+    "normalize_fp8_scale_semantics",
+    "normalize_nvfp4_recipe",
+    "nvfp4_kernel_recipe",
+    "nvfp4_uses_headroom",
+    "quantize_fp8_weight",
+]

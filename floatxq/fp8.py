@@ -1,0 +1,464 @@
+"""FP8 weights with inverse scales, FP8 per-token activations, and FP8/E8M0 decoding.
+
+Scale directions, never mixed:
+  * ``scale_inv`` (weights): multiply to quantize, divide to decode: ``w ≈ code / scale_inv``.
+  * ``scale`` (tokens, E8M0): multiply to decode: ``x ≈ code * scale``.
+
+All scale arithmetic is FP32 IEEE (true division, never a reciprocal-multiply); rounding to FP8 is
+round-to-nearest-even after clamping to ±max finite (finite saturation).
+"""
+
+from typing import Any, NamedTuple
+
+import torch
+
+from floatxq._typing import Float, Float32, FP8Dtype, Shaped, Tensor
+from floatxq.formats import (
+    FLOAT32_MAX,
+    FLOAT32_SMALLEST_SUBNORMAL,
+    FLOAT32_TINY,
+    FP8_DECODE_ONLY_FORMATS,
+    FP8_E4M3_MAX,
+    fp8_max,
+    normalize_fp8_block_size,
+    normalize_fp8_format,
+    normalize_fp8_scale_method,
+)
+
+__all__ = [
+    "FP8Tokens",
+    "FP8Weight",
+    "decode_e8m0",
+    "dequantize_fp8_weight",
+    "direct_to_inverse_scale",
+    "fp8_cast",
+    "fp8_decode",
+    "fp8_token_dequantize",
+    "fp8_token_qdq",
+    "fp8_token_quantize",
+    "infer_scale_layout",
+    "quantize_fp8_weight",
+]
+
+
+class FP8Weight(NamedTuple):
+    """An FP8 weight: codes of the weight's shape and FP32 inverse scales (decode: divide)."""
+
+    qweight: Tensor
+    """FP8 codes, ``(out, in)``."""
+    scale_inv: Tensor
+    """FP32 inverse scales: ``()`` (tensor), ``(out,)`` (row) or ``(out/br, in/bc)`` (block)."""
+
+
+class FP8Tokens(NamedTuple):
+    """Per-token E4M3 activations: codes and one FP32 direct scale per row (decode: multiply)."""
+
+    codes: Tensor
+    """``float8_e4m3fn`` codes of the input's shape."""
+    scale: Tensor
+    """FP32 direct scales, the input's shape with the last axis reduced to 1."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Element casts
+# ----------------------------------------------------------------------------------------------
+
+
+def _encodable_format(format: Any, *, where: str) -> str:
+    name = normalize_fp8_format(format)
+    if name in FP8_DECODE_ONLY_FORMATS:
+        raise ValueError(
+            f"{where}: format {name!r} is decode-only (E8M0 holds power-of-two scales, not "
+            f"weights); accepted: float8_e4m3fn, float8_e5m2, float8_e4m3fnuz, float8_e5m2fnuz"
+        )
+    return name
+
+
+def _require_floating(x: Tensor, *, name: str, where: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{where}: {name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def _require_finite(x: Tensor, *, name: str, where: str) -> None:
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{where}: {name} contains NaN or infinity; finite values are required")
+
+
+def _saturating_cast(x32: Tensor, dtype: torch.dtype, fmax: float) -> Tensor:
+    return torch.clamp(x32, min=-fmax, max=fmax).to(dtype)
+
+
+def fp8_cast(
+    x: Float[Tensor, "*shape"], *, format: Any = "float8_e4m3fn"
+) -> Shaped[Tensor, "*shape"]:
+    """Round values to an FP8 format: ``clamp(float32(x), ±max)`` then a nearest-even cast.
+
+    Args:
+      x: any floating tensor (converted to FP32 first, which is exact for bf16/fp16).
+      format: an encodable FP8 name or alias (E8M0 is rejected: ``ValueError``).
+
+    Returns:
+      FP8 codes of ``x``'s shape, dtype ``fp8_dtype(format)``.
+
+    Numerics: round-to-nearest-even; finite saturation (±inf → ±max); NaN stays NaN; −0 stays −0
+    where the format has it (the ``fnuz`` formats map it to +0).
+
+    Example:
+      >>> fp8_cast(torch.tensor([464.0, 1e9])).float().tolist()
+      [448.0, 448.0]
+    """
+    name = _encodable_format(format, where="fp8_cast")
+    _require_floating(x, name="x", where="fp8_cast")
+    return _saturating_cast(x.to(torch.float32), getattr(torch, name), fp8_max(name))
+
+
+def fp8_decode(
+    codes: FP8Dtype[Tensor, "*shape"], *, dtype: torch.dtype = torch.float32
+) -> Float[Tensor, "*shape"]:
+    """Decode FP8 codes of any FP8 dtype (E8M0 included) to ``dtype``.
+
+    Numerics: exact into FP32 (every FP8 value is an FP32 value); one nearest-even rounding into a
+    narrower ``dtype``. NaN codes decode to NaN; E8M0 follows :func:`decode_e8m0`.
+
+    Example:
+      >>> fp8_decode(torch.tensor([0x7E], dtype=torch.uint8).view(torch.float8_e4m3fn)).tolist()
+      [448.0]
+    """
+    if codes.dtype == getattr(torch, "float8_e8m0fnu", None):
+        return decode_e8m0(codes).to(dtype)
+    return codes.to(torch.float32).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------------------------
+
+
+def _inverse_scale(amax: Tensor, fmax: float) -> Tensor:
+    """``fmax / max(amax, FLT_MIN)`` in FP32 (true division) capped at FLT_MAX; 1 if amax is 0."""
+    inv = torch.full_like(amax, fmax) / amax.clamp_min(FLOAT32_TINY)
+    # The seed lets this overflow to inf for amax < fmax / FLT_MAX and then writes NaN codes
+    # (0 * inf). Capping keeps every inverse scale finite; all other bytes are the seed's.
+    inv = inv.clamp_max(FLOAT32_MAX)
+    return torch.where(amax > 0, inv, torch.ones_like(amax))
+
+
+def _amax(x: Tensor, dim: tuple[int, ...] | None) -> Tensor:
+    """``max |x|`` over ``dim`` (all axes when None); an empty reduction gives 0."""
+    if dim is None:
+        return x.abs().amax() if x.numel() else x.new_zeros(())
+    if all(x.shape[d] > 0 for d in dim):
+        return x.abs().amax(dim=dim)
+    shape = [s for d, s in enumerate(x.shape) if d not in dim]
+    return x.new_zeros(shape)
+
+
+def quantize_fp8_weight(
+    weight: Float[Tensor, "out in"],
+    *,
+    format: Any = "float8_e4m3fn",
+    weight_scale_method: Any = "row",
+    weight_block_size: Any = None,
+) -> FP8Weight:
+    """Quantize a weight matrix to FP8 codes with FP32 inverse scales.
+
+    Per region (the whole tensor, each output row, or each ``[br, bc]`` block; block rows index
+    output rows): ``scale_inv = fp8_max / max(amax, FLT_MIN)`` (1 for an all-zero region, capped
+    at FLT_MAX so it is always finite) and ``qweight = cast(clamp(w * scale_inv, ±fp8_max))``.
+
+    Args:
+      weight: ``(out, in)`` floating weight (any device; converted to FP32, device kept).
+      format: FP8 name/alias; ``float8_e8m0fnu`` is decode-only (``ValueError``).
+      weight_scale_method: ``"tensor"``, ``"row"`` or ``"block"`` (``None``: by block size).
+      weight_block_size: ``[block_rows, block_cols]`` for ``"block"``; must divide the shape.
+
+    Returns:
+      ``FP8Weight(qweight, scale_inv)``; scale shapes ``()``, ``(out,)``, ``(out/br, in/bc)``.
+
+    Raises:
+      ValueError: rank ≠ 2, non-finite weights, indivisible shape, E8M0, bad names.
+      TypeError: a non-floating weight.
+
+    Numerics: FP32 scale math (true division), multiply-to-quantize, clamp then nearest-even
+    cast; bit-identical to the seed except that tiny-amax regions keep finite scales.
+
+    Example:
+      >>> q = quantize_fp8_weight(torch.tensor([[1.0, -2.0], [0.0, 0.0]]))
+      >>> q.scale_inv.tolist(), q.qweight.float().tolist()
+      ([224.0, 1.0], [[224.0, -448.0], [0.0, 0.0]])
+    """
+    where = "quantize_fp8_weight"
+    _require_floating(weight, name="weight", where=where)
+    if weight.ndim != 2:
+        raise ValueError(
+            f"{where}: weight must be a 2-D (out, in) matrix, got shape {tuple(weight.shape)}"
+        )
+    name = _encodable_format(format, where=where)
+    block = normalize_fp8_block_size(weight_block_size)
+    method = normalize_fp8_scale_method(weight_scale_method, weight_block_size=block)
+    dtype, fmax = getattr(torch, name), fp8_max(name)
+    w = weight.to(torch.float32)
+    _require_finite(w, name="weight", where=where)
+
+    if method == "tensor":
+        scale_inv = _inverse_scale(_amax(w, None), fmax)
+        return FP8Weight(_saturating_cast(w * scale_inv, dtype, fmax), scale_inv)
+    if method == "row":
+        scale_inv = _inverse_scale(_amax(w, (1,)), fmax)
+        return FP8Weight(_saturating_cast(w * scale_inv[:, None], dtype, fmax), scale_inv)
+
+    rows, cols = w.shape
+    br, bc = block  # type: ignore[misc]  # "block" always carries a block size
+    if rows % br or cols % bc:
+        raise ValueError(
+            f"{where}: weight shape {tuple(w.shape)} is not divisible by weight_block_size "
+            f"{[br, bc]} (block rows index output rows); floatxq never pads"
+        )
+    blocks = w.reshape(rows // br, br, cols // bc, bc)
+    scale_inv = _inverse_scale(_amax(blocks, (1, 3)), fmax)
+    codes = _saturating_cast(blocks * scale_inv[:, None, :, None], dtype, fmax)
+    return FP8Weight(codes.reshape(rows, cols), scale_inv)
+
+
+def _expand_scale_inv(scale_inv: Tensor, shape: torch.Size) -> Tensor:
+    """Broadcast a tensor/row/block inverse scale over an ``(out, in)`` weight."""
+    layout, block = infer_scale_layout(tuple(shape), tuple(scale_inv.shape))
+    if layout == "tensor":
+        return scale_inv.reshape(())
+    if layout == "row":
+        return scale_inv[:, None]
+    br, bc = block  # type: ignore[misc]  # "block" always carries a block size
+    return scale_inv.repeat_interleave(br, dim=0).repeat_interleave(bc, dim=1)
+
+
+def dequantize_fp8_weight(
+    qweight: FP8Dtype[Tensor, "out in"],
+    scale_inv: Float32[Tensor, "*scale"],
+    *,
+    dtype: torch.dtype = torch.float32,
+    transpose: bool = False,
+) -> Float[Tensor, "..."]:
+    """Decode FP8 weight codes: ``float32(code) / scale_inv`` per region, rounded once to ``dtype``.
+
+    Args:
+      qweight: ``(out, in)`` FP8 codes.
+      scale_inv: FP32 inverse scales shaped ``()``, ``(out,)`` or a block grid ``(out/br, in/bc)``
+        (the layout is inferred with :func:`infer_scale_layout`).
+      dtype: output dtype.
+      transpose: return the contiguous ``(in, out)`` matrix that multiplies flattened inputs.
+
+    Numerics: FP32 true division, one nearest-even rounding into ``dtype``; NaN codes give NaN.
+
+    Example:
+      >>> q = quantize_fp8_weight(torch.tensor([[1.0, -2.0]]))
+      >>> dequantize_fp8_weight(*q).tolist()
+      [[1.0, -2.0]]
+    """
+    if qweight.ndim != 2:
+        raise ValueError(
+            f"dequantize_fp8_weight: qweight must be 2-D (out, in), got {tuple(qweight.shape)}"
+        )
+    if scale_inv.device != qweight.device:
+        raise TypeError(
+            f"dequantize_fp8_weight: scale_inv is on {scale_inv.device} but qweight is on "
+            f"{qweight.device}"
+        )
+    expanded = _expand_scale_inv(scale_inv.to(torch.float32), qweight.shape)
+    out = (fp8_decode(qweight) / expanded).to(dtype)
+    return out.t().contiguous() if transpose else out
+
+
+def _most_square_blocks(rows: int, cols: int, count: int) -> tuple[int, int] | None:
+    best: tuple[tuple[int, int, int, int], tuple[int, int]] | None = None
+    for row_blocks in range(1, count + 1):
+        if count % row_blocks:
+            continue
+        col_blocks = count // row_blocks
+        if rows % row_blocks or cols % col_blocks:
+            continue
+        br, bc = rows // row_blocks, cols // col_blocks
+        key = (abs(br - bc), -min(br, bc), -max(br, bc), br)
+        if best is None or key < best[0]:
+            best = (key, (br, bc))
+    return None if best is None else best[1]
+
+
+def infer_scale_layout(
+    weight_shape: tuple[int, ...] | torch.Size, scale_shape: tuple[int, ...] | torch.Size
+) -> tuple[str, tuple[int, int] | None]:
+    """Which layout an inverse-scale tensor has for an ``(out, in)`` weight.
+
+    Rules (the seed's, in order): one element → ``("tensor", None)``; 1-D of length ``out`` →
+    ``("row", None)``; 2-D ``(sr, sc)`` dividing the weight → ``("block", (out/sr, in/sc))``;
+    another 1-D length ``n`` → the most square block grid with ``n`` blocks that tiles the weight.
+
+    Raises:
+      ValueError: a weight that is not 2-D, or a scale shape no layout explains.
+
+    Numerics: shapes only.
+
+    Example: ``infer_scale_layout((256, 512), (2, 4)) == ("block", (128, 128))``.
+    """
+    weight_shape, scale_shape = tuple(weight_shape), tuple(scale_shape)
+    if len(weight_shape) != 2:
+        raise ValueError(f"infer_scale_layout: weight_shape must be 2-D, got {weight_shape}")
+    rows, cols = weight_shape
+    count = 1
+    for s in scale_shape:
+        count *= s
+    if count == 1 and len(scale_shape) <= 2:
+        return ("tensor", None)
+    if len(scale_shape) == 1 and scale_shape[0] == rows:
+        return ("row", None)
+    if len(scale_shape) == 2:
+        sr, sc = scale_shape
+        if sr > 0 and sc > 0 and rows % sr == 0 and cols % sc == 0:
+            return ("block", (rows // sr, cols // sc))
+        if rows == 0 and sr == 0 and sc > 0 and cols % sc == 0:
+            return ("block", (1, cols // sc))
+    if len(scale_shape) == 1 and count > 0:
+        block = _most_square_blocks(rows, cols, count)
+        if block is not None:
+            return ("block", block)
+    raise ValueError(
+        f"infer_scale_layout: scale shape {scale_shape} fits no layout of a {weight_shape} weight; "
+        f"accepted: () or (1,) for tensor, ({rows},) for row, (out/br, in/bc) for block"
+    )
+
+
+def direct_to_inverse_scale(scale: Float[Tensor, "*shape"]) -> Float32[Tensor, "*shape"]:
+    """Turn direct scales (multiply to decode) into inverse scales (divide to decode).
+
+    ``scale_inv = 1 / scale`` in FP32 (true division); a zero direct scale maps to ``1/FLT_MIN``
+    (≈ 8.5e37), as the seed's loader does, so its all-zero region still decodes to zeros.
+
+    Raises:
+      ValueError: a negative or non-finite direct scale.
+
+    Numerics: FP32 IEEE division, no rounding beyond it.
+
+    Example:
+      >>> direct_to_inverse_scale(torch.tensor([0.5, 0.0])).tolist()
+      [2.0, 8.507059173023462e+37]
+    """
+    _require_floating(scale, name="scale", where="direct_to_inverse_scale")
+    s = scale.to(torch.float32)
+    _require_finite(s, name="scale", where="direct_to_inverse_scale")
+    if s.numel() and bool((s < 0).any()):
+        raise ValueError("direct_to_inverse_scale: scale has negative entries; scales are >= 0")
+    one = torch.ones_like(s)
+    return torch.where(s == 0, torch.full_like(s, 1.0 / FLOAT32_TINY), one / s)
+
+
+def decode_e8m0(scale_bytes: Shaped[Tensor, "*shape"]) -> Float32[Tensor, "*shape"]:
+    """Decode E8M0 scale bytes: ``2 ** (byte - 127)`` in FP32; byte 255 is NaN.
+
+    Args:
+      scale_bytes: ``uint8`` storage or ``float8_e8m0fnu`` (viewed as bytes).
+
+    Raises:
+      TypeError: any other dtype.
+
+    Numerics: exact (byte 0 gives the FP32 subnormal ``2**-127``); no rounding.
+
+    Example:
+      >>> decode_e8m0(torch.tensor([127, 128, 0, 255], dtype=torch.uint8)).tolist()[:3]
+      [1.0, 2.0, 5.877471754111438e-39]
+    """
+    e8m0 = getattr(torch, "float8_e8m0fnu", None)
+    if scale_bytes.dtype == e8m0:
+        scale_bytes = scale_bytes.view(torch.uint8)
+    elif scale_bytes.dtype != torch.uint8:
+        raise TypeError(
+            f"decode_e8m0: scale_bytes must be uint8 or float8_e8m0fnu, got {scale_bytes.dtype}"
+        )
+    byte = scale_bytes.to(torch.int32)
+    # Biased exponent b >= 1 is the FP32 bit pattern b << 23; b == 0 is the subnormal 2**-127.
+    bits = torch.where(byte == 0, torch.full_like(byte, 1 << 22), byte << 23)
+    value = bits.view(torch.float32)
+    return torch.where(byte == 255, torch.full_like(value, float("nan")), value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokens (per-row dynamic E4M3)
+# ----------------------------------------------------------------------------------------------
+
+
+def _token_scale(x32: Tensor) -> Tensor:
+    amax = x32.abs().amax(dim=-1, keepdim=True)
+    scale = amax / FP8_E4M3_MAX
+    # amax / 448 underflows to 0 only for amax below ~448 * 2**-150: use the smallest positive
+    # FP32 instead so the row still round-trips without NaN (x / 0).
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, FLOAT32_SMALLEST_SUBNORMAL))
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def fp8_token_quantize(x: Float[Tensor, "*b k"]) -> FP8Tokens:
+    """Per-row (last axis) dynamic E4M3 quantization with one FP32 direct scale per row.
+
+    ``scale = amax / 448`` (1 for an all-zero row, the smallest positive FP32 where it underflows)
+    and ``codes = e4m3(clamp(x / scale, ±448))``.
+
+    Raises:
+      ValueError: NaN or infinity in ``x``.
+
+    Numerics: FP32 true division (not a reciprocal), clamp then nearest-even E4M3; finite input
+    never yields NaN or inf.
+
+    Example:
+      >>> t = fp8_token_quantize(torch.tensor([[1.0, -4.0]]))
+      >>> t.scale.tolist(), t.codes.float().tolist()
+      ([[0.008928571827709675]], [[112.0, -448.0]])
+    """
+    _require_floating(x, name="x", where="fp8_token_quantize")
+    if x.ndim == 0:
+        raise ValueError("fp8_token_quantize: x must have at least one axis (the token axis k)")
+    x32 = x.to(torch.float32)
+    _require_finite(x32, name="x", where="fp8_token_quantize")
+    if x32.shape[-1] == 0:
+        scale = torch.ones((*x32.shape[:-1], 1), dtype=torch.float32, device=x32.device)
+        return FP8Tokens(x32.to(torch.float8_e4m3fn), scale)
+    scale = _token_scale(x32)
+    codes = _saturating_cast(x32 / scale, torch.float8_e4m3fn, FP8_E4M3_MAX)
+    return FP8Tokens(codes, scale)
+
+
+def fp8_token_dequantize(
+    codes: FP8Dtype[Tensor, "*b k"],
+    scale: Float32[Tensor, "*b 1"],
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> Float[Tensor, "*b k"]:
+    """Invert :func:`fp8_token_quantize`: ``float32(codes) * scale`` rounded once to ``dtype``.
+
+    Numerics: exact FP32 product of an E4M3 value and the scale (then one rounding to ``dtype``).
+
+    Example:
+      >>> fp8_token_dequantize(*fp8_token_quantize(torch.tensor([[1.0, -4.0]]))).tolist()
+      [[1.0, -4.0]]
+    """
+    return (fp8_decode(codes) * scale.to(torch.float32)).to(dtype)
+
+
+def fp8_token_qdq(x: Float[Tensor, "*b k"]) -> Float[Tensor, "*b k"]:
+    """Quantize-dequantize each last-axis row through E4M3 (the W4A-FP8 replay oracle).
+
+    Returns ``x``'s shape and dtype; empty input is returned unchanged.
+
+    Raises:
+      ValueError: NaN or infinity in ``x``.
+
+    Numerics: as :func:`fp8_token_quantize`, then ``float32(code) * scale`` rounded once to
+    ``x.dtype``; finite input never yields NaN or inf.
+
+    Example:
+      >>> fp8_token_qdq(torch.tensor([[1.0, 0.3]])).tolist()
+      [[1.0, 0.2857142984867096]]
+    """
+    _require_floating(x, name="x", where="fp8_token_qdq")
+    if x.numel() == 0:
+        return x
+    tokens = fp8_token_quantize(x)
+    return fp8_token_dequantize(tokens.codes, tokens.scale, dtype=x.dtype)

@@ -1,0 +1,11 @@
+"""Test helpers that floatxq's own suites use and users can import into theirs.
+
+``floatxq.testing.assertions`` (bitwise, NaN- and signed-zero-aware comparisons) needs only torch.
+``floatxq.testing.reference`` (independent numpy/ml_dtypes oracles) needs ``ml_dtypes`` and
+``floatxq.testing.strategies`` needs ``hypothesis``: both come with the ``test`` extra and are
+imported only when those modules are.
+"""
+
+from floatxq.testing.assertions import assert_bitwise_equal, bits_of, unchecked
+
+__all__ = ["assert_bitwise_equal", "bits_of", "unchecked"]

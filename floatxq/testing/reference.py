@@ -1,0 +1,97 @@
+"""Independent oracles: slow, obviously correct numpy + ml_dtypes versions of floatxq's math.
+
+They share no code with the library (only the format *names*), so a test comparing the two can
+fail. ml_dtypes rounds to nearest-even; its out-of-range casts give NaN, so every oracle here
+clamps first, exactly as the contract says the library does.
+"""
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from floatxq._typing import Float, Shaped, Tensor
+
+ML_DTYPES: dict[str, Any] = {
+    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+    "float8_e5m2": ml_dtypes.float8_e5m2,
+    "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+    "float8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+    "float8_e8m0fnu": ml_dtypes.float8_e8m0fnu,
+}
+"""ml_dtypes scalar type for each canonical FP8 name."""
+
+
+def ml_decode_codes(codes: np.ndarray, name: str) -> np.ndarray:
+    """Decode uint8 codes of format ``name`` to float32 with ml_dtypes."""
+    return codes.astype(np.uint8).view(ML_DTYPES[name]).astype(np.float32)
+
+
+def ml_encode(values: np.ndarray, name: str) -> np.ndarray:
+    """Clamp float32 ``values`` to ±max finite, round with ml_dtypes, return the uint8 codes."""
+    fmax = np.float32(ml_dtypes.finfo(ML_DTYPES[name]).max)
+    clipped = np.clip(values.astype(np.float32), -fmax, fmax)
+    return clipped.astype(ML_DTYPES[name]).view(np.uint8)
+
+
+def ref_quantize_fp8_weight(
+    weight: Float[Tensor, "out in"],
+    *,
+    name: str,
+    method: str,
+    block: tuple[int, int] | None = None,
+) -> tuple[Shaped[Tensor, "out in"], Tensor]:
+    """Reference FP8 weight quantization, one region at a time in numpy float32.
+
+    ``scale_inv = min(fmax / max(amax, FLT_MIN), FLT_MAX)`` (1 for amax == 0), codes
+    ``round(clip(w * scale_inv))``; returns ``(codes as torch FP8, scale_inv as torch float32)``.
+    """
+    w = weight.detach().cpu().to(torch.float32).numpy()
+    fmax = np.float32(ml_dtypes.finfo(ML_DTYPES[name]).max)
+    tiny, big = np.finfo(np.float32).tiny, np.finfo(np.float32).max
+    rows, cols = w.shape
+    if method == "tensor":
+        regions = [(slice(0, rows), slice(0, cols))]
+        grid: tuple[int, ...] = ()
+    elif method == "row":
+        regions = [(slice(r, r + 1), slice(0, cols)) for r in range(rows)]
+        grid = (rows,)
+    else:
+        assert block is not None
+        br, bc = block
+        regions = [
+            (slice(i * br, (i + 1) * br), slice(j * bc, (j + 1) * bc))
+            for i in range(rows // br)
+            for j in range(cols // bc)
+        ]
+        grid = (rows // br, cols // bc)
+    codes = np.zeros((rows, cols), dtype=np.uint8)
+    scales = np.ones(len(regions), dtype=np.float32)
+    with np.errstate(over="ignore"):
+        for k, (rs, cs) in enumerate(regions):
+            region = w[rs, cs]
+            amax = np.float32(np.abs(region).max()) if region.size else np.float32(0)
+            if amax > 0:
+                s = np.float32(fmax / np.float32(max(amax, tiny)))
+                scales[k] = min(s, big)
+            codes[rs, cs] = ml_encode(region * scales[k], name)
+    dtype = getattr(torch, name)
+    return (
+        torch.from_numpy(codes).view(dtype),
+        torch.from_numpy(scales.reshape(grid).copy()),
+    )
+
+
+def ref_fp8_token_qdq(x: Float[Tensor, "rows k"]) -> Float[Tensor, "rows k"]:
+    """Reference per-row E4M3 QDQ in numpy float32 (2-D input), returned in ``x.dtype``."""
+    v = x.detach().cpu().to(torch.float32).numpy()
+    out = np.empty_like(v)
+    for r in range(v.shape[0]):
+        amax = np.float32(np.abs(v[r]).max()) if v.shape[1] else np.float32(0)
+        scale = np.float32(amax / np.float32(448.0)) if amax > 0 else np.float32(1.0)
+        if scale == 0:
+            scale = np.float32(2.0**-149)
+        codes = ml_encode(v[r] / scale, "float8_e4m3fn")
+        out[r] = ml_decode_codes(codes, "float8_e4m3fn") * scale
+    return torch.from_numpy(out).to(x.dtype)
