@@ -4,6 +4,15 @@ Pure functions over tensors (formats → FP8 / NVFP4 / INT4 math → kernels →
 Every public name lives in the module that owns its concept and is re-exported here.
 """
 
+from floatxq.config import (
+    BACKEND,
+    FORMAT,
+    METHOD,
+    DynamicRule,
+    DynamicRuleNormalizer,
+    DynamicRules,
+    FP8Config,
+)
 from floatxq.formats import (
     E2M1_VALUES,
     FLOAT32_MAX,
@@ -45,19 +54,26 @@ from floatxq.fp8 import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BACKEND",
+    "DynamicRule",
+    "DynamicRuleNormalizer",
+    "DynamicRules",
     "E2M1_VALUES",
     "FLOAT32_MAX",
     "FLOAT32_TINY",
+    "FORMAT",
     "FP4_E2M1_MAX",
+    "FP8Config",
+    "FP8Tokens",
+    "FP8Weight",
     "FP8_E4M3_MAX",
     "FP8_FORMATS",
+    "METHOD",
     "NVFP4_BLOCK",
     "NVFP4_E4M3_SEARCH_RADIUS",
     "NVFP4_RECIPES",
     "NVFP4_SCALE_MAX",
     "NVFP4_SCALE_MIN",
-    "FP8Tokens",
-    "FP8Weight",
     "decode_e8m0",
     "dequantize_fp8_weight",
     "direct_to_inverse_scale",
