@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(VENV)/bin/floatxq demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q tests property_tests
+	$(PY) -m pytest -n 2 -q --doctest-modules floatxq tests property_tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check floatxq tests property_tests examples benchmarks

@@ -388,7 +388,9 @@ def decode_e8m0(scale_bytes: Shaped[Tensor, "*shape"]) -> Float32[Tensor, "*shap
 
 def _token_scale(x32: Tensor) -> Tensor:
     amax = x32.abs().amax(dim=-1, keepdim=True)
-    scale = amax / FP8_E4M3_MAX
+    # A tensor divisor, not a Python float: CUDA turns `tensor / scalar` into a multiply by the
+    # rounded reciprocal, which is one ulp off IEEE division for some amax.
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)
     # amax / 448 underflows to 0 only for amax below ~448 * 2**-150: use the smallest positive
     # FP32 instead so the row still round-trips without NaN (x / 0).
     scale = torch.where(scale > 0, scale, torch.full_like(scale, FLOAT32_SMALLEST_SUBNORMAL))
