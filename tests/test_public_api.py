@@ -21,8 +21,14 @@ def _public_callables():
             yield name, obj
 
 
+def _isort_key(name: str) -> tuple[int, str]:
+    """ruff's RUF022 order: CONSTANTS, then Classes, then functions, each alphabetical."""
+    kind = 0 if name.isupper() else 1 if name[0].isupper() else 2
+    return (kind, name)
+
+
 def test_all_is_sorted_unique_and_resolvable():
-    assert list(fq.__all__) == sorted(fq.__all__)
+    assert list(fq.__all__) == sorted(fq.__all__, key=_isort_key)
     assert len(set(fq.__all__)) == len(fq.__all__)
     for name in fq.__all__:
         assert hasattr(fq, name), name
