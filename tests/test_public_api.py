@@ -10,8 +10,9 @@ import floatxq as fq
 import floatxq.config
 import floatxq.formats
 import floatxq.fp8
+import floatxq.nvfp4
 
-OWNERS = (floatxq.config, floatxq.formats, floatxq.fp8)
+OWNERS = (floatxq.config, floatxq.formats, floatxq.fp8, floatxq.nvfp4)
 
 
 def _public_callables():

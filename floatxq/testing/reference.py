@@ -95,3 +95,100 @@ def ref_fp8_token_qdq(x: Float[Tensor, "rows k"]) -> Float[Tensor, "rows k"]:
         codes = ml_encode(v[r] / scale, "float8_e4m3fn")
         out[r] = ml_decode_codes(codes, "float8_e4m3fn") * scale
     return torch.from_numpy(out).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# NVFP4 (SPEC §4), one block at a time in numpy float32
+# ------------------------------------------------------------------------------------------------
+
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+
+
+def ref_e2m1_round(q: float | np.floating) -> tuple[float, int]:
+    """``(signed value, magnitude index)`` of one float32 by SPEC §4's boundary table."""
+    m = min(abs(float(q)), 6.0)
+    index = 0
+    for bound, inclusive in ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
+                             (2.5, False), (3.5, True), (5.0, False)):  # fmt: skip
+        if m > bound or (inclusive and m == bound):
+            index += 1
+    return float(np.copysign(_E2M1[index], np.float32(q))), index
+
+
+def _tree_sum(values: np.ndarray) -> np.float32:
+    v = values.astype(np.float32)
+    while v.shape[0] > 1:
+        half = v.shape[0] // 2
+        v = (v[:half] + v[half:]).astype(np.float32)
+    return np.float32(v[0])
+
+
+def _e4m3(t: float | np.floating) -> np.float32:
+    return np.float32(np.float32(t).astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
+def _e4m3_bits(t: float | np.floating) -> int:
+    return int(np.array(t, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+
+
+def _from_bits(bits: int) -> np.float32:
+    return np.float32(
+        np.array(bits, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    )
+
+
+def ref_nvfp4_block(
+    block: np.ndarray, g: float | np.floating, recipe: str
+) -> tuple[np.float32, np.ndarray, np.float32]:
+    """``(scale, signed values, sse)`` of one 16-value block, following SPEC §4 literally.
+
+    ``recipe`` is a *local* algorithm (``nvidia``, ``four_six``, ``least_squares``,
+    ``least_squares_grid`` or ``exhaustive``). Sums use the contract's pairwise order.
+    """
+    v = block.astype(np.float32)
+    g = np.float32(g)
+    amax = np.float32(np.abs(v).max())
+
+    def evaluate(s: np.float32) -> tuple[np.ndarray, np.float32]:
+        e = np.float32(s * g)
+        q = np.array([ref_e2m1_round(np.float32(x / e))[0] for x in v], dtype=np.float32)
+        return q, _tree_sum(((q * e).astype(np.float32) - v) ** 2)
+
+    def clamp_e4m3(t: np.float32, valid: bool) -> np.float32:
+        return _e4m3(np.float32(min(max(t, 2.0**-9), 448.0))) if valid else np.float32(1.0)
+
+    best_s, best_q, best_e = None, None, None
+    seeds = []
+    for m in (6.0,) if recipe == "nvidia" else (4.0, 6.0):
+        s = clamp_e4m3(np.float32(amax / np.float32(np.float32(m) * g)), bool(amax > 0))
+        q, err = evaluate(s)
+        seeds.append(q)
+        if best_e is None or err < best_e:
+            best_s, best_q, best_e = s, q, err
+
+    def accept(s: np.float32) -> None:
+        nonlocal best_s, best_q, best_e
+        q, err = evaluate(s)
+        if err < best_e:
+            best_s, best_q, best_e = s, q, err
+
+    def least_squares(q: np.ndarray) -> np.float32:
+        den = _tree_sum(q * q)
+        opt = np.float32(_tree_sum(v * q) / np.float32(max(den, np.float32(1.0))))
+        return clamp_e4m3(np.float32(opt / g), bool(den > 0))
+
+    if recipe in ("nvidia", "four_six"):
+        return best_s, best_q, best_e
+    if recipe == "exhaustive":
+        for bits in range(1, 127):
+            accept(_from_bits(bits))
+        return best_s, best_q, best_e
+    for q in seeds:
+        accept(least_squares(q))
+    accept(least_squares(best_q))
+    if recipe == "least_squares":
+        return best_s, best_q, best_e
+    center = _e4m3_bits(best_s)
+    for offset in range(-8, 9):
+        accept(_from_bits(min(max(center + offset, 1), 126)))
+    return best_s, best_q, best_e

@@ -1,0 +1,415 @@
+"""NVFP4: exhaustive codec tables, the scale search against the literal oracle, swizzle, headroom."""
+
+import math
+import warnings
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import floatxq as fq
+from floatxq.testing import assert_bitwise_equal, unchecked
+from floatxq.testing.reference import ref_e2m1_round, ref_nvfp4_block
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+LOCAL_RECIPES = ["nvidia", "four_six", "least_squares", "least_squares_grid", "exhaustive"]
+
+
+# -- E2M1 codec ----------------------------------------------------------------------------------
+
+
+def test_decode_all_16_codes_matches_ml_dtypes():
+    codes = torch.arange(16, dtype=torch.uint8)
+    expected = codes.numpy().view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    assert_bitwise_equal(fq.e2m1_decode(codes), torch.from_numpy(expected))
+    assert fq.e2m1_decode(codes).tolist() == E2M1 + [-v for v in E2M1]
+    assert torch.signbit(fq.e2m1_decode(torch.tensor([8], dtype=torch.uint8))).item()
+
+
+def test_encode_inverts_decode_for_all_codes():
+    codes = torch.arange(16, dtype=torch.uint8)
+    assert_bitwise_equal(fq.e2m1_encode(fq.e2m1_decode(codes)), codes)
+    with pytest.raises(ValueError, match="exact E2M1 values"):
+        fq.e2m1_encode(torch.tensor([0.75]))
+
+
+def test_every_midpoint_rounds_to_the_even_code():
+    lo = torch.tensor(E2M1[:-1])
+    hi = torch.tensor(E2M1[1:])
+    mid = (lo + hi) / 2  # exact
+    even = torch.where(torch.arange(7) % 2 == 0, lo, hi)
+    for sign in (1.0, -1.0):
+        assert_bitwise_equal(fq.e2m1_round(sign * mid), (sign * even).float())
+        up = torch.nextafter(sign * mid, sign * torch.full_like(mid, 10.0))
+        down = torch.nextafter(sign * mid, torch.zeros_like(mid))
+        assert_bitwise_equal(fq.e2m1_round(up), sign * hi)
+        assert_bitwise_equal(fq.e2m1_round(down), (sign * lo).float())
+
+
+def test_e2m1_round_saturation_signed_zero_and_oracle():
+    x = torch.tensor([7.0, -1e30, math.inf, -math.inf, -1e-9, -0.0, 0.0, 0.1, 5.0001])
+    got = fq.e2m1_round(x)
+    assert got.tolist() == [6.0, -6.0, 6.0, -6.0, -0.0, -0.0, 0.0, 0.0, 6.0]
+    assert torch.signbit(got[4]) and torch.signbit(got[5]) and not torch.signbit(got[6])
+    g = torch.Generator().manual_seed(0)
+    sample = torch.randn(2000, generator=g) * 4
+    expected = torch.tensor([ref_e2m1_round(float(v))[0] for v in sample])
+    assert_bitwise_equal(fq.e2m1_round(sample), expected)
+    # ml_dtypes agrees in range (its float4 cast is RNE too)
+    in_range = sample.clamp(-6, 6).numpy()
+    ml = in_range.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    assert_bitwise_equal(fq.e2m1_round(torch.from_numpy(in_range)), torch.from_numpy(ml))
+
+
+def test_all_256_bytes_unpack_and_pack():
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = fq.unpack_e2m1(packed)
+    assert codes.shape == (512,)
+    assert codes[0::2].tolist() == [b & 0xF for b in range(256)]  # even element: low nibble
+    assert codes[1::2].tolist() == [b >> 4 for b in range(256)]
+    assert_bitwise_equal(fq.pack_e2m1(codes), packed)
+    as_fp4 = packed.view(torch.float4_e2m1fn_x2)
+    assert_bitwise_equal(fq.unpack_e2m1(as_fp4), codes)
+
+
+def test_pack_errors():
+    with pytest.raises(ValueError, match="even length"):
+        fq.pack_e2m1(torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="0..15"):
+        fq.pack_e2m1(torch.tensor([16, 0], dtype=torch.uint8))
+    with pytest.raises(TypeError, match="uint8"):
+        unchecked(fq.pack_e2m1)(torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(TypeError, match="uint8 or float4"):
+        unchecked(fq.unpack_e2m1)(torch.zeros(2, dtype=torch.int32))
+
+
+# -- global scale --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("recipe", "divisor"),
+    [
+        ("nvidia", 6),
+        ("nvidia_headroom", 6),
+        ("least_squares_headroom", 6),
+        ("lsq_headroom", 6),
+        ("four_six", 4),
+        ("least_squares", 4),
+        ("least_squares_grid", 4),
+        ("lsq", 4),
+        ("exhaustive", 4),
+    ],
+)
+def test_global_scale_divisor(recipe, divisor):
+    amax = torch.tensor(3.0e-3)
+    expected = np.float32(3.0e-3) / np.float32(448 * divisor)
+    assert fq.nvfp4_global_scale(amax, recipe=recipe).item() == float(expected)
+    assert fq.nvfp4_global_scale(0.0, recipe=recipe).item() == 1.0
+
+
+def test_global_scale_grid_and_underflow_guard():
+    amax = torch.tensor(1234.567)
+    g32 = fq.nvfp4_global_scale(amax)
+    g16 = fq.nvfp4_global_scale(amax, grid_dtype=torch.float16)
+    gbf = fq.nvfp4_global_scale(amax, grid_dtype=torch.bfloat16)
+    assert g16.item() == g32.half().float().item() and gbf.item() == g32.bfloat16().float().item()
+    assert g16.dtype == torch.float32
+    # rounds to 0 in fp16: keeps the FP32 value
+    tiny = fq.nvfp4_global_scale(torch.tensor(1e-6), grid_dtype=torch.float16)
+    assert tiny.item() == fq.nvfp4_global_scale(torch.tensor(1e-6)).item() > 0
+    # fp16 overflow is kept as +inf (as the seed)
+    assert math.isinf(fq.nvfp4_global_scale(torch.tensor(3e38), grid_dtype=torch.float16).item())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_global_scale_errors(bad):
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        fq.nvfp4_global_scale(torch.tensor(bad))
+    with pytest.raises(ValueError, match="grid_dtype"):
+        fq.nvfp4_global_scale(1.0, grid_dtype=torch.float64)
+    with pytest.raises(ValueError, match="Unsupported NVFP4 scale recipe"):
+        fq.nvfp4_global_scale(1.0, recipe="mse")
+
+
+# -- the scale search against the literal oracle ------------------------------------------------
+
+
+def _hard_blocks(seed: int, nblocks: int = 48) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(nblocks, 16, generator=g)
+    x *= torch.exp2(torch.randint(-12, 12, (nblocks, 1), generator=g))
+    x[0] = 0.0  # zero block: scale 1
+    x[1] = 0.0
+    x[1, 3] = -1e-30  # a lone tiny value
+    x[2] = torch.tensor([0.5, -0.5, 0.5] + [0.0] * 13)  # den < 1: the max(den, 1) quirk
+    x[3] = torch.tensor([3.0] * 16)  # ties between seeds
+    x[4, :8] = 0.0  # half empty
+    x[5] = torch.randint(-6, 7, (16,), generator=g).float() * 0.5  # on-grid values
+    return x
+
+
+@pytest.mark.parametrize("recipe", LOCAL_RECIPES)
+@pytest.mark.parametrize("g", [1.0, 3.0e-3, 0.0625])
+def test_scale_search_matches_literal_oracle(recipe, g):
+    x = _hard_blocks(zlib.crc32(f"{recipe}{g}".encode()) % 1000)
+    got = fq.nvfp4_block_scales(x, g, recipe)
+    sse = fq.nvfp4_block_sse(x, got.block_scales, g)
+    for i in range(x.shape[0]):
+        scale, values, err = ref_nvfp4_block(x[i].numpy(), np.float32(g), recipe)
+        assert got.block_scales[i, 0].float().item() == float(scale), (i, recipe)
+        assert sse[i, 0].item() == float(err), (i, recipe)
+        decoded = fq.e2m1_decode(got.codes[i])
+        np.testing.assert_array_equal(decoded.abs().numpy(), np.abs(values))
+    qdq = fq.nvfp4_block_qdq(x, g, recipe)
+    expected = fq.nvfp4_dequantize(*fq.nvfp4_quantize(x, g, recipe))
+    # identical except for the sign of zeros: qdq keeps the input's sign, codes keep "x < 0"
+    assert torch.equal(qdq, expected)
+
+
+def test_sign_bit_of_codes_follows_x_less_than_zero():
+    x = torch.tensor([[-0.0, -1e-20, 0.0, 1e-20] + [1.0] * 12])
+    codes = fq.nvfp4_block_scales(x, 1.0).codes[0, :4].tolist()
+    assert codes == [0, 8, 0, 0]  # -0.0 -> +0, a tiny negative -> -0
+    qdq = fq.nvfp4_block_qdq(x, 1.0)
+    assert torch.signbit(qdq[0, 0]) and torch.signbit(qdq[0, 1])  # qdq keeps the input's sign
+
+
+def test_zero_blocks_have_unit_scale_and_zero_codes():
+    x = torch.zeros(3, 32)
+    for recipe in LOCAL_RECIPES:
+        b = fq.nvfp4_block_scales(x, 0.01, recipe)
+        assert (b.block_scales.float() == 1.0).all() and (b.codes == 0).all()
+
+
+def test_dynamic_global_scale_and_layouts():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 64, generator=g).bfloat16()
+    b = fq.nvfp4_block_scales(x)
+    expected_g = fq.nvfp4_global_scale(x.float().abs().amax(), grid_dtype=torch.bfloat16)
+    assert b.global_scale.item() == expected_g.item()
+    assert b.codes.shape == (2, 3, 64) and b.block_scales.shape == (2, 3, 4)
+    p = fq.nvfp4_quantize(x)
+    assert p.packed.shape == (2, 3, 32) and p.packed.dtype == torch.uint8
+    out = fq.nvfp4_block_qdq(x)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert_bitwise_equal(out, fq.nvfp4_dequantize(*p, dtype=torch.bfloat16).abs().copysign(out))
+
+
+def test_empty_inputs():
+    x = torch.empty(0, 32)
+    assert fq.nvfp4_block_qdq(x, 1.0) is x
+    b = fq.nvfp4_block_scales(x, 1.0)
+    assert b.codes.shape == (0, 32) and b.block_scales.shape == (0, 2)
+    assert fq.nvfp4_quantize(torch.empty(4, 0), 1.0).packed.shape == (4, 0)
+
+
+@pytest.mark.parametrize(
+    ("x", "g", "match"),
+    [
+        (torch.ones(2, 24), 1.0, "divisible by 16"),
+        (torch.full((1, 16), float("nan")), 1.0, "NaN or infinity"),
+        (torch.full((1, 16), float("inf")), 1.0, "NaN or infinity"),
+        (torch.ones(1, 16), 0.0, "positive and finite"),
+        (torch.ones(1, 16), -1.0, "positive and finite"),
+        (torch.ones(1, 16), float("inf"), "positive and finite"),
+    ],
+)
+def test_qdq_errors(x, g, match):
+    for fn in (fq.nvfp4_block_qdq, fq.nvfp4_block_scales, fq.nvfp4_quantize):
+        with pytest.raises(ValueError, match=match):
+            fn(x, g)
+    with pytest.raises(ValueError, match="Unsupported NVFP4 scale recipe"):
+        fq.nvfp4_block_qdq(torch.ones(1, 16), 1.0, "amax")
+
+
+def test_dequantize_validates_shapes():
+    q = fq.nvfp4_quantize(torch.ones(2, 32), 1.0)
+    with pytest.raises(ValueError, match="does not match"):
+        fq.nvfp4_dequantize(q.packed, q.block_scales[:, :1], 1.0)
+    with pytest.raises(ValueError, match="positive and finite"):
+        fq.nvfp4_dequantize(q.packed, q.block_scales, 0.0)
+
+
+def test_reference_anchor_on_normal_data():
+    """SPEC §4's anchor (8192² on the seed): nvidia 9.05e-3, four_six 7.56e-3, lsq 7.10e-3,
+    grid 6.60e-3. A 512×4096 normal bf16 sample reproduces them to ±2%."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 4096, generator=g).bfloat16()
+    anchor = {
+        "nvidia": 9.05e-3,
+        "four_six": 7.56e-3,
+        "least_squares": 7.10e-3,
+        "least_squares_grid": 6.60e-3,
+    }
+    x32 = x.float()
+    for recipe, expected in anchor.items():
+        y = fq.nvfp4_block_qdq(x, None, recipe).float()
+        rel = ((y - x32) ** 2).mean().item() / (x32**2).mean().item()
+        assert abs(rel - expected) / expected < 0.02, (recipe, rel)
+
+
+# -- swizzle --------------------------------------------------------------------------------------
+
+
+def _offset(r: int, c: int, cp: int) -> int:
+    return ((r // 128) * (cp // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + (c % 4)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 129, 300])
+@pytest.mark.parametrize("cols", [1, 4, 6, 8, 16])
+def test_swizzle_offsets_padding_and_round_trip(rows, cols):
+    scales = torch.arange(1, rows * cols + 1, dtype=torch.float32).reshape(rows, cols)
+    flat = fq.swizzle_scales(scales)
+    rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
+    assert flat.shape == (rp * cp,)
+    placed = torch.zeros(rp * cp)
+    for r in range(rows):
+        for c in range(cols):
+            placed[_offset(r, c, cp)] = scales[r, c]
+    assert_bitwise_equal(flat, placed)  # padding slots hold 0
+    assert_bitwise_equal(fq.unswizzle_scales(flat, rows=rows, cols=cols), scales)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 129, 300])
+def test_per_group_activation_layout(rows):
+    groups = 3
+    scales = (
+        torch.arange(rows * 8 * groups, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    )
+    scales = scales.reshape(rows, 8 * groups)
+    got = fq.swizzle_scales(scales, per_group=True)
+    rp = -(-rows // 128) * 128
+    assert got.shape == (groups, rp * 8) and got.dtype == torch.float8_e4m3fn
+    bytes_ = got.view(torch.uint8)
+    for g in range(groups):
+        for r in range(rows):
+            for b in range(8):
+                off = (
+                    (r // 128) * 1024
+                    + (b // 4) * 512
+                    + (r % 32) * 16
+                    + ((r % 128) // 32) * 4
+                    + b % 4
+                )
+                assert bytes_[g, off] == scales[r, 8 * g + b].view(torch.uint8)
+    assert int(bytes_.sum()) == int(scales.view(torch.uint8).to(torch.int64).sum())  # pads are 0
+    back = fq.unswizzle_scales(got, rows=rows, cols=8 * groups, per_group=True)
+    assert_bitwise_equal(back, scales)
+
+
+def test_swizzle_errors():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        fq.swizzle_scales(torch.zeros(2, 6), per_group=True)
+    with pytest.raises(ValueError, match="expected shape"):
+        fq.unswizzle_scales(torch.zeros(100), rows=2, cols=4)
+
+
+# -- headroom -------------------------------------------------------------------------------------
+
+
+def test_headroom_config_validation():
+    for kwargs in (
+        {"anchor_percentile": 0.0},
+        {"upper_percentile": 100.5},
+        {"rho": 0.0},
+        {"rho": 28672.0},
+        {"num_bins": 0},
+    ):
+        with pytest.raises(ValueError):
+            fq.NVFP4ActivationHeadroom(**kwargs)
+
+
+def test_headroom_update_errors_and_empty():
+    state = fq.headroom_init()
+    assert fq.headroom_update(state, torch.empty(0, 16)) is state
+    with pytest.raises(ValueError, match="divisible by 16"):
+        fq.headroom_update(state, torch.ones(2, 8))
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        fq.headroom_update(state, torch.full((1, 16), float("nan")))
+    with pytest.raises(ValueError, match="no nonzero activation blocks"):
+        fq.headroom_amax(fq.headroom_update(state, torch.zeros(4, 16)))
+
+
+def test_headroom_binning_and_amax_by_hand():
+    # 1000 blocks with maxima 2**-4 and 10 blocks at 2**3: anchor P1 = bin centre of 2**-4,
+    # upper P99.99 = bin centre of 2**3; rho * anchor > upper, so amax = rho * anchor.
+    x = torch.cat([torch.full((1000, 16), 2.0**-4), torch.full((10, 16), 8.0)])
+    state = fq.headroom_update(fq.headroom_init(), x)
+    width = 80 / 512
+    bin_low = math.floor((-4 + 40) / width)
+    bin_high = math.floor((3 + 40) / width)
+    assert (
+        state.counts[bin_low] == 1000
+        and state.counts[bin_high] == 10
+        and state.counts.sum() == 1010
+    )
+    centre = lambda b: 2.0 ** (-40 + (b + 0.5) * width)  # noqa: E731
+    assert fq.headroom_percentile(state, 1.0) == centre(bin_low)
+    assert fq.headroom_percentile(state, 99.99) == centre(bin_high)
+    amax = fq.headroom_amax(state)
+    assert amax.dtype == torch.float32 and amax.item() == float(np.float32(16384 * centre(bin_low)))
+    # the floor hides the small blocks: P1 then is the big bin
+    assert fq.headroom_percentile(state, 1.0, floor=1.0) == centre(bin_high)
+    h = fq.NVFP4ActivationHeadroom()
+    h.collect(x[:500])
+    h.collect(x[500:])
+    assert torch.equal(h.state.counts, state.counts) and h.compute_amax().item() == amax.item()
+
+
+def test_headroom_warns_and_uses_upper_without_headroom():
+    x = torch.cat([torch.full((100, 16), 1.0), torch.full((100, 16), 2.0)])
+    state = fq.headroom_update(fq.headroom_init(fq.HeadroomConfig(rho=1.5)), x)
+    with pytest.warns(UserWarning, match="no requested activation headroom"):
+        amax = fq.headroom_amax(state)
+    assert amax.item() == float(np.float32(fq.headroom_percentile(state, 99.99)))
+    upper100 = fq.headroom_update(
+        fq.headroom_init(fq.HeadroomConfig(upper_percentile=100, rho=1.5)), x
+    )
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert fq.headroom_amax(upper100).item() == 2.0  # the running max
+
+
+# -- recipes report --------------------------------------------------------------------------------
+
+
+def test_recipes_report_ordering_and_optimum():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 256, generator=g)
+    report = fq.recipes_report(x, global_scale=fq.nvfp4_global_scale(x.abs().amax()))
+    by = {row.recipe: row for row in report.rows}
+    assert report.blocks == 256 and report.shape == (16, 256)
+    assert by["exhaustive"].optimal_share == 1.0
+    assert (
+        by["least_squares_grid"].sse
+        <= by["least_squares"].sse
+        <= by["four_six"].sse
+        <= by["nvidia"].sse
+    )
+    assert all(row.sse >= by["exhaustive"].sse for row in report.rows)
+    assert 0 < by["nvidia"].optimal_share < by["least_squares_grid"].optimal_share <= 1
+    # dynamic scales: nvidia gets divisor 6, the others 4
+    dyn = fq.recipes_report(x, recipes=("nvidia", "least_squares"))
+    assert dyn.rows[0].global_scale != dyn.rows[1].global_scale
+
+
+@pytest.mark.slow
+def test_exhaustive_4096_square_stays_within_512_mib():
+    """The exhaustive recipe on a 4096×4096 CPU tensor allocates at most 512 MiB extra."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, torch, floatxq as fq\n"
+        "torch.set_num_threads(1)\n"
+        "x = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0))\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "b = fq.nvfp4_block_scales(x, None, 'exhaustive')\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    extra_mib = float(out.stdout.strip().splitlines()[-1])
+    # the codes (16 MiB) and block scales (1 MiB) are outputs; everything else is working memory
+    assert extra_mib <= 512, extra_mib
