@@ -61,3 +61,33 @@ def test_decoders_cuda_equal_cpu():
         assert_bitwise_equal(fq.fp8_decode(view.cuda()), fq.fp8_decode(view))
     s = torch.tensor([0.5, 0.0, 3.0, 1e-30])
     assert_bitwise_equal(fq.direct_to_inverse_scale(s.cuda()), fq.direct_to_inverse_scale(s))
+
+
+@pytest.mark.parametrize(
+    "recipe", ["nvidia", "four_six", "least_squares", "least_squares_grid", "exhaustive"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_cuda_equals_cpu(recipe, dtype):
+    x = _weight(2, 96, 512).clamp(-1e15, 1e15).to(dtype)
+    for g in (None, 1.0, 3.0e-3):
+        cpu, gpu = fq.nvfp4_block_scales(x, g, recipe), fq.nvfp4_block_scales(x.cuda(), g, recipe)
+        assert_bitwise_equal(gpu.codes, cpu.codes, msg=f"codes {recipe} {g}")
+        assert_bitwise_equal(gpu.block_scales, cpu.block_scales, msg=f"scales {recipe} {g}")
+        assert_bitwise_equal(gpu.global_scale, cpu.global_scale)
+        assert_bitwise_equal(
+            fq.nvfp4_block_qdq(x.cuda(), g, recipe), fq.nvfp4_block_qdq(x, g, recipe)
+        )
+        sse = fq.nvfp4_block_sse(x.cuda(), gpu.block_scales, gpu.global_scale)
+        assert_bitwise_equal(sse, fq.nvfp4_block_sse(x, cpu.block_scales, cpu.global_scale))
+
+
+def test_nvfp4_swizzle_and_headroom_cuda_equal_cpu():
+    scales = torch.rand(300, 24).to(torch.float8_e4m3fn)
+    assert_bitwise_equal(
+        fq.swizzle_scales(scales.cuda(), per_group=True), fq.swizzle_scales(scales, per_group=True)
+    )
+    x = _weight(3, 64, 256)
+    cpu = fq.headroom_update(fq.headroom_init(), x)
+    gpu = fq.headroom_update(fq.headroom_init(), x.cuda())
+    assert torch.equal(gpu.counts.cpu(), cpu.counts)
+    assert fq.headroom_amax(gpu).item() == fq.headroom_amax(cpu).item()
