@@ -808,7 +808,7 @@ def headroom_percentile(
     if not 0 < p <= 100:
         raise ValueError(f"headroom_percentile: p must be in (0, 100], got {p!r}")
     config = state.config
-    counts = state.counts.clone()
+    counts = state.counts.detach().to("cpu", copy=True)
     if floor is not None and floor > 0:
         cut = int(_bin_index(torch.log2(torch.tensor(floor, dtype=torch.float32)), config))
         counts[:cut] = 0
