@@ -657,3 +657,451 @@ class FP8Config:
                     f"{data['smoother']!r}; give only one"
                 )
         return cls(**data)
+
+
+# --------------------------------------------------------------------------------------------
+# GPTQConfig
+# --------------------------------------------------------------------------------------------
+
+GPTQ_BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
+"""Bit widths the GPTQ solver accepts (the seed's set: 7 is not among them)."""
+
+GPTQ_ROTATIONS: tuple[str, ...] = ("hadamard", "random")
+"""Accepted ``rotation`` names (the seed's choices)."""
+
+_GPTQ_FORMATS: tuple[str, ...] = (FORMAT.GPTQ.value, FORMAT.GPTQ_V2.value)
+_GPTQ_META_KNOBS: tuple[str, ...] = (
+    "damp_percent",
+    "damp_auto_increment",
+    "static_groups",
+    "act_group_aware",
+    "mse",
+)
+"""Solver settings that travel in the payload's ``meta`` (as the seed writes them)."""
+_GPTQ_RULE_KEYS: tuple[str, ...] = (
+    "bits",
+    "group_size",
+    "sym",
+    "desc_act",
+    *_GPTQ_META_KNOBS,
+)
+_GPTQ_LAYOUT_KEYS: tuple[str, ...] = ("bits", "sym", "group_size", "desc_act")
+"""Weight-layout settings that a W4A activation policy fixes (no dynamic override may set them)."""
+_GPTQ_PAYLOAD_KEYS: frozenset[str] = frozenset(
+    {
+        "bits",
+        "group_size",
+        "desc_act",
+        "sym",
+        "lm_head",
+        "method",
+        "quant_method",
+        "format",
+        "checkpoint_format",
+        "pack_dtype",
+        "rotation",
+        "activation",
+        "dynamic",
+        "meta",
+        *_GPTQ_META_KNOBS,  # accepted at the top level too (older payloads); written into meta
+    }
+)
+
+
+def _check_bool(value: Any, *, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: expected a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_int(value: Any, *, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}: expected an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _check_real(value: Any, *, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: expected a float, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{where}: expected a finite number, got {value!r}")
+    return value
+
+
+def _gptq_bits(value: Any, *, where: str) -> int:
+    bits = _check_int(value, where=where)
+    if bits not in GPTQ_BITS:
+        raise ValueError(f"{where}: got {bits!r}, accepted: {list(GPTQ_BITS)}")
+    return bits
+
+
+def _gptq_group_size(value: Any, *, where: str) -> int:
+    group_size = _check_int(value, where=where)
+    if group_size != -1 and group_size <= 0:
+        raise ValueError(
+            f"{where}: got {group_size!r}, accepted: -1 (one group per row) or a positive int"
+        )
+    return group_size
+
+
+def _gptq_damp(value: Any, *, where: str) -> float:
+    damp = _check_real(value, where=where)
+    if not 0.0 < damp < 1.0:
+        raise ValueError(f"{where}: got {damp!r}, accepted: 0 < damp_percent < 1")
+    return damp
+
+
+def _non_negative(value: Any, *, where: str) -> float:
+    number = _check_real(value, where=where)
+    if number < 0:
+        raise ValueError(f"{where}: got {number!r}, accepted: a finite number >= 0")
+    return number
+
+
+def _gptq_format(value: Any, *, where: str) -> FORMAT:
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{where}: expected 'gptq' or 'gptq_v2' (or FORMAT.GPTQ / FORMAT.GPTQ_V2), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    name = str.lower(str.strip(value))
+    if name not in _GPTQ_FORMATS:
+        raise ValueError(f"{where}: got {value!r}, accepted: {list(_GPTQ_FORMATS)}")
+    return FORMAT(name)
+
+
+def _gptq_rotation(value: Any, *, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{where}: expected None or one of {list(GPTQ_ROTATIONS)}, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    name = str.lower(str.strip(value))
+    if not name:
+        return None
+    if name not in GPTQ_ROTATIONS:
+        raise ValueError(f"{where}: got {value!r}, accepted: None or {list(GPTQ_ROTATIONS)}")
+    return name
+
+
+def _gptq_activation(value: Any, *, where: str) -> Any:
+    """The stored form of an activation policy: None, or a read-only mapping.
+
+    Only the policy's container is checked here; its schema (modes, recipes, attention/MLP
+    overrides, global scales) belongs to ``ActivationConfig`` (reference §2.2), which replaces
+    this normalizer when it lands. A bare mode string is stored as ``{"mode": value}``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return _freeze({"mode": str.strip(value)}, where=where)
+    if isinstance(value, Mapping):
+        return _freeze(value, where=where)
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):  # an ActivationConfig-like record
+        return _freeze(to_dict(), where=where)
+    raise TypeError(
+        f"{where}: expected None, a mode string or a policy mapping, got "
+        f"{type(value).__name__} {value!r}"
+    )
+
+
+def _normalize_gptq_rule(key: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate one GPTQ ``+:`` rule; the result holds only the keys the rule overrides."""
+    where = f"dynamic[{key!r}]"
+    unknown = sorted(name for name in overrides if name not in _GPTQ_RULE_KEYS)
+    if unknown:
+        raise ValueError(
+            f"{where}: unsupported GPTQ override(s) {unknown}; accepted: {list(_GPTQ_RULE_KEYS)}"
+        )
+    checks: dict[str, Callable[..., Any]] = {
+        "bits": _gptq_bits,
+        "group_size": _gptq_group_size,
+        "sym": _check_bool,
+        "desc_act": _check_bool,
+        "static_groups": _check_bool,
+        "act_group_aware": _check_bool,
+        "damp_percent": _gptq_damp,
+        "damp_auto_increment": _non_negative,
+        "mse": _non_negative,
+    }
+    out = {name: checks[name](overrides[name], where=f"{where}.{name}") for name in overrides}
+    if out.get("desc_act") and out.get("act_group_aware"):
+        raise ValueError(
+            f"{where}: act_group_aware=True requires desc_act=False; set only one of them"
+        )
+    return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class GPTQConfig:
+    """GPTQ (INT weight, Hessian-guided) quantization settings, with per-module ``dynamic`` rules.
+
+    Fields and validation (the seed's): ``bits`` in ``{2, 3, 4, 5, 6, 8}``; ``group_size`` -1
+    (one group per output row) or positive; ``0 < damp_percent < 1``; ``damp_auto_increment >=
+    0``; ``mse >= 0`` (the exponent of the optional scale search; 0 turns it off); ``format``
+    ``"gptq"`` (v1 zero points on disk) or ``"gptq_v2"``, stored as a :class:`FORMAT`;
+    ``desc_act=None`` means False. ``act_group_aware`` (group-aware reordering) defaults to True
+    but ``desc_act=True`` turns it off with a warning; setting both to True is an error.
+    ``rotation`` is None, ``"hadamard"`` or ``"random"``. ``activation`` is None or a W4A policy
+    (a mode string or mapping, stored read-only); with a policy the weights must be 4-bit,
+    group 128, symmetric, without ``desc_act`` or ``lm_head``, and no ``dynamic`` rule may
+    override ``bits``, ``sym``, ``group_size`` or ``desc_act``. ``dynamic`` rules accept
+    overrides of ``bits``, ``group_size``, ``sym``, ``desc_act``, ``static_groups``,
+    ``act_group_aware``, ``damp_percent``, ``damp_auto_increment`` and ``mse``.
+
+    Serialization: the solver settings ``damp_percent``, ``damp_auto_increment``,
+    ``static_groups``, ``act_group_aware`` and ``mse`` are written into the payload's ``meta``
+    (where the seed keeps them), next to the user's own ``meta`` entries, which therefore may not
+    use those names. ``from_dict`` also reads them at the top level (older payloads).
+
+    Numerics: names only; no tensor math.
+
+    Example:
+      >>> cfg = GPTQConfig(bits=4, group_size=128, dynamic={r".*down_proj": {"bits": 8}})
+      >>> cfg.act_group_aware, cfg.resolve("model.layers.0.mlp.down_proj").bits
+      (True, 8)
+    """
+
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    desc_act: bool | None = False
+    static_groups: bool = False
+    act_group_aware: bool | None = None
+    damp_percent: float | int = 0.05
+    damp_auto_increment: float | int = 0.01
+    mse: float | int = 0.0
+    lm_head: bool = False
+    format: FORMAT | str = FORMAT.GPTQ
+    method: METHOD | str = METHOD.GPTQ
+    activation: Any = None
+    dynamic: Mapping[str, Mapping[str, Any] | None] | DynamicRules | None = None
+    rotation: str | None = None
+    meta: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        set_field = object.__setattr__
+        if not isinstance(self.method, str):
+            raise TypeError(
+                f"method: expected 'gptq' or METHOD.GPTQ, got {type(self.method).__name__} "
+                f"{self.method!r}"
+            )
+        if str.lower(str.strip(self.method)) != METHOD.GPTQ.value:
+            raise ValueError(f"method: GPTQConfig only supports 'gptq'; got {self.method!r}")
+        bits = _gptq_bits(self.bits, where="bits")
+        group_size = _gptq_group_size(self.group_size, where="group_size")
+        sym = _check_bool(self.sym, where="sym")
+        desc_act = False if self.desc_act is None else _check_bool(self.desc_act, where="desc_act")
+        static_groups = _check_bool(self.static_groups, where="static_groups")
+        if self.act_group_aware is None:
+            act_group_aware = not desc_act
+            if desc_act:
+                warnings.warn(
+                    "GPTQConfig: desc_act=True turns act_group_aware off; set "
+                    "act_group_aware=False explicitly to silence this warning",
+                    UserWarning,
+                    stacklevel=3,
+                )
+        else:
+            act_group_aware = _check_bool(self.act_group_aware, where="act_group_aware")
+            if act_group_aware and desc_act:
+                raise ValueError(
+                    "act_group_aware: act_group_aware=True requires desc_act=False; set only one "
+                    "of them (group-aware reordering keeps groups contiguous, desc_act does not)"
+                )
+        lm_head = _check_bool(self.lm_head, where="lm_head")
+        if self.meta is not None and not isinstance(self.meta, Mapping):
+            raise TypeError(
+                f"meta: expected a mapping with str keys or None, got {type(self.meta).__name__} "
+                f"{self.meta!r}"
+            )
+        reserved = sorted(key for key in (self.meta or {}) if key in _GPTQ_META_KNOBS)
+        if reserved:
+            raise ValueError(
+                f"meta: {reserved} are GPTQConfig fields (serialized into meta by to_dict); "
+                f"pass them as fields instead"
+            )
+        meta = _freeze(self.meta, where="meta")
+        rules = DynamicRules.from_mapping(self.dynamic, normalize=_normalize_gptq_rule)
+        activation = _gptq_activation(self.activation, where="activation")
+        set_field(self, "method", METHOD.GPTQ)
+        set_field(self, "bits", bits)
+        set_field(self, "group_size", group_size)
+        set_field(self, "sym", sym)
+        set_field(self, "desc_act", desc_act)
+        set_field(self, "static_groups", static_groups)
+        set_field(self, "act_group_aware", act_group_aware)
+        set_field(self, "damp_percent", _gptq_damp(self.damp_percent, where="damp_percent"))
+        set_field(
+            self,
+            "damp_auto_increment",
+            _non_negative(self.damp_auto_increment, where="damp_auto_increment"),
+        )
+        set_field(self, "mse", _non_negative(self.mse, where="mse"))
+        set_field(self, "lm_head", lm_head)
+        set_field(self, "format", _gptq_format(self.format, where="format"))
+        set_field(self, "activation", activation)
+        set_field(self, "dynamic", rules if len(rules) else None)
+        set_field(self, "rotation", _gptq_rotation(self.rotation, where="rotation"))
+        set_field(self, "meta", meta if meta else None)
+        if activation is not None:
+            self._check_activation_layout()
+
+    def _check_activation_layout(self) -> None:
+        problems = []
+        if self.bits != 4:
+            problems.append(f"bits={self.bits} (needs 4)")
+        if self.group_size != 128:
+            problems.append(f"group_size={self.group_size} (needs 128)")
+        if not self.sym:
+            problems.append("sym=False (needs True)")
+        if self.desc_act:
+            problems.append("desc_act=True (needs False)")
+        if self.lm_head:
+            problems.append("lm_head=True (needs False)")
+        for rule in self.dynamic or ():
+            touched = sorted(key for key in rule.overrides if key in _GPTQ_LAYOUT_KEYS)
+            if touched and not rule.exclude:
+                problems.append(f"dynamic[{rule.key!r}] overrides {touched}")
+        if problems:
+            raise ValueError(
+                "activation: a W4A activation policy needs 4-bit, group 128, symmetric GPTQ "
+                "weights without desc_act or lm_head, packed in int32, and no dynamic override "
+                f"of bits/sym/group_size/desc_act; got {'; '.join(problems)}"
+            )
+
+    def uses_weight_only_lifecycle(self) -> bool:
+        """False: GPTQ needs calibration data (Hessians of each layer's inputs)."""
+        return False
+
+    def resolve(self, module_name: str) -> "GPTQConfig | None":
+        """The settings for one module, or None when a ``-:`` rule excludes it.
+
+        The first matching rule (see :class:`DynamicRules`) is applied on top of this config and
+        the result has ``dynamic=None``. A rule that turns ``desc_act`` on without naming
+        ``act_group_aware`` turns group-aware reordering off for that module.
+
+        Numerics: names only; no tensor math.
+
+        Example:
+          >>> GPTQConfig(dynamic={"-:lm_head": {}}).resolve("lm_head") is None
+          True
+        """
+        if not isinstance(module_name, str):
+            raise TypeError(
+                f"module_name: expected a str, got {type(module_name).__name__} {module_name!r}"
+            )
+        found = self.dynamic.overrides_for(module_name) if self.dynamic is not None else {}
+        if found is None:
+            return None
+        overrides = dict(found)
+        if overrides.get("desc_act") and "act_group_aware" not in overrides:
+            overrides["act_group_aware"] = False
+        return dataclasses.replace(self, **overrides, dynamic=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The reference's serialized GPTQ payload; keys whose value is None or ``{}`` are dropped.
+
+        Numerics: names only; no tensor math.
+
+        Example:
+          >>> payload = GPTQConfig().to_dict()
+          >>> payload["checkpoint_format"], payload["meta"]["damp_percent"]
+          ('gptq', 0.05)
+        """
+        meta = _thaw(self.meta) if self.meta is not None else {}
+        meta.update({name: getattr(self, name) for name in _GPTQ_META_KNOBS})
+        payload: dict[str, Any] = {
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "desc_act": self.desc_act,
+            "sym": self.sym,
+            "lm_head": self.lm_head,
+            "method": METHOD.GPTQ.value,
+            "quant_method": METHOD.GPTQ.value,
+            "format": FORMAT(self.format).value,
+            "checkpoint_format": FORMAT(self.format).value,
+            "pack_dtype": "int32",
+            "rotation": self.rotation,
+            "activation": _thaw(self.activation),
+            "dynamic": self.dynamic.to_dict() if self.dynamic is not None else None,
+            "meta": meta,
+        }
+        return {key: value for key, value in payload.items() if value is not None and value != {}}
+
+    @classmethod
+    def from_dict(cls, payload: Mapping[str, Any]) -> "GPTQConfig":
+        """Build a config from a saved payload (``quantize_config.json``, ``quantization_config``).
+
+        ``method`` and ``quant_method`` must be ``"gptq"``; ``checkpoint_format`` must equal
+        ``format`` (it stands in for a missing one); ``pack_dtype`` must be ``"int32"``. The
+        solver settings are read from ``meta`` or the top level (both at once must agree); the
+        rest of ``meta`` is kept as the config's ``meta``. Any other key is rejected.
+
+        Raises:
+          TypeError: ``payload`` is not a mapping.
+          ValueError: an unknown key, or a key whose value is not accepted (the key is named).
+
+        Numerics: names only; no tensor math.
+
+        Example:
+          >>> GPTQConfig.from_dict({"bits": 4, "meta": {"damp_percent": 0.1}}).damp_percent
+          0.1
+        """
+        if not isinstance(payload, Mapping):
+            raise TypeError(
+                f"payload: expected a mapping, got {type(payload).__name__} {payload!r}"
+            )
+        unknown = sorted(repr(key) for key in payload if key not in _GPTQ_PAYLOAD_KEYS)
+        if unknown:
+            raise ValueError(
+                f"GPTQConfig.from_dict: unsupported field(s) {', '.join(unknown)}; accepted: "
+                f"{', '.join(sorted(_GPTQ_PAYLOAD_KEYS))}"
+            )
+        data = dict(payload)
+        for key in ("quant_method", "method"):
+            value = data.pop(key, METHOD.GPTQ.value)
+            if not isinstance(value, str) or str.lower(str.strip(value)) != METHOD.GPTQ.value:
+                raise ValueError(f"{key}: GPTQConfig only reads 'gptq' payloads; got {value!r}")
+        if "checkpoint_format" in data:
+            checkpoint_format = data.pop("checkpoint_format")
+            if "format" not in data:
+                data["format"] = checkpoint_format
+            else:
+                try:
+                    same = _gptq_format(checkpoint_format, where="checkpoint_format") == (
+                        _gptq_format(data["format"], where="format")
+                    )
+                except (TypeError, ValueError):
+                    same = False
+                if not same:
+                    raise ValueError(
+                        f"checkpoint_format: must name the same format as "
+                        f"format={data['format']!r}; got {checkpoint_format!r}"
+                    )
+        pack_dtype = data.pop("pack_dtype", "int32")
+        if pack_dtype not in ("int32", "torch.int32") and pack_dtype is not torch.int32:
+            raise ValueError(f"pack_dtype: GPTQ payloads use 'int32'; got {pack_dtype!r}")
+        meta = data.pop("meta", None)
+        if meta is not None:
+            if not isinstance(meta, Mapping):
+                raise TypeError(
+                    f"meta: expected a mapping or None, got {type(meta).__name__} {meta!r}"
+                )
+            meta = dict(meta)
+            for name in _GPTQ_META_KNOBS:
+                if name not in meta:
+                    continue
+                value = meta.pop(name)
+                if name in data and data[name] != value:
+                    raise ValueError(
+                        f"{name}: the payload gives {data[name]!r} at the top level and "
+                        f"{value!r} in meta; give one value"
+                    )
+                data[name] = value
+            data["meta"] = meta
+        return cls(**data)

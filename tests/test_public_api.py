@@ -10,9 +10,11 @@ import floatxq as fq
 import floatxq.config
 import floatxq.formats
 import floatxq.fp8
+import floatxq.gptq
+import floatxq.int4
 import floatxq.nvfp4
 
-OWNERS = (floatxq.config, floatxq.formats, floatxq.fp8, floatxq.nvfp4)
+OWNERS = (floatxq.config, floatxq.formats, floatxq.fp8, floatxq.gptq, floatxq.int4, floatxq.nvfp4)
 
 
 def _public_callables():

@@ -1,0 +1,850 @@
+"""The GPTQ solve: Hessian fold, damped inverse Cholesky, the column solve with lazy block updates.
+
+``hessian_init`` / ``hessian_update`` / ``hessian_finalize`` fold calibration inputs into
+``H = 2/N · Σ xᵀx`` (FP32). :func:`gptq_solve` quantizes a weight column by column, feeding each
+column's error forward through the upper Cholesky factor of ``H⁻¹`` (the reference's §8), and
+:func:`rtn_quantize` is the round-to-nearest baseline with the same record.
+
+Quantizer (per output row of a group, reference §8.5): ``xmin = min(0, min x)``,
+``xmax = max(0, max x)``; symmetric widens to ``±max(|xmin|, xmax)`` when ``xmin < 0``; an
+all-zero row uses ``[-1, 1]``; ``scale = (xmax - xmin) / maxq`` (IEEE division by a tensor, so
+CPU and CUDA agree), ``zero = (maxq + 1) / 2`` (symmetric) or ``round(-xmin / scale)``;
+``code = clamp(round(x / scale) + zero, 0, maxq)`` and ``value = scale · (code - zero)``, with
+torch's round-half-to-even.
+
+Speed: the solve is one pure-torch function per 128-column block (:func:`_solve_block`) working on
+fixed buffers. On CUDA each distinct block pattern is captured once as a CUDA graph and replayed
+for the other blocks (the same kernels on the same bytes, without one launch per op), so the
+column loop issues no host synchronisation and no Python dispatch per column. The trailing update
+``W[:, i2:] -= Err · Hinv[i1:i2, i2:]`` is one in-place GEMM per block. Memory: the Hessian and
+its factors (``O(in²)``), the working weight, result and codes (``O(out·in)``), and per-block
+buffers (``O(out·128)``).
+"""
+
+import contextlib
+import functools
+import math
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from floatxq._typing import Bool, Float, Float32, Tensor
+from floatxq.config import GPTQConfig
+
+__all__ = [
+    "GPTQSolution",
+    "HessianState",
+    "gptq_solve",
+    "hessian_finalize",
+    "hessian_init",
+    "hessian_update",
+    "rtn_quantize",
+]
+
+GPTQ_BLOCK_SIZE = 128
+"""Columns per lazy block update (the seed's ``blocksize``)."""
+
+_MSE_GRID = 100
+_MSE_MAX_SHRINK = 0.8
+_MSE_CHUNK = 8  # shrink candidates evaluated at once (fixed so reductions see fixed shapes)
+_FLOOR_ATTEMPTS = 6
+_FLOOR_RELATIVE = 1e-6
+
+
+class HessianState(NamedTuple):
+    """A running Hessian fold: ``Σ xᵀx`` over the rows seen so far and their count."""
+
+    xtx: Tensor
+    """FP32 ``(k, k)``: the sum of ``xᵀx`` over every folded (unmasked) row."""
+    rows: Tensor
+    """int64 0-d: how many rows were folded in."""
+
+
+class GPTQSolution(NamedTuple):
+    """A solved (or round-to-nearest) weight, in the weight's ``(out, in)`` orientation.
+
+    Pack it with ``pack_gptq_int4(codes.T, zeros.T, scales.T, g_idx)`` (the checkpoint stores
+    input rows first).
+    """
+
+    dequantized: Tensor
+    """``(out, in)`` quantized weight values, in the weight's dtype: ``scale · (code - zero)``."""
+    codes: Tensor
+    """uint8 ``(out, in)`` codes ``0..2**bits-1``."""
+    scales: Tensor
+    """``(out, groups)`` direct scales (FP32; FP64 for a float64 weight); column = group id."""
+    zeros: Tensor
+    """uint8 ``(out, groups)`` zero points (``2**(bits-1)`` when symmetric)."""
+    g_idx: Tensor
+    """int32 ``(in,)``: the group (a column of ``scales``/``zeros``) of each input column."""
+    loss: Tensor
+    """float64 0-d: ``Σ (w - q)² / d² / 2`` over all entries (``d`` = diagonal of the inverse's
+    Cholesky factor), the Hessian-weighted error GPTQ minimizes (the seed divides it by the
+    calibration row count); summed in float64 so large weights cannot overflow it."""
+    damp: float
+    """The ``damp_percent`` that made the Hessian invertible (0.0 for RTN)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Hessian fold
+# ----------------------------------------------------------------------------------------------
+
+
+def hessian_init(k: int, *, device: torch.device | str | None = None) -> HessianState:
+    """An empty Hessian fold for inputs with ``k`` features.
+
+    Args:
+      k: the input width (``in_features`` of the layer), ≥ 1.
+      device: where the FP32 ``(k, k)`` accumulator lives.
+
+    Returns:
+      ``HessianState(xtx=zeros (k, k) FP32, rows=0)``.
+
+    Numerics: exact zeros.
+
+    Example:
+      >>> hessian_init(3).xtx.shape
+      torch.Size([3, 3])
+    """
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"hessian_init: k must be an int, got {type(k).__name__} {k!r}")
+    if k < 1:
+        raise ValueError(f"hessian_init: k must be >= 1, got {k}")
+    xtx = torch.zeros((k, k), dtype=torch.float32, device=device)
+    return HessianState(xtx, torch.zeros((), dtype=torch.int64, device=xtx.device))
+
+
+def hessian_update(
+    state: HessianState,
+    x: Float[Tensor, "*batch k"],
+    mask: Bool[Tensor, "*batch"] | None = None,
+) -> HessianState:
+    """Fold a batch of layer inputs into a Hessian: ``xtx += xᵀx``, ``rows += N``.
+
+    Args:
+      state: the fold so far (from :func:`hessian_init` or a previous update); never mutated.
+      x: ``(*batch, k)`` inputs; every leading axis counts as rows (tokens).
+      mask: optional ``(*batch)`` bool keep-mask; rows where it is False (padding) are left out
+        of both the sum and the count.
+
+    Returns:
+      A new :class:`HessianState`.
+
+    Raises:
+      ValueError: ``x``'s last axis is not the state's ``k``, or the mask's shape is not
+        ``x.shape[:-1]``. TypeError: a non-floating ``x``, a non-bool mask, or another device.
+
+    Numerics: FP32 (inputs are converted first, exact for bf16/fp16); the result does not depend
+    on how rows are split into batches except through FP32 summation order.
+
+    Example:
+      >>> s = hessian_update(hessian_init(2), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+      >>> s.xtx.tolist(), int(s.rows)
+      ([[10.0, 14.0], [14.0, 20.0]], 2)
+    """
+    where = "hessian_update"
+    xtx, rows = _check_state(state, where=where)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{where}: x must be a floating tensor, got {_kind(x)}")
+    k = xtx.shape[0]
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"{where}: x must have shape (*batch, {k}), got {tuple(x.shape)}")
+    if x.device != xtx.device:
+        raise TypeError(f"{where}: x is on {x.device} but the Hessian state on {xtx.device}")
+    flat = x.detach().reshape(-1, k).to(torch.float32)
+    if mask is None:
+        count = torch.full((), flat.shape[0], dtype=torch.int64, device=xtx.device)
+    else:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise TypeError(f"{where}: mask must be a bool tensor, got {_kind(mask)}")
+        if tuple(mask.shape) != tuple(x.shape[:-1]):
+            raise ValueError(
+                f"{where}: mask must have x's leading shape {tuple(x.shape[:-1])}, got "
+                f"{tuple(mask.shape)}"
+            )
+        keep = mask.reshape(-1, 1).to(xtx.device)
+        flat = torch.where(keep, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+        count = keep.sum().to(torch.int64)
+    return HessianState(xtx + flat.T @ flat, rows + count)
+
+
+def hessian_finalize(state: HessianState) -> Float32[Tensor, "k k"]:
+    """The Hessian ``H = (2 / N) · Σ xᵀx`` of a fold, in FP32.
+
+    Raises:
+      ValueError: no rows were folded in, or the result is not finite (inputs with inf/NaN).
+
+    Numerics: ``xtx * fp32(2 / N)``: one FP32 rounding of the factor (computed in double) and
+    one of the product, the same on every device.
+
+    Example:
+      >>> s = hessian_update(hessian_init(2), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+      >>> hessian_finalize(s).tolist()
+      [[10.0, 14.0], [14.0, 20.0]]
+    """
+    where = "hessian_finalize"
+    xtx, rows = _check_state(state, where=where)
+    n = int(rows)
+    if n <= 0:
+        raise ValueError(f"{where}: no rows were folded in (rows={n}); call hessian_update first")
+    factor = torch.tensor(2.0 / n, dtype=torch.float32, device=xtx.device)
+    hessian = xtx * factor
+    if not bool(torch.isfinite(hessian).all()):
+        raise ValueError(f"{where}: the Hessian is not finite; the inputs contained inf or NaN")
+    return hessian
+
+
+def _check_state(state: Any, *, where: str) -> tuple[Tensor, Tensor]:
+    if not isinstance(state, tuple) or len(state) != 2:
+        raise TypeError(f"{where}: state must be a HessianState, got {type(state).__name__}")
+    xtx, rows = state
+    if (
+        not isinstance(xtx, torch.Tensor)
+        or xtx.dtype != torch.float32
+        or xtx.ndim != 2
+        or xtx.shape[0] != xtx.shape[1]
+    ):
+        raise TypeError(f"{where}: state.xtx must be a square FP32 tensor, got {_kind(xtx)}")
+    if not isinstance(rows, torch.Tensor) or rows.ndim != 0:
+        raise TypeError(f"{where}: state.rows must be a 0-d tensor, got {_kind(rows)}")
+    return xtx, rows
+
+
+def _kind(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of dtype {x.dtype} and shape {tuple(x.shape)}"
+    return f"{type(x).__name__} {x!r}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantizer
+# ----------------------------------------------------------------------------------------------
+
+
+class _QuantSpec(NamedTuple):
+    bits: int
+    maxq: int
+    sym: bool
+    norm: float  # the MSE search exponent; 0 = no search
+    shrink: Tensor | None  # fp(1 - i/100) for i in 0..79, on the device (built outside graphs)
+
+
+def _quant_spec(config: GPTQConfig, *, dtype: torch.dtype, device: torch.device) -> _QuantSpec:
+    shrink = None
+    if config.mse > 0:
+        count = int(_MSE_MAX_SHRINK * _MSE_GRID)
+        shrink = torch.tensor([1 - i / _MSE_GRID for i in range(count)], dtype=dtype, device=device)
+    return _QuantSpec(config.bits, 2**config.bits - 1, config.sym, config.mse, shrink)
+
+
+def _fake_quant(x: Tensor, scale: Tensor, zero: Tensor, maxq: int) -> tuple[Tensor, Tensor]:
+    """``code = clamp(round(x / scale) + zero, 0, maxq)`` and ``value = scale · (code - zero)``."""
+    code = torch.clamp(torch.round(x / scale) + zero, 0, maxq)
+    return code, scale * (code - zero)
+
+
+def _group_params(x: Tensor, spec: _QuantSpec) -> tuple[Tensor, Tensor]:
+    """Per-column ``(scale, zero)`` of a ``(group, rows)`` slice (rows = output rows of W)."""
+    xmin = torch.clamp(x.amin(dim=0), max=0)
+    xmax = torch.clamp(x.amax(dim=0), min=0)
+    if spec.sym:
+        xmax = torch.maximum(xmin.abs(), xmax)
+        xmin = torch.where(xmin < 0, -xmax, xmin)
+    both_zero = (xmin == 0) & (xmax == 0)
+    xmin = torch.where(both_zero, -1.0, xmin)
+    xmax = torch.where(both_zero, 1.0, xmax)
+    maxq = torch.full_like(xmax, spec.maxq)
+    scale = _nonzero_scale((xmax - xmin) / maxq)
+    if spec.sym:
+        zero = torch.full_like(scale, (spec.maxq + 1) / 2)
+    else:
+        zero = torch.round(-xmin / scale)
+    if spec.shrink is not None:
+        scale, zero = _mse_search(x, xmin, xmax, scale, zero, maxq, spec)
+    return scale, zero
+
+
+def _nonzero_scale(scale: Tensor) -> Tensor:
+    """A scale that underflowed to 0 (subnormal-only rows) becomes the dtype's tiny value."""
+    return torch.where(scale == 0, torch.finfo(scale.dtype).tiny, scale)
+
+
+def _mse_search(
+    x: Tensor,
+    xmin: Tensor,
+    xmax: Tensor,
+    scale: Tensor,
+    zero: Tensor,
+    maxq: Tensor,
+    spec: _QuantSpec,
+) -> tuple[Tensor, Tensor]:
+    """The seed's shrink search: the first candidate with the least ``Σ |q - x|^norm`` wins.
+
+    Candidates in order: ``p = 1 - i/100`` for ``i = 0..79`` (``p = 1`` is the min/max scale),
+    ``scale = (p·xmax - p·xmin) / maxq``; symmetric keeps the zero point, asymmetric uses
+    ``round(-p·xmin / scale)``, and 2-bit asymmetric also tries the integer on the other side of
+    the unrounded zero point (floatxq's reading of "the adjacent zero point", clamped to
+    ``0..maxq``). Keeping the first of equal errors equals the seed's strictly-better walk.
+    """
+    shrink = spec.shrink if spec.shrink is not None else xmin.new_ones((1,))
+    errors, scales, zeros = [], [], []
+    for start in range(0, shrink.shape[0], _MSE_CHUNK):
+        p = shrink[start : start + _MSE_CHUNK, None]
+        xmin1, xmax1 = p * xmin, p * xmax
+        scale1 = _nonzero_scale((xmax1 - xmin1) / maxq)
+        if spec.sym:
+            zero1 = zero.expand_as(scale1)[:, None]
+        else:
+            exact = -xmin1 / scale1
+            rounded = torch.round(exact)
+            zero1 = rounded[:, None]
+            if spec.bits == 2:
+                other = torch.where(rounded > exact, rounded - 1, rounded + 1)
+                zero1 = torch.stack([rounded, other.clamp(0, spec.maxq)], dim=1)
+        scale1 = scale1[:, None].expand_as(zero1)
+        _, value = _fake_quant(x[None, None], scale1[:, :, None], zero1[:, :, None], spec.maxq)
+        err = (value - x).abs().pow(spec.norm).sum(dim=2)
+        errors.append(err.flatten(0, 1))
+        scales.append(scale1.flatten(0, 1))
+        zeros.append(zero1.flatten(0, 1))
+    best = torch.cat(errors).argmin(dim=0, keepdim=True)
+    return (
+        torch.cat(scales).gather(0, best)[0],
+        torch.cat(zeros).gather(0, best)[0],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Damped inverse Cholesky
+# ----------------------------------------------------------------------------------------------
+
+
+def _damp_candidates(damp: float, increment: float) -> list[float]:
+    """``damp, damp+inc, damp+2inc, …`` by repeated addition, while below 1."""
+    candidates = [damp]
+    while increment > 0:
+        nxt = candidates[-1] + increment
+        if nxt >= 1.0:
+            break
+        candidates.append(nxt)
+    return candidates
+
+
+def _damped_search(hessian: Tensor, candidates: list[float]) -> tuple[Tensor, float] | None:
+    """The upper Cholesky factor of ``(H + c·mean(diag H)·I)⁻¹`` for the first working ``c``.
+
+    The first ``c`` whose Cholesky succeeds is found by bisection (a larger damp keeps a working
+    factorization working when ``mean(diag H) > 0``); from there the walk continues until the
+    inverse's own factorization succeeds too.
+    """
+    mean = hessian.diagonal().mean()
+
+    def factor(c: float) -> Tensor | None:
+        damped = hessian.clone()
+        damped.diagonal().add_(c * mean)
+        chol, info = torch.linalg.cholesky_ex(damped)
+        return chol if int(info) == 0 else None
+
+    first = factor(candidates[0])
+    start = 0
+    if first is None:
+        if len(candidates) == 1:
+            return None
+        first = factor(candidates[-1])
+        if first is None:
+            return None
+        lo, start = 0, len(candidates) - 1
+        while start - lo > 1:
+            mid = (lo + start) // 2
+            chol = factor(candidates[mid])
+            if chol is None:
+                lo = mid
+            else:
+                start, first = mid, chol
+    for j in range(start, len(candidates)):
+        chol = first if j == start else factor(candidates[j])
+        if chol is None:
+            continue
+        upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+        if int(info) == 0 and bool(torch.isfinite(upper).all()):
+            return upper, candidates[j]
+    return None
+
+
+def _inverse_factor(hessian: Tensor, damp: float, increment: float) -> tuple[Tensor, float]:
+    """Damping with auto-increment retries, then up to six diagonal-floor rescues (ref §8.3)."""
+    candidates = _damp_candidates(damp, increment)
+    found = _damped_search(hessian, candidates)
+    if found is not None:
+        return found
+    diag = hessian.diagonal().clone()
+    amax = float(diag.abs().max())
+    base = amax * _FLOOR_RELATIVE if math.isfinite(amax) and amax > 0 else _FLOOR_RELATIVE
+    for attempt in range(1, _FLOOR_ATTEMPTS + 1):
+        floor = base * 10.0 ** (attempt - 1)
+        floored = hessian.clone()
+        floored.diagonal().copy_(torch.clamp(diag + floor, min=floor))
+        found = _damped_search(floored, candidates)
+        if found is not None:
+            return found
+    raise ValueError(
+        f"gptq_solve: the Hessian could not be made positive definite: damp_percent "
+        f"{candidates[0]}..{candidates[-1]} and {_FLOOR_ATTEMPTS} diagonal floors up to "
+        f"{base * 10.0 ** (_FLOOR_ATTEMPTS - 1):.3g} all failed; check the calibration inputs"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The block solve
+# ----------------------------------------------------------------------------------------------
+
+
+class _Buffers(NamedTuple):
+    """Fixed per-block buffers, all ``(n, out)`` (one row per weight column) but ``h``."""
+
+    w: Tensor  # working weights (transposed block), updated in place
+    h: Tensor  # (n, n) block of the inverse's upper Cholesky factor
+    scale: Tensor  # per-column scale (input for carried/static groups, output for inner starts)
+    zero: Tensor
+    code: Tensor  # float codes
+    value: Tensor  # dequantized values
+    err: Tensor  # (w - q) / d
+
+
+Lookahead = Callable[[int, int], Tensor]
+"""``lookahead(o, e)``: rows ``n..e`` of a group starting at block row ``o``, corrected for the
+block's errors so far (only for groups that straddle the block's end)."""
+
+
+def _solve_block(
+    buf: _Buffers,
+    inner: tuple[tuple[int, int], ...],
+    spec: _QuantSpec,
+    lookahead: Lookahead | None,
+) -> None:
+    """Quantize one block column by column, in place on ``buf`` (the pure-torch reference).
+
+    ``inner`` lists the groups that start inside the block as ``(offset, end)`` block-relative
+    (``end`` may pass the block's width: the group straddles into the next block). Their
+    parameters come from the block's current (error-updated) weights.
+    """
+    n = buf.w.shape[0]
+    starts = dict(inner)
+    for i in range(n):
+        end = starts.get(i)
+        if end is not None:
+            stop = min(end, n)
+            x = buf.w[i:stop]
+            if end > n:
+                if lookahead is None:
+                    raise RuntimeError("_solve_block: a straddling group needs a lookahead")
+                x = torch.cat([x, lookahead(i, end)])
+            scale, zero = _group_params(x, spec)
+            buf.scale[i:stop].copy_(scale.expand(stop - i, -1))
+            buf.zero[i:stop].copy_(zero.expand(stop - i, -1))
+        w, s, z = buf.w[i], buf.scale[i], buf.zero[i]
+        code, value, err = buf.code[i], buf.value[i], buf.err[i]
+        torch.div(w, s, out=code)
+        code.round_().add_(z).clamp_(0, spec.maxq)
+        torch.sub(code, z, out=value)
+        value.mul_(s)
+        torch.sub(w, value, out=err)
+        err.div_(buf.h[i, i])
+        if i + 1 < n:
+            buf.w[i + 1 :].addr_(buf.h[i, i + 1 :], err, alpha=-1)
+
+
+def _straddle(o: int, e: int, *, wt: Tensor, hinv: Tensor, err: Tensor, i1: int, i2: int) -> Tensor:
+    """Rows ``i2..i1+e`` of the weights with the block's errors of columns ``i1..i1+o`` applied."""
+    return wt[i2 : i1 + e] - hinv[i1 : i1 + o, i2 : i1 + e].T @ err[:o]
+
+
+class _BlockRunner:
+    """Runs :func:`_solve_block` on fixed buffers: eagerly, or as a replayed CUDA graph.
+
+    A graph is captured for a block pattern (width and inner group starts) that occurs at least
+    twice and has no straddling group. The first block of a pattern runs eagerly on a side
+    stream (the warm-up that capture needs) and its result is used; capture only records.
+    """
+
+    def __init__(
+        self,
+        rows: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        spec: _QuantSpec,
+        graphable: Counter[tuple[int, tuple[tuple[int, int], ...]]],
+    ) -> None:
+        self.rows, self.dtype, self.device, self.spec = rows, dtype, device, spec
+        self.graphable = graphable
+        self._buffers: dict[int, _Buffers] = {}
+        self._graphs: dict[tuple[int, tuple[tuple[int, int], ...]], Any] = {}
+
+    def buffers(self, n: int) -> _Buffers:
+        buf = self._buffers.get(n)
+        if buf is None:
+            make = lambda shape: torch.empty(shape, dtype=self.dtype, device=self.device)
+            buf = _Buffers(
+                *(make((n, n)) if f == "h" else make((n, self.rows)) for f in _Buffers._fields)
+            )
+            self._buffers[n] = buf
+        return buf
+
+    def run(self, n: int, inner: tuple[tuple[int, int], ...], lookahead: Lookahead | None) -> None:
+        key = (n, inner)
+        buf = self.buffers(n)
+        if key not in self.graphable:
+            _solve_block(buf, inner, self.spec, lookahead)
+            return
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            _solve_block(buf, inner, self.spec, None)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                _solve_block(buf, inner, self.spec, None)
+        except RuntimeError as exc:  # the warm-up already solved this block; only speed is lost
+            del self.graphable[key]
+            warnings.warn(
+                f"gptq_solve: CUDA graph capture failed ({exc}); solving the remaining blocks "
+                f"of width {n} eagerly (same results, slower). Pass cuda_graph=False to skip it.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
+        self._graphs[key] = graph
+
+
+class _Group(NamedTuple):
+    start: int  # first column, in solve (permuted) order
+    end: int
+    slot: int  # the group id (column of scales / zeros)
+
+
+def _group_aware_perm(diag: Tensor, group_size: int) -> tuple[Tensor, list[_Group]]:
+    """GAR: sort columns inside each group by ``diag`` (descending), then whole groups by their
+    largest ``diag`` (descending); both sorts stable. Groups stay contiguous in solve order."""
+    k = diag.shape[0]
+    count = -(-k // group_size)
+    padded = torch.full((count * group_size,), -math.inf, dtype=diag.dtype, device=diag.device)
+    padded[:k] = diag
+    table = padded.view(count, group_size)
+    local = torch.argsort(table, dim=1, descending=True, stable=True)
+    order = torch.argsort(table.amax(dim=1), descending=True, stable=True)
+    columns = (order[:, None] * group_size + local[order]).flatten()
+    perm = columns[columns < k]
+    groups, pos = [], 0
+    for g in order.tolist():
+        size = min(group_size, k - g * group_size)
+        groups.append(_Group(pos, pos + size, g))
+        pos += size
+    return perm, groups
+
+
+class _Plan(NamedTuple):
+    perm: Tensor | None  # solve order → natural column (None: natural order)
+    groups: list[_Group] | None  # dynamic groups in solve order (None: static groups)
+    static_slot: Tensor | None  # (k,) group id of each solve-order column (static groups)
+    g_idx: Tensor  # (k,) natural column → group id
+    count: int  # number of groups
+
+
+def _plan(config: GPTQConfig, diag: Tensor, k: int) -> _Plan:
+    gs = k if config.group_size == -1 else config.group_size
+    count = -(-k // gs)
+    device = diag.device
+    natural = torch.arange(k, device=device)
+    groups: list[_Group] | None = [_Group(g * gs, min(k, (g + 1) * gs), g) for g in range(count)]
+    perm = None
+    if config.desc_act:
+        perm = torch.argsort(diag, descending=True, stable=True)
+    elif config.act_group_aware:
+        perm, groups = _group_aware_perm(diag, gs)
+    g_idx = natural // gs
+    static_slot = None
+    if config.static_groups:
+        groups = None
+        static_slot = g_idx if perm is None else perm // gs
+    elif config.desc_act:
+        g_idx = torch.argsort(perm) // gs  # type: ignore[arg-type]
+    return _Plan(perm, groups, static_slot, g_idx.to(torch.int32), count)
+
+
+class _Block(NamedTuple):
+    i1: int
+    i2: int
+    cover: _Group | None  # the dynamic group holding column i1
+    inner: tuple[_Group, ...]  # dynamic groups starting inside (i1, i2)
+
+
+def _blocks(k: int, blocksize: int, groups: list[_Group] | None) -> list[_Block]:
+    blocks, g = [], 0
+    for i1 in range(0, k, blocksize):
+        i2 = min(i1 + blocksize, k)
+        if groups is None:
+            blocks.append(_Block(i1, i2, None, ()))
+            continue
+        while groups[g].end <= i1:
+            g += 1
+        inner, h = [], g + 1
+        while h < len(groups) and groups[h].start < i2:
+            inner.append(groups[h])
+            h += 1
+        blocks.append(_Block(i1, i2, groups[g], tuple(inner)))
+    return blocks
+
+
+def _relative(block: _Block) -> tuple[tuple[int, int], ...]:
+    return tuple((grp.start - block.i1, grp.end - block.i1) for grp in block.inner)
+
+
+def _check_solve_inputs(weight: Any, config: Any, *, where: str) -> None:
+    if not isinstance(config, GPTQConfig):
+        raise TypeError(f"{where}: config must be a GPTQConfig, got {type(config).__name__}")
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise TypeError(f"{where}: weight must be a floating tensor, got {_kind(weight)}")
+    if weight.ndim != 2 or weight.shape[0] == 0 or weight.shape[1] == 0:
+        raise ValueError(
+            f"{where}: weight must be a non-empty 2-D (out, in) matrix, got {tuple(weight.shape)}"
+        )
+    if not bool(torch.isfinite(weight).all()):
+        raise ValueError(f"{where}: weight contains NaN or infinity; finite values are required")
+    limit = torch.finfo(_compute_dtype(weight)).max / 2
+    if float(weight.detach().abs().max()) > limit:
+        raise ValueError(
+            f"{where}: weight magnitudes must be at most {limit:.4g} (half the largest finite "
+            f"value) so that a group's range max - min stays finite"
+        )
+
+
+def _compute_dtype(weight: Tensor) -> torch.dtype:
+    return torch.float64 if weight.dtype == torch.float64 else torch.float32
+
+
+def gptq_solve(
+    weight: Float[Tensor, "out in"],
+    hessian: Float[Tensor, "in in"],
+    config: GPTQConfig,
+    *,
+    blocksize: int = GPTQ_BLOCK_SIZE,
+    cuda_graph: bool = True,
+) -> GPTQSolution:
+    """Quantize a weight with GPTQ: per column, round and push the error onto later columns.
+
+    Steps (reference §8.2–8.4): dead columns (``H[i,i] == 0``) get ``H[i,i] = 1`` and a zero
+    weight column; ``static_groups`` takes every natural group's parameters up front from that
+    weight; ``desc_act`` sorts columns by ``diag(H)`` (descending, stable), ``act_group_aware``
+    sorts inside each group and then whole groups by their largest ``diag(H)``; the damped
+    Hessian ``H + damp·mean(diag H)·I`` is inverted through Cholesky with ``damp`` retried upward
+    by ``damp_auto_increment`` and, failing that, six diagonal floors; then columns are solved in
+    blocks of ``blocksize``, each group's parameters taken at its first column from the fully
+    error-updated weights, and each block's errors applied to the rest with one GEMM.
+
+    Args:
+      weight: ``(out, in)`` floating weight, finite; any device. Computation is FP32 (FP64 for a
+        float64 weight).
+      hessian: ``(in, in)`` Hessian on the weight's device (:func:`hessian_finalize`).
+      config: a :class:`GPTQConfig`; its ``dynamic`` rules are not applied here (pass
+        ``config.resolve(name)``). ``lm_head``, ``format``, ``activation`` and ``rotation`` do not
+        affect the solve.
+      blocksize: columns per lazy block (results are independent of it up to rounding).
+      cuda_graph: replay each block pattern as a CUDA graph on CUDA tensors (same bytes as the
+        eager path); no effect on CPU.
+
+    Returns:
+      :class:`GPTQSolution`; ``g_idx`` is ``arange(in) // group_size`` except with ``desc_act``
+      and no ``static_groups``, where it follows the sorted order.
+
+    Raises:
+      ValueError: non-finite inputs, weights above half the largest finite value (a group's
+        range would overflow), mismatched shapes, ``blocksize < 1``, or a Hessian that no
+        damping or floor makes positive definite. TypeError: wrong kinds or devices.
+
+    Numerics: the quantizer above (IEEE division, round-half-even, clamp to ``0..maxq``); FP32
+    linear algebra, so CPU and CUDA results agree up to summation order in the Cholesky and GEMM.
+    Inputs are never mutated.
+
+    Example:
+      >>> w = torch.tensor([[0.1, -0.7, 0.3, 0.2]])
+      >>> cfg = GPTQConfig(bits=4, group_size=-1)
+      >>> sol = gptq_solve(w, torch.eye(4), cfg)
+      >>> sol.codes.tolist(), sol.zeros.tolist(), round(sol.scales.item(), 6)
+      ([[9, 0, 11, 10]], [[8]], 0.093333)
+    """
+    where = "gptq_solve"
+    _check_solve_inputs(weight, config, where=where)
+    if not isinstance(hessian, torch.Tensor) or not hessian.is_floating_point():
+        raise TypeError(f"{where}: hessian must be a floating tensor, got {_kind(hessian)}")
+    k = weight.shape[1]
+    if tuple(hessian.shape) != (k, k):
+        raise ValueError(f"{where}: hessian must have shape ({k}, {k}), got {tuple(hessian.shape)}")
+    if hessian.device != weight.device:
+        raise TypeError(f"{where}: hessian is on {hessian.device} but weight on {weight.device}")
+    if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize < 1:
+        raise ValueError(f"{where}: blocksize must be an int >= 1, got {blocksize!r}")
+    if not bool(torch.isfinite(hessian).all()):
+        raise ValueError(f"{where}: hessian contains NaN or infinity; finite values are required")
+
+    with torch.no_grad(), _on_device(weight.device):
+        return _solve(weight.detach(), hessian.detach(), config, blocksize, cuda_graph)
+
+
+def _on_device(device: torch.device) -> Any:
+    """Make ``device`` current for CUDA work (graph capture happens on the current device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _solve(
+    weight: Tensor, hessian: Tensor, config: GPTQConfig, blocksize: int, cuda_graph: bool
+) -> GPTQSolution:
+    out, k = weight.shape
+    dtype, device = _compute_dtype(weight), weight.device
+    spec = _quant_spec(config, dtype=dtype, device=device)
+    h = hessian.to(dtype=dtype, copy=True)
+    diag = h.diagonal()
+    dead = diag == 0
+    diag.copy_(torch.where(dead, torch.ones_like(diag), diag))
+    wt = weight.to(dtype).T.clone(memory_format=torch.contiguous_format)  # (in, out), a copy
+    wt.masked_fill_(dead[:, None], 0)
+
+    plan = _plan(config, diag, k)
+    scale_t = torch.empty((plan.count, out), dtype=dtype, device=device)
+    zero_t = torch.empty((plan.count, out), dtype=dtype, device=device)
+    if plan.groups is None:  # static groups: every natural group's parameters, up front
+        gs = k if config.group_size == -1 else config.group_size
+        for g in range(plan.count):
+            scale_t[g], zero_t[g] = _group_params(wt[g * gs : (g + 1) * gs], spec)
+    if plan.perm is not None:
+        wt = wt[plan.perm]
+        h = h[plan.perm][:, plan.perm]
+    hinv, damp = _inverse_factor(h, config.damp_percent, config.damp_auto_increment)
+    del h
+
+    blocks = _blocks(k, blocksize, plan.groups)
+    patterns = Counter((b.i2 - b.i1, _relative(b)) for b in blocks)
+    graphable: Counter[tuple[int, tuple[tuple[int, int], ...]]] = Counter()
+    if cuda_graph and device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        graphable = Counter(
+            {key: c for key, c in patterns.items() if c > 1 and all(e <= key[0] for _, e in key[1])}
+        )
+    runner = _BlockRunner(out, dtype, device, spec, graphable)
+    values = torch.empty_like(wt)
+    codes = torch.empty((k, out), dtype=torch.uint8, device=device)
+    loss = torch.zeros((), dtype=torch.float64, device=device)
+    for block in blocks:
+        i1, i2 = block.i1, block.i2
+        n = i2 - i1
+        buf = runner.buffers(n)
+        buf.w.copy_(wt[i1:i2])
+        buf.h.copy_(hinv[i1:i2, i1:i2])
+        if plan.static_slot is not None:
+            slots = plan.static_slot[i1:i2]
+            torch.index_select(scale_t, 0, slots, out=buf.scale)
+            torch.index_select(zero_t, 0, slots, out=buf.zero)
+        else:
+            cover = block.cover or _Group(i1, i2, 0)  # dynamic plans cover every column
+            if cover.start == i1:  # a group starts here: parameters from the updated weights
+                scale_t[cover.slot], zero_t[cover.slot] = _group_params(
+                    wt[cover.start : cover.end], spec
+                )
+            stop = min(cover.end, i2) - i1
+            buf.scale[:stop].copy_(scale_t[cover.slot].expand(stop, -1))
+            buf.zero[:stop].copy_(zero_t[cover.slot].expand(stop, -1))
+
+        lookahead = functools.partial(_straddle, wt=wt, hinv=hinv, err=buf.err, i1=i1, i2=i2)
+        runner.run(n, _relative(block), lookahead)
+        for grp in block.inner:
+            scale_t[grp.slot] = buf.scale[grp.start - i1]
+            zero_t[grp.slot] = buf.zero[grp.start - i1]
+        values[i1:i2].copy_(buf.value)
+        codes[i1:i2].copy_(buf.code)
+        loss += buf.err.double().square().sum()
+        if i2 < k:
+            wt[i2:].addmm_(hinv[i1:i2, i2:].T, buf.err, alpha=-1)
+    del wt, hinv, runner
+
+    if plan.perm is not None:
+        inverse = torch.argsort(plan.perm)
+        values, codes = values[inverse], codes[inverse]
+    return GPTQSolution(
+        values.T.to(weight.dtype).contiguous(),
+        codes.T.contiguous(),
+        scale_t.T.contiguous(),
+        zero_t.T.to(torch.uint8).contiguous(),
+        plan.g_idx,
+        loss / 2,
+        damp,
+    )
+
+
+def rtn_quantize(weight: Float[Tensor, "out in"], config: GPTQConfig) -> GPTQSolution:
+    """Round-to-nearest with GPTQ's quantizer: the baseline :func:`gptq_solve` improves on.
+
+    Each contiguous group of ``group_size`` input columns (the whole row for -1) gets the
+    quantizer's parameters from the weight itself (with the MSE search when ``config.mse > 0``);
+    ``desc_act``, ``act_group_aware``, ``static_groups`` and the damping settings do not apply.
+
+    Args:
+      weight: ``(out, in)`` floating weight, finite; FP32 math (FP64 for float64).
+      config: a :class:`GPTQConfig` (``bits``, ``group_size``, ``sym`` and ``mse`` are used).
+
+    Returns:
+      :class:`GPTQSolution` with ``g_idx = arange(in) // group_size``, ``damp = 0.0`` and
+      ``loss = Σ (w - q)² / 2`` (the Hessian-weighted error for ``H = I``).
+
+    Raises:
+      ValueError: non-finite, too large (as for :func:`gptq_solve`) or non-2-D weights.
+      TypeError: wrong kinds.
+
+    Numerics: the same elementwise quantizer as :func:`gptq_solve` (with an identity Hessian the
+    two give the same bytes on one device); without the MSE search the result is bit-identical
+    on CPU and CUDA.
+
+    Example:
+      >>> sol = rtn_quantize(torch.tensor([[0.1, -0.7, 0.3, 0.2]]), GPTQConfig(group_size=-1))
+      >>> sol.codes.tolist(), sol.zeros.tolist()
+      ([[9, 0, 11, 10]], [[8]])
+    """
+    where = "rtn_quantize"
+    _check_solve_inputs(weight, config, where=where)
+    with torch.no_grad():
+        return _round_to_nearest(weight.detach(), config)
+
+
+def _round_to_nearest(weight: Tensor, config: GPTQConfig) -> GPTQSolution:
+    out, k = weight.shape
+    dtype, device = _compute_dtype(weight), weight.device
+    spec = _quant_spec(config, dtype=dtype, device=device)
+    gs = k if config.group_size == -1 else config.group_size
+    count = -(-k // gs)
+    wt = weight.to(dtype).T.clone(memory_format=torch.contiguous_format)
+    values, codes = torch.empty_like(wt), torch.empty((k, out), dtype=torch.uint8, device=device)
+    scale_t = torch.empty((count, out), dtype=dtype, device=device)
+    zero_t = torch.empty((count, out), dtype=dtype, device=device)
+    for g in range(count):
+        x = wt[g * gs : (g + 1) * gs]
+        scale, zero = _group_params(x, spec)
+        code, value = _fake_quant(x, scale, zero, spec.maxq)
+        scale_t[g], zero_t[g] = scale, zero
+        codes[g * gs : (g + 1) * gs], values[g * gs : (g + 1) * gs] = code, value
+    loss = (wt.double() - values.double()).square().sum() / 2
+    g_idx = (torch.arange(k, device=device) // gs).to(torch.int32)
+    return GPTQSolution(
+        values.T.to(weight.dtype).contiguous(),
+        codes.T.contiguous(),
+        scale_t.T.contiguous(),
+        zero_t.T.to(torch.uint8).contiguous(),
+        g_idx,
+        loss,
+        0.0,
+    )

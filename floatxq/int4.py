@@ -1,0 +1,571 @@
+"""GPTQ INT4 packing (``gptq`` v1 / ``gptq_v2``), centering, and the W4A operand staging.
+
+Layouts (the reference's §6.1–6.3 and §8.6, which every GPTQ kernel reads):
+  * ``qweight`` int32 ``(in/8, out)``: input row ``k`` sits in word ``k // 8`` at bits
+    ``4 * (k % 8)`` (the lowest row in the lowest nibble).
+  * ``qzeros`` int32 ``(groups, out/8)``: output column ``n`` sits in word ``n // 8`` at bits
+    ``4 * (n % 8)``. ``gptq_v2`` stores the logical zero point; ``gptq`` (v1, the export default)
+    stores ``zero - 1`` as the seed does: the packed v2 word minus ``0x11111111`` modulo 2**32.
+  * ``scales`` float16 ``(groups, out)``; ``g_idx`` int32 ``(in,)``: the group of each input row.
+
+Codes are unsigned ``0..15`` with a separate zero point (8 for symmetric 4-bit). The W4A paths
+center them (``code - 8`` in ``-8..7``) and stage the centered integers as exact FP8 E4M3 values,
+or as two exact E2M1 planes ``c = low + 4 * high`` for NVFP4 tensor cores.
+"""
+
+from typing import Any, NamedTuple
+
+import torch
+
+from floatxq._typing import Float, Float8e4m3fn, Int16, Integer, Tensor
+from floatxq.formats import E2M1_VALUES, GPTQ_W4A_GROUP_SIZE
+
+__all__ = [
+    "GPTQ_FORMATS",
+    "E2M1Planes",
+    "GPTQPacked",
+    "GPTQUnpacked",
+    "Int4Planes",
+    "centered_int4",
+    "convert_gptq_format",
+    "int4_planes_to_e2m1",
+    "int4_to_e4m3",
+    "merge_int4_planes",
+    "pack_gptq_int4",
+    "split_int4_planes",
+    "unpack_gptq_int4",
+]
+
+GPTQ_FORMATS: tuple[str, ...] = ("gptq", "gptq_v2")
+"""Packed zero-point conventions: ``gptq`` (v1) stores ``zero - 1``, ``gptq_v2`` the zero."""
+
+_NIBBLES = 8  # 4-bit values per int32 word
+_V1_OFFSET = 0x11111111  # one in every nibble: v1 word = v2 word - offset (mod 2**32)
+_WORD = 1 << 32
+_FP16_MAX = 65504.0
+
+
+class GPTQPacked(NamedTuple):
+    """GPTQ INT4 checkpoint tensors, exactly as a ``gptq`` / ``gptq_v2`` file stores them."""
+
+    qweight: Tensor
+    """int32 ``(in/8, out)``: eight input rows per word, the lowest row in the lowest nibble."""
+    qzeros: Tensor
+    """int32 ``(groups, out/8)``: zero points, eight output columns per word (v1: ``zero - 1``)."""
+    scales: Tensor
+    """float16 ``(groups, out)``: direct scales (decode: ``scale * (code - zero)``)."""
+    g_idx: Tensor
+    """int32 ``(in,)``: the group of each input row."""
+
+
+class GPTQUnpacked(NamedTuple):
+    """The logical content of a :class:`GPTQPacked`: codes and zero points as integers."""
+
+    codes: Tensor
+    """uint8 ``(in, out)`` codes ``0..15``."""
+    zeros: Tensor
+    """uint8 ``(groups, out)`` logical zero points ``0..15`` (v2 meaning, whatever the format)."""
+    scales: Tensor
+    """``(groups, out)`` direct scales, float16 as stored."""
+    g_idx: Tensor
+    """int32 ``(in,)`` group of each input row."""
+
+
+class Int4Planes(NamedTuple):
+    """Two planes of a centered INT4 tensor: ``c = low + 4 * high`` exactly."""
+
+    low: Tensor
+    """``c - 4 * high``, in ``{-2, -1, 0, 1}``; the input's dtype."""
+    high: Tensor
+    """``floor((c + 2) / 4)``, in ``{-2, ..., 2}``; the input's dtype."""
+
+
+class E2M1Planes(NamedTuple):
+    """The two INT4 planes as packed E2M1 codes along K (the NVFP4 weight operand)."""
+
+    low: Tensor
+    """uint8 ``(k/2, n)``: the low plane, two E2M1 codes per byte, even K in the low nibble."""
+    high: Tensor
+    """uint8 ``(k/2, n)``: the high plane, packed the same way."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+
+
+def _gptq_format(value: Any, *, where: str, name: str = "format") -> str:
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{where}: {name} must be a str ('gptq' or 'gptq_v2'), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    canonical = str.lower(str.strip(value))
+    if canonical not in GPTQ_FORMATS:
+        raise ValueError(
+            f"{where}: {name}={value!r} is not a GPTQ packing format; accepted: 'gptq' (v1, "
+            f"stores zero-1) or 'gptq_v2' (stores the zero)"
+        )
+    return canonical
+
+
+def _require_tensor(x: Any, *, name: str, where: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _require_integer(x: Any, *, name: str, where: str) -> None:
+    _require_tensor(x, name=name, where=where)
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(
+            f"{where}: {name} must be an integer tensor (uint8/int8/int16/int32/int64), "
+            f"got dtype {x.dtype}"
+        )
+
+
+def _require_range(x: Tensor, low: int, high: int, *, name: str, where: str) -> None:
+    wide = x.to(torch.int64)  # compare in int64: uint8 would wrap a negative bound
+    outside = (wide < low) | (wide > high)
+    if x.numel() and bool(outside.any()):
+        bad = wide[outside]
+        raise ValueError(
+            f"{where}: {name} must lie in [{low}, {high}]; got values such as {bad[:4].tolist()}"
+        )
+
+
+def _require_shape(x: Tensor, shape: tuple[int, ...], *, name: str, where: str) -> None:
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{where}: {name} must have shape {shape}, got {tuple(x.shape)}")
+
+
+def _to_int32_words(words: Tensor) -> Tensor:
+    """Unsigned 32-bit words held in int64 → the int32 tensor with the same bits."""
+    signed = torch.where(words >= (1 << 31), words - _WORD, words)
+    return signed.to(torch.int32)
+
+
+def _pack_nibbles(values: Tensor, dim: int) -> Tensor:
+    """Pack ``0..15`` values eight per int32 word along ``dim`` (lowest index, lowest nibble)."""
+    v = values.to(torch.int64).movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], v.shape[-1] // _NIBBLES, _NIBBLES)
+    shifts = torch.arange(0, 4 * _NIBBLES, 4, device=v.device, dtype=torch.int64)
+    words = (v << shifts).sum(dim=-1)  # disjoint bits: the sum is an OR, exact in int64
+    return words.movedim(-1, dim).contiguous()
+
+
+def _unpack_nibbles(words: Tensor, dim: int) -> Tensor:
+    """Inverse of :func:`_pack_nibbles`: uint8 values ``0..15``, eight per word along ``dim``."""
+    w = (words.to(torch.int64) & (_WORD - 1)).movedim(dim, -1)
+    shifts = torch.arange(0, 4 * _NIBBLES, 4, device=w.device, dtype=torch.int64)
+    v = (w.unsqueeze(-1) >> shifts) & 0xF
+    v = v.reshape(*w.shape[:-1], w.shape[-1] * _NIBBLES)
+    return v.movedim(-1, dim).to(torch.uint8).contiguous()
+
+
+def _shift_words(qzeros: Tensor, delta: int) -> Tensor:
+    """``qzeros + delta`` modulo 2**32 on the unsigned words, returned as int32 bits."""
+    unsigned = (qzeros.to(torch.int64) & (_WORD - 1)) + delta
+    return _to_int32_words(unsigned % _WORD)
+
+
+def _check_packed(packed: Any, *, where: str) -> tuple[int, int, int]:
+    """``(in, out, groups)`` of a valid :class:`GPTQPacked`, or a ``TypeError``/``ValueError``."""
+    if not isinstance(packed, tuple) or len(packed) != 4:
+        raise TypeError(
+            f"{where}: packed must be a GPTQPacked (qweight, qzeros, scales, g_idx), got "
+            f"{type(packed).__name__}"
+        )
+    qweight, qzeros, scales, g_idx = packed
+    for name, t in (("qweight", qweight), ("qzeros", qzeros), ("g_idx", g_idx)):
+        _require_integer(t, name=f"packed.{name}", where=where)
+    _require_tensor(scales, name="packed.scales", where=where)
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+        raise TypeError(
+            f"{where}: packed.qweight and packed.qzeros must be int32, got {qweight.dtype} and "
+            f"{qzeros.dtype}"
+        )
+    if qweight.ndim != 2 or qzeros.ndim != 2 or scales.ndim != 2 or g_idx.ndim != 1:
+        raise ValueError(
+            f"{where}: expected qweight (in/8, out), qzeros (groups, out/8), scales (groups, "
+            f"out), g_idx (in,); got shapes {tuple(qweight.shape)}, {tuple(qzeros.shape)}, "
+            f"{tuple(scales.shape)}, {tuple(g_idx.shape)}"
+        )
+    rows, out = qweight.shape[0] * _NIBBLES, qweight.shape[1]
+    groups = scales.shape[0]
+    _require_shape(qzeros, (groups, out // _NIBBLES), name="packed.qzeros", where=where)
+    _require_shape(scales, (groups, out), name="packed.scales", where=where)
+    _require_shape(g_idx, (rows,), name="packed.g_idx", where=where)
+    return rows, out, groups
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing
+# ----------------------------------------------------------------------------------------------
+
+
+def pack_gptq_int4(
+    codes: Integer[Tensor, "in out"],
+    zeros: Integer[Tensor, "groups out"],
+    scales: Float[Tensor, "groups out"],
+    g_idx: Integer[Tensor, "in"],
+    *,
+    format: str = "gptq",
+) -> GPTQPacked:
+    """Pack unsigned INT4 codes, zero points and scales into GPTQ checkpoint tensors.
+
+    Args:
+      codes: ``(in, out)`` integers ``0..15`` (input rows first, as the checkpoint stores them;
+        a solver's ``(out, in)`` codes are passed transposed). ``in`` must be a multiple of 8.
+      zeros: ``(groups, out)`` logical zero points ``0..15`` (8 for symmetric 4-bit).
+        ``out`` must be a multiple of 8.
+      scales: ``(groups, out)`` direct scales, any floating dtype; stored as float16.
+      g_idx: ``(in,)`` group of each input row, each in ``[0, groups)``.
+      format: ``"gptq"`` (v1: the zero words minus ``0x11111111``) or ``"gptq_v2"``.
+
+    Returns:
+      ``GPTQPacked(qweight int32 (in/8, out), qzeros int32 (groups, out/8), scales float16,
+      g_idx int32)``, on the inputs' device.
+
+    Raises:
+      ValueError: a code/zero outside ``0..15``, a g_idx outside ``[0, groups)``, shapes that
+        do not agree or are not multiples of 8, non-finite scales, or an unknown format.
+      TypeError: non-integer codes/zeros/g_idx, or non-floating scales.
+
+    Numerics: bit-exact integer packing (the top nibble gives negative int32 words); scales are
+    rounded to float16 nearest-even after clamping to ±65504 (finite saturation).
+
+    Example:
+      >>> codes = torch.tensor([[15], [0], [0], [0], [0], [0], [0], [1]]).expand(8, 8)
+      >>> g_idx = torch.zeros(8, dtype=torch.int32)
+      >>> packed = pack_gptq_int4(codes, torch.full((1, 8), 8), torch.ones(1, 8), g_idx)
+      >>> hex(packed.qweight[0, 0].item() & 0xFFFFFFFF), hex(packed.qzeros[0, 0].item())
+      ('0x1000000f', '0x77777777')
+    """
+    where = "pack_gptq_int4"
+    fmt = _gptq_format(format, where=where)
+    _require_integer(codes, name="codes", where=where)
+    _require_integer(zeros, name="zeros", where=where)
+    _require_integer(g_idx, name="g_idx", where=where)
+    _require_tensor(scales, name="scales", where=where)
+    if not scales.is_floating_point():
+        raise TypeError(f"{where}: scales must be a floating tensor, got dtype {scales.dtype}")
+    if codes.ndim != 2:
+        raise ValueError(f"{where}: codes must be 2-D (in, out), got {tuple(codes.shape)}")
+    rows, out = codes.shape
+    if zeros.ndim != 2 or zeros.shape[1] != out:
+        raise ValueError(f"{where}: zeros must be (groups, out={out}), got {tuple(zeros.shape)}")
+    groups = zeros.shape[0]
+    _require_shape(scales, (groups, out), name="scales", where=where)
+    _require_shape(g_idx, (rows,), name="g_idx", where=where)
+    if rows % _NIBBLES or out % _NIBBLES:
+        raise ValueError(
+            f"{where}: in={rows} and out={out} must both be multiples of 8 (eight 4-bit values "
+            f"per int32 word); floatxq never pads"
+        )
+    _require_range(codes, 0, 15, name="codes", where=where)
+    _require_range(zeros, 0, 15, name="zeros", where=where)
+    _require_range(g_idx, 0, max(groups - 1, 0), name="g_idx", where=where)
+    if rows and not groups:
+        raise ValueError(f"{where}: zeros and scales need at least one group for {rows} rows")
+    if scales.numel() and not bool(torch.isfinite(scales).all()):
+        raise ValueError(f"{where}: scales contain NaN or infinity; finite values are required")
+
+    qweight = _to_int32_words(_pack_nibbles(codes, dim=0))
+    qzeros = _to_int32_words(_pack_nibbles(zeros, dim=1))
+    if fmt == "gptq":
+        qzeros = _shift_words(qzeros, -_V1_OFFSET)
+    scales16 = scales.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+    return GPTQPacked(qweight, qzeros, scales16, g_idx.to(torch.int32).contiguous())
+
+
+def unpack_gptq_int4(packed: GPTQPacked, *, format: str = "gptq") -> GPTQUnpacked:
+    """Unpack GPTQ checkpoint tensors into integer codes and logical zero points.
+
+    The exact inverse of :func:`pack_gptq_int4` for the same ``format``: a v1 ``qzeros`` word
+    gets ``0x11111111`` added back (modulo 2**32) before its nibbles are read.
+
+    Args:
+      packed: a :class:`GPTQPacked` (or any 4-tuple of the same tensors).
+      format: the convention the zeros were stored in, ``"gptq"`` or ``"gptq_v2"``.
+
+    Returns:
+      ``GPTQUnpacked(codes uint8 (in, out), zeros uint8 (groups, out), scales, g_idx int32)``.
+
+    Raises:
+      ValueError: inconsistent shapes or an unknown format. TypeError: wrong dtypes.
+
+    Numerics: exact integer unpacking; scales are returned as stored.
+
+    Example:
+      >>> packed = GPTQPacked(torch.tensor([[-1]]).expand(1, 8).int(),
+      ...     torch.tensor([[0x77777777]], dtype=torch.int32), torch.ones(1, 8).half(),
+      ...     torch.zeros(8, dtype=torch.int32))
+      >>> u = unpack_gptq_int4(packed, format="gptq")
+      >>> u.codes[:, 0].tolist(), u.zeros[0, :2].tolist()
+      ([15, 15, 15, 15, 15, 15, 15, 15], [8, 8])
+    """
+    where = "unpack_gptq_int4"
+    fmt = _gptq_format(format, where=where)
+    _check_packed(packed, where=where)
+    qweight, qzeros, scales, g_idx = packed
+    words = qzeros if fmt == "gptq_v2" else _shift_words(qzeros, _V1_OFFSET)
+    return GPTQUnpacked(
+        _unpack_nibbles(qweight, dim=0),
+        _unpack_nibbles(words, dim=1),
+        scales.clone(),
+        g_idx.to(torch.int32).clone(),
+    )
+
+
+def convert_gptq_format(packed: GPTQPacked, *, source: str, target: str) -> GPTQPacked:
+    """Convert the zero-point convention of packed GPTQ tensors between ``gptq`` and ``gptq_v2``.
+
+    v2 → v1 subtracts ``0x11111111`` from every ``qzeros`` word and v1 → v2 adds it, modulo
+    2**32 (the seed's packed-word conversion); the other tensors are copied unchanged.
+
+    Args:
+      packed: a :class:`GPTQPacked` stored in ``source``'s convention.
+      source, target: ``"gptq"`` or ``"gptq_v2"``.
+
+    Returns:
+      A new :class:`GPTQPacked` in ``target``'s convention.
+
+    Numerics: exact integer word arithmetic. A v2 zero point of 0 borrows from the next nibble
+    in the v1 form (v1 cannot store it); converting back restores it exactly.
+
+    Example:
+      >>> p = GPTQPacked(torch.zeros(1, 8, dtype=torch.int32),
+      ...     torch.tensor([[0x77777777]], dtype=torch.int32), torch.ones(1, 8).half(),
+      ...     torch.zeros(8, dtype=torch.int32))
+      >>> hex(convert_gptq_format(p, source="gptq", target="gptq_v2").qzeros.item() & 0xFFFFFFFF)
+      '0x88888888'
+    """
+    where = "convert_gptq_format"
+    src = _gptq_format(source, where=where, name="source")
+    dst = _gptq_format(target, where=where, name="target")
+    _check_packed(packed, where=where)
+    qweight, qzeros, scales, g_idx = packed
+    if src == dst:
+        qzeros = qzeros.clone()
+    else:
+        qzeros = _shift_words(qzeros, _V1_OFFSET if dst == "gptq_v2" else -_V1_OFFSET)
+    return GPTQPacked(qweight.clone(), qzeros, scales.clone(), g_idx.clone())
+
+
+# ----------------------------------------------------------------------------------------------
+# Centering and staging for the W4A paths
+# ----------------------------------------------------------------------------------------------
+
+
+def centered_int4(packed: GPTQPacked, *, format: str = "gptq") -> Int16[Tensor, "in out"]:
+    """Centered INT4 weight codes ``code - 8`` of a symmetric, contiguous-group GPTQ checkpoint.
+
+    The W4A kernels require ``g_idx == arange(in) // 128`` exactly (contiguous groups of 128,
+    ``desc_act=False``) and every zero point equal to 8 (symmetric 4-bit). Either format's
+    zeros are accepted (v1 words ``0x77777777`` and v2 words ``0x88888888`` both mean 8).
+
+    Args:
+      packed: a :class:`GPTQPacked` with ``in % 128 == 0``.
+      format: the zero-point convention of ``packed``: ``"gptq"`` or ``"gptq_v2"``.
+
+    Returns:
+      int16 ``(in, out)`` values in ``-8..7``.
+
+    Raises:
+      ValueError: ``g_idx`` is not ``arange(in) // 128``, the group count is not ``in / 128``, or
+        a zero point is not 8 (the message names the first offending group/column).
+
+    Numerics: exact integers.
+
+    Example:
+      >>> p = pack_gptq_int4(torch.full((128, 8), 3), torch.full((1, 8), 8), torch.ones(1, 8),
+      ...     torch.zeros(128, dtype=torch.int32), format="gptq")
+      >>> centered_int4(p, format="gptq")[0, :3].tolist()
+      [-5, -5, -5]
+    """
+    where = "centered_int4"
+    fmt = _gptq_format(format, where=where)
+    rows, _, groups = _check_packed(packed, where=where)
+    g = GPTQ_W4A_GROUP_SIZE
+    if rows % g:
+        raise ValueError(
+            f"{where}: in={rows} must be a multiple of {g}: the W4A paths require contiguous "
+            f"GPTQ groups of {g} and desc_act=False"
+        )
+    expected = torch.arange(rows, device=packed.g_idx.device, dtype=torch.int64) // g
+    if groups != rows // g or not torch.equal(packed.g_idx.to(torch.int64), expected):
+        raise ValueError(
+            f"{where}: g_idx must equal arange(in) // {g} with {rows // g} groups (contiguous "
+            f"GPTQ groups of {g} and desc_act=False); got {groups} groups and g_idx starting "
+            f"{packed.g_idx[:4].tolist()}"
+        )
+    unpacked = unpack_gptq_int4(packed, format=fmt)
+    bad = unpacked.zeros != 8
+    if bool(bad.any()):
+        group, column = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"{where}: every zero point must be 8 (symmetric 4-bit) for the W4A paths; group "
+            f"{group}, output column {column} has zero point {int(unpacked.zeros[group, column])}"
+        )
+    return unpacked.codes.to(torch.int16) - 8
+
+
+def _require_centered(c: Any, *, name: str, where: str, low: int, high: int) -> None:
+    _require_integer(c, name=name, where=where)
+    _require_range(c, low, high, name=name, where=where)
+
+
+def split_int4_planes(c: Integer[Tensor, "*shape"]) -> Int4Planes:
+    """Split centered INT4 values into planes ``high = floor((c + 2) / 4)``, ``low = c - 4·high``.
+
+    Both planes are exact E2M1 values (``low`` in ``{-2..1}``, ``high`` in ``{-2..2}``), so the
+    NVFP4 tensor cores can multiply an INT4 weight as ``low + 4 * high`` without rounding.
+
+    Args:
+      c: integers in ``-8..7`` (any integer dtype).
+
+    Returns:
+      ``Int4Planes(low, high)`` of ``c``'s shape, in ``c``'s dtype when it is signed, else int16.
+
+    Raises:
+      ValueError: a value outside ``-8..7``. TypeError: a non-integer tensor.
+
+    Numerics: exact integers; ``merge_int4_planes(*split_int4_planes(c)) == c``.
+
+    Example:
+      >>> low, high = split_int4_planes(torch.tensor([-8, -6, 7], dtype=torch.int16))
+      >>> low.tolist(), high.tolist()
+      ([0, -2, -1], [-2, -1, 2])
+    """
+    where = "split_int4_planes"
+    _require_centered(c, name="c", where=where, low=-8, high=7)
+    dtype = c.dtype if c.is_signed() else torch.int16
+    wide = c.to(torch.int64)
+    high = torch.div(wide + 2, 4, rounding_mode="floor")
+    return Int4Planes((wide - 4 * high).to(dtype), high.to(dtype))
+
+
+def merge_int4_planes(
+    low: Integer[Tensor, "*shape"], high: Integer[Tensor, "*shape"]
+) -> Integer[Tensor, "*shape"]:
+    """Recombine two INT4 planes: ``low + 4 * high``.
+
+    Args:
+      low: integers in ``-2..1``; high: integers in ``-2..2`` of the same shape and dtype.
+
+    Returns:
+      The centered values ``-8..7``, in ``low``'s dtype when it is signed, else int16.
+
+    Raises:
+      ValueError: a plane value out of its range, a pair whose sum leaves ``-8..7`` (not a
+        :func:`split_int4_planes` output), or mismatched shapes. TypeError: non-integers.
+
+    Numerics: exact integers.
+
+    Example:
+      >>> merge_int4_planes(torch.tensor([0, -2, -1]), torch.tensor([-2, -1, 2])).tolist()
+      [-8, -6, 7]
+    """
+    where = "merge_int4_planes"
+    _require_centered(low, name="low", where=where, low=-2, high=1)
+    _require_centered(high, name="high", where=where, low=-2, high=2)
+    if low.shape != high.shape:
+        raise ValueError(
+            f"{where}: low and high must have the same shape, got {tuple(low.shape)} and "
+            f"{tuple(high.shape)}"
+        )
+    merged = low.to(torch.int64) + 4 * high.to(torch.int64)
+    _require_range(merged, -8, 7, name="low + 4 * high", where=where)
+    return merged.to(low.dtype if low.is_signed() else torch.int16)
+
+
+_E2M1_EXACT_INTS: dict[int, int] = {
+    int(v): i for i, v in enumerate(E2M1_VALUES) if float(v).is_integer() and v > 0
+}
+"""Integer magnitude → 3-bit E2M1 magnitude index (1→2, 2→4, 3→5, 4→6, 6→7)."""
+
+
+def _integer_e2m1_codes(v: Tensor, *, where: str, name: str) -> Tensor:
+    """E2M1 codes (``sign<<3 | index``) of integers that E2M1 holds exactly; 0 encodes as +0."""
+    magnitude = v.to(torch.int64).abs()
+    table = torch.full((8,), -1, dtype=torch.int64, device=v.device)
+    table[0] = 0
+    for value, index in _E2M1_EXACT_INTS.items():
+        table[value] = index
+    inside = magnitude <= 7
+    index = table[magnitude.clamp(max=7)]
+    if bool((~inside | (index < 0)).any()):
+        raise ValueError(
+            f"{where}: {name} must hold integers that E2M1 represents exactly "
+            f"(magnitudes 0, 1, 2, 3, 4, 6); got {v[~inside | (index < 0)][:4].tolist()}"
+        )
+    return (index | torch.where(v < 0, 8, 0)).to(torch.uint8)
+
+
+def _pack_k(codes: Tensor) -> Tensor:
+    """``byte[i, n] = code[2i, n] | code[2i+1, n] << 4``: the even K index in the low nibble."""
+    return (codes[0::2] | (codes[1::2] << 4)).contiguous()
+
+
+def int4_planes_to_e2m1(low: Integer[Tensor, "k n"], high: Integer[Tensor, "k n"]) -> E2M1Planes:
+    """Encode two INT4 planes as E2M1 codes and pack each plane along K.
+
+    Each plane value becomes its exact E2M1 code (``|v|`` 0→0, 1→2, 2→4 with bit 3 set for
+    ``v < 0``), and two consecutive K rows share one byte: ``byte[i, n] = code[2i, n] |
+    code[2i+1, n] << 4`` (the even K element in the low nibble, SPEC §4's convention).
+
+    Args:
+      low, high: ``(k, n)`` planes from :func:`split_int4_planes` (``k`` even), ``k`` = input
+        rows of the GPTQ weight, ``n`` = output columns.
+
+    Returns:
+      ``E2M1Planes(low uint8 (k/2, n), high uint8 (k/2, n))``.
+
+    Raises:
+      ValueError: odd ``k``, mismatched shapes, or a value E2M1 cannot hold exactly.
+
+    Numerics: exact (every plane value is an E2M1 value; zero encodes as +0).
+
+    Example:
+      >>> planes = split_int4_planes(torch.tensor([[-8], [7]], dtype=torch.int16))
+      >>> e = int4_planes_to_e2m1(*planes)
+      >>> hex(e.low.item()), hex(e.high.item())
+      ('0xa0', '0x4c')
+    """
+    where = "int4_planes_to_e2m1"
+    _require_integer(low, name="low", where=where)
+    _require_integer(high, name="high", where=where)
+    if low.shape != high.shape or low.ndim != 2:
+        raise ValueError(
+            f"{where}: low and high must be 2-D (k, n) planes of one shape, got "
+            f"{tuple(low.shape)} and {tuple(high.shape)}"
+        )
+    if low.shape[0] % 2:
+        raise ValueError(f"{where}: k={low.shape[0]} must be even (two codes per byte along K)")
+    return E2M1Planes(
+        _pack_k(_integer_e2m1_codes(low, where=where, name="low")),
+        _pack_k(_integer_e2m1_codes(high, where=where, name="high")),
+    )
+
+
+def int4_to_e4m3(c: Integer[Tensor, "*shape"]) -> Float8e4m3fn[Tensor, "*shape"]:
+    """Stage centered INT4 values as FP8 E4M3 operands (the W4A-FP8 weight operand).
+
+    Args:
+      c: integers in ``-8..7``.
+
+    Returns:
+      ``float8_e4m3fn`` values equal to ``c`` (every integer of magnitude ≤ 16 is exact).
+
+    Raises:
+      ValueError: a value outside ``-8..7``. TypeError: a non-integer tensor.
+
+    Numerics: exact; no rounding or saturation occurs.
+
+    Example:
+      >>> int4_to_e4m3(torch.tensor([-8, 0, 7], dtype=torch.int16)).float().tolist()
+      [-8.0, 0.0, 7.0]
+    """
+    where = "int4_to_e4m3"
+    _require_centered(c, name="c", where=where, low=-8, high=7)
+    return c.to(torch.float32).to(torch.float8_e4m3fn)
