@@ -396,6 +396,7 @@ def test_cuda_rtn_without_search_is_bit_identical_to_cpu():
     weight, _ = _problem(12, 64, 256, dtype=torch.float32)
     for cfg in (GPTQConfig(), GPTQConfig(bits=3, sym=False, group_size=32)):
         gpu, cpu = rtn_quantize(weight.cuda(), cfg), rtn_quantize(weight, cfg)
-        for a, b in zip(gpu, cpu, strict=True):
-            if isinstance(a, torch.Tensor):
-                assert_bitwise_equal(a, b)
+        for field in ("dequantized", "codes", "scales", "zeros", "g_idx"):
+            assert_bitwise_equal(getattr(gpu, field), getattr(cpu, field), msg=field)
+        # the loss is a reduction: equal up to summation order only
+        torch.testing.assert_close(gpu.loss.cpu(), cpu.loss, rtol=1e-12, atol=0)
