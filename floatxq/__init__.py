@@ -77,6 +77,8 @@ from floatxq.int4 import (
     split_int4_planes,
     unpack_gptq_int4,
 )
+from floatxq.kernels import quantize_fp8_weight_auto, quantize_fp8_weight_kernel
+from floatxq.nn import ROUTES, ConvGeometry, TorchFP8Linear
 from floatxq.nvfp4 import (
     DEFAULT_REPORT_RECIPES,
     HeadroomConfig,
@@ -108,6 +110,29 @@ from floatxq.nvfp4 import (
 
 __version__ = "0.1.0"
 
+# The lifecycle imports transformers (seconds): load it on first use, not with the math.
+_LAZY = {
+    "CheckpointError": "floatxq.lifecycle",
+    "CheckpointReport": "floatxq.lifecycle",
+    "EvalReport": "floatxq.lifecycle",
+    "QuantizedModel": "floatxq.lifecycle",
+    "evaluate_lm": "floatxq.lifecycle",
+    "inspect_checkpoint": "floatxq.lifecycle",
+    "load": "floatxq.lifecycle",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'floatxq' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "BACKEND",
     "DEFAULT_REPORT_RECIPES",
@@ -127,10 +152,15 @@ __all__ = [
     "NVFP4_RECIPES",
     "NVFP4_SCALE_MAX",
     "NVFP4_SCALE_MIN",
+    "ROUTES",
+    "CheckpointError",
+    "CheckpointReport",
+    "ConvGeometry",
     "DynamicRule",
     "DynamicRuleNormalizer",
     "DynamicRules",
     "E2M1Planes",
+    "EvalReport",
     "FP8Config",
     "FP8Tokens",
     "FP8Weight",
@@ -145,8 +175,10 @@ __all__ = [
     "NVFP4ActivationHeadroom",
     "NVFP4Blocks",
     "NVFP4Packed",
+    "QuantizedModel",
     "RecipeRow",
     "RecipesReport",
+    "TorchFP8Linear",
     "centered_int4",
     "convert_gptq_format",
     "decode_e8m0",
@@ -155,6 +187,7 @@ __all__ = [
     "e2m1_decode",
     "e2m1_encode",
     "e2m1_round",
+    "evaluate_lm",
     "fp8_cast",
     "fp8_decode",
     "fp8_dtype",
@@ -171,8 +204,10 @@ __all__ = [
     "hessian_init",
     "hessian_update",
     "infer_scale_layout",
+    "inspect_checkpoint",
     "int4_planes_to_e2m1",
     "int4_to_e4m3",
+    "load",
     "merge_int4_planes",
     "normalize_fp8_block_size",
     "normalize_fp8_format",
@@ -191,6 +226,8 @@ __all__ = [
     "pack_e2m1",
     "pack_gptq_int4",
     "quantize_fp8_weight",
+    "quantize_fp8_weight_auto",
+    "quantize_fp8_weight_kernel",
     "recipes_report",
     "rtn_quantize",
     "split_int4_planes",

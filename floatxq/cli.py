@@ -1,10 +1,38 @@
-"""The ``floatxq`` command line: a thin shell over the library's pure functions."""
+"""The ``floatxq`` command line: a thin shell over the library.
+
+Commands: demo, quantize, inspect, eval, recipes.
+"""
+
+import sys
+import time
+from pathlib import Path
 
 import typer
 
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="floatxq: FP8 / NVFP4 / GPTQ W4A quantization."
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="floatxq: FP8 / NVFP4 / GPTQ W4A quantization.",
 )
+
+TINY = "tiny"
+
+
+def _fail(message: str) -> "typer.Exit":
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=2)
+
+
+def _source_model(model: str, *, device: str | None):
+    """The built-in tiny Llama for ``tiny``, else a local directory."""
+    import floatxq
+
+    if model == TINY:
+        from floatxq.tiny import TINY_LLAMA_DIR
+
+        return floatxq.load(TINY_LLAMA_DIR, device=device)
+    return floatxq.load(model, device=device)
 
 
 @app.callback()
@@ -14,33 +42,196 @@ def _root() -> None:
 
 @app.command()
 def demo(
-    rows: int = typer.Option(1024, help="Output features of the demo weight."),
-    cols: int = typer.Option(2048, help="Input features of the demo weight."),
-    seed: int = typer.Option(0, help="Seed of the demo weight."),
+    windows: int = typer.Option(24, help="Held-out windows of 256 byte tokens to evaluate."),
+    png: Path = typer.Option(Path("floatxq-demo.png"), help="Where to write the chart."),
 ) -> None:
-    """Quantize a seeded LLM-like weight with every FP8 format x layout; print error, size."""
-    from floatxq.demo import demo_weight, fp8_error_table
+    """Every quantization path on the built-in trained tiny Llama: quality, size, time, chart."""
+    from floatxq.demo import plot_demo, run_demo
 
-    weight = demo_weight(rows, cols, seed=seed)
-    table = fp8_error_table(weight)
+    typer.echo("floatxq demo: the tiny Llama (6.4M parameters, trained on stdlib docstrings)")
+    start = time.perf_counter()
+    report = run_demo(max_windows=windows, on_path=lambda name: typer.echo(f"  running {name} ..."))
     typer.echo(
-        f"FP8 weight quantization of a seeded {rows}x{cols} weight "
-        f"(Gaussian rows of varied scale, 0.1% x50 outliers; bf16 would be 16 bits/weight)\n"
+        f"\n{report.tokens} held-out byte tokens ({report.windows} windows); KL and top-1 are "
+        f"against the unquantized model\n"
     )
     header = (
-        f"{'format':<16} {'layout':<15} {'rel MSE':>10} {'SQNR dB':>8} {'max |err|':>10} "
-        f"{'bytes':>10} {'bits/w':>7} {'ms':>7}"
+        f"{'path':<46} {'perplexity':>10} {'KL nats':>9} {'top-1':>7} {'size MB':>8} {'quant s':>8}"
     )
     typer.echo(header)
     typer.echo("-" * len(header))
-    for r in table:
+    for r in report.rows:
         typer.echo(
-            f"{r.format:<16} {r.layout:<15} {r.rel_mse:>10.3e} {r.sqnr_db:>8.2f} "
-            f"{r.max_abs_err:>10.3e} {r.bytes:>10d} {r.bits_per_weight:>7.3f} "
-            f"{1e3 * r.seconds:>7.1f}"
+            f"{r.path:<46} {r.perplexity:>10.4f} {r.kl_divergence:>9.5f} "
+            f"{100 * r.top1_agreement:>6.2f}% {r.bytes / 1e6:>8.2f} {r.seconds:>8.2f}"
         )
-    best = min(table, key=lambda r: r.rel_mse)
-    typer.echo(f"\nlowest error: {best.format} / {best.layout} (rel MSE {best.rel_mse:.3e})")
+    try:
+        plot_demo(report, str(png))
+        typer.echo(f"\nchart: {png}")
+    except ImportError:
+        typer.echo("\n(matplotlib is not installed: pip install 'floatxq[plot]' for the chart)")
+    typer.echo(f"done in {time.perf_counter() - start:.1f} s")
+
+
+@app.command()
+def quantize(
+    model: str = typer.Argument(..., help="A local Hugging Face model directory, or 'tiny'."),
+    out: Path = typer.Option(..., "--out", help="Directory to write the quantized model to."),
+    method: str = typer.Option("fp8", help="Quantization method (fp8)."),
+    format: str = typer.Option("float8_e4m3fn", "--format", help="FP8 format or alias."),
+    scale_method: str | None = typer.Option(None, help="tensor, row or block."),
+    block_size: tuple[int, int] | None = typer.Option(None, help="Block rows and columns."),
+    lm_head: bool = typer.Option(False, help="Quantize the output embedding too."),
+    exclude: list[str] | None = typer.Option(None, help="Regex of modules to leave alone."),
+    device: str | None = typer.Option(None, help="Device to quantize on (cpu, cuda)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing --out directory."),
+) -> None:
+    """Quantize a model's linear layers and save the checkpoint."""
+    import floatxq
+
+    if method.strip().lower() != "fp8":
+        raise _fail(f"unsupported --method {method!r}; accepted: fp8")
+    try:
+        config = floatxq.FP8Config(
+            format=format,
+            weight_scale_method=scale_method,
+            weight_block_size=block_size,
+            lm_head=lm_head,
+            dynamic={f"-:{pattern}": {} for pattern in exclude or ()} or None,
+        )
+        source = _source_model(model, device=device)
+        source.quantize_config = config
+        start = time.perf_counter()
+        source.quantize(progress=True)
+        written = source.save(out, overwrite=overwrite)
+    except (ValueError, TypeError, FileExistsError, FileNotFoundError) as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(
+        f"quantized {len(source.quantized_modules)} modules ({config.format}, "
+        f"{config.weight_scale_method}) in {time.perf_counter() - start:.1f} s -> {written}"
+    )
+
+
+@app.command()
+def inspect(path: Path = typer.Argument(..., help="A model directory.")) -> None:
+    """What a checkpoint is: declared format, scale convention, layers and scales."""
+    from floatxq.lifecycle.inspect import SCALE_CONVENTIONS, inspect_checkpoint
+
+    try:
+        report = inspect_checkpoint(path)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(f"path:        {report.path}")
+    typer.echo(f"model type:  {report.model_type}")
+    typer.echo(f"method:      {report.method or 'none (not quantized)'}")
+    typer.echo(f"format:      {report.format}")
+    typer.echo(f"convention:  {report.convention}: {SCALE_CONVENTIONS.get(report.convention, '')}")
+    typer.echo(f"quantized:   {len(report.quantized_layers)} layers")
+    for layout, count in sorted(report.scale_layouts.items()):
+        typer.echo(f"  scales {layout}: {count} layers")
+    typer.echo(f"tensors:     {report.tensors} ({report.total_bytes / 1e6:.2f} MB)")
+    typer.echo("dtypes:      " + ", ".join(f"{k} x{v}" for k, v in sorted(report.dtypes.items())))
+    typer.echo(f"quantize_config.json: {'yes' if report.quantize_config_file else 'no'}")
+
+
+@app.command(name="eval")
+def eval_(
+    model: str = typer.Argument(..., help="A model directory, or 'tiny'."),
+    reference: str | None = typer.Option(None, help="Reference model for KL / top-1."),
+    windows: int = typer.Option(64, help="Held-out windows to evaluate."),
+    seq_len: int = typer.Option(256, help="Tokens per window."),
+    device: str | None = typer.Option(None, help="Device (cpu, cuda)."),
+) -> None:
+    """Perplexity on held-out stdlib text, and KL / top-1 agreement against a reference."""
+    from floatxq.lifecycle.evaluate import evaluate_lm
+    from floatxq.tiny import token_windows
+
+    try:
+        candidate = _source_model(model, device=device).model
+        ref = _source_model(reference, device=device).model if reference else None
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        raise _fail(str(exc)) from None
+    vocab = getattr(getattr(candidate, "config", None), "vocab_size", None)
+    if vocab != 256:
+        raise _fail(
+            f"eval uses the byte-level held-out split and needs a byte-vocabulary model "
+            f"(vocab_size 256), got vocab_size {vocab}"
+        )
+    ids = token_windows("evaluation", seq_len=seq_len, max_windows=windows)
+    report = evaluate_lm(candidate, ids, reference=ref)
+    typer.echo(f"tokens:      {report.tokens}")
+    typer.echo(f"perplexity:  {report.perplexity:.4f}")
+    if report.kl_divergence is not None:
+        typer.echo(f"KL:          {report.kl_divergence:.6f} nats/token")
+        typer.echo(f"top-1:       {100 * report.top1_agreement:.2f}%")
+
+
+@app.command()
+def recipes(
+    source: str = typer.Option("normal", help="normal, student_t3, outliers, or a checkpoint dir."),
+    tensor: str | None = typer.Option(None, help="Tensor name inside a checkpoint."),
+    size: int = typer.Option(1024, help="Rows and columns of a generated input."),
+    png: Path | None = typer.Option(None, help="Write a bar chart here."),
+) -> None:
+    """NVFP4 scale recipes: relative MSE and share of blocks at the exact optimum."""
+    import torch
+
+    import floatxq
+
+    try:
+        x = _recipe_input(source, tensor, size)
+        report = floatxq.recipes_report(x)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(
+        f"NVFP4 recipes on {source}{f':{tensor}' if tensor else ''} {tuple(x.shape)} {x.dtype}"
+    )
+    typer.echo(f"{'recipe':<20} {'rel MSE':>10} {'optimal':>8} {'seconds':>8}")
+    for row in report.rows:
+        typer.echo(
+            f"{row.recipe:<20} {row.rel_mse:>10.3e} {100 * row.optimal_share:>7.1f}% "
+            f"{row.seconds:>8.2f}"
+        )
+    if png is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        ax.barh([r.recipe for r in report.rows], [r.rel_mse for r in report.rows], color="#d9822b")
+        ax.invert_yaxis()
+        ax.set_xlabel("relative MSE (lower is better)")
+        ax.set_title(f"NVFP4 recipes: {source} {tuple(x.shape)}")
+        fig.tight_layout()
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+        typer.echo(f"chart: {png}")
+    del torch
+
+
+def _recipe_input(source: str, tensor: str | None, size: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    if source == "normal":
+        return torch.randn(size, size, generator=g).bfloat16()
+    if source == "student_t3":
+        torch.manual_seed(0)
+        return torch.distributions.StudentT(3.0).sample((size, size)).bfloat16()
+    if source == "outliers":
+        x = torch.randn(size, size, generator=g)
+        return torch.where(torch.rand(size, size, generator=g) < 1e-3, x * 50, x).bfloat16()
+    from floatxq.lifecycle.checkpoint import iter_tensors
+
+    if tensor is None:
+        raise ValueError("--tensor NAME is needed with a checkpoint --source")
+    for name, value in iter_tensors(source):
+        if name == tensor:
+            if not value.is_floating_point() or value.element_size() < 2:
+                raise ValueError(f"tensor {name} is {value.dtype}; pick a bf16/fp16/fp32 tensor")
+            return value
+    raise KeyError(f"no tensor {tensor!r} in {source}")
 
 
 def main() -> None:
@@ -49,4 +240,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

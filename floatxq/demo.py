@@ -1,96 +1,271 @@
-"""The demo's measurements: FP8 error and size for every format × scale layout on one weight.
+"""The demo: every quantization path on the trained tiny Llama, measured against the original.
 
-Pure: a weight in, frozen rows out; ``floatxq demo`` (``floatxq/cli.py``) prints them.
+Quality is meaningless on random weights, so the demo uses the shipped tiny Llama (6.4M
+parameters, trained on the standard library's docstrings) and its held-out evaluation split:
+perplexity, KL divergence and top-1 agreement against the unquantized model, size, time.
+``floatxq demo`` (``floatxq/cli.py``) prints the table and draws the chart.
 """
 
+import copy
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
-from floatxq._typing import Float, Tensor
-from floatxq.fp8 import dequantize_fp8_weight, quantize_fp8_weight
+from floatxq.config import FP8Config, GPTQConfig
+from floatxq.gptq import gptq_solve, hessian_finalize, hessian_init, hessian_update, rtn_quantize
+from floatxq.lifecycle.evaluate import EvalReport, evaluate_lm, reference_logprobs
+from floatxq.lifecycle.model import load
+from floatxq.nvfp4 import nvfp4_block_qdq
 
-DEMO_FORMATS: tuple[str, ...] = (
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
+FP8_PATHS: tuple[tuple[str, FP8Config], ...] = (
+    ("fp8 e4m3 tensor", FP8Config(format="float8_e4m3fn", weight_scale_method="tensor")),
+    ("fp8 e4m3 row", FP8Config(format="float8_e4m3fn", weight_scale_method="row")),
+    ("fp8 e4m3 block 128x128", FP8Config(format="float8_e4m3fn", weight_block_size=(128, 128))),
+    ("fp8 e5m2 row", FP8Config(format="float8_e5m2", weight_scale_method="row")),
 )
-DEMO_LAYOUTS: tuple[tuple[str, tuple[int, int] | None], ...] = (
-    ("tensor", None),
-    ("row", None),
-    ("block", (128, 128)),
-)
+NVFP4_RECIPES: tuple[str, ...] = ("nvidia", "four_six", "least_squares_grid")
 
 
-class FP8ErrorRow(NamedTuple):
-    """One format × layout measurement of :func:`fp8_error_table`."""
+class DemoRow(NamedTuple):
+    """One path's measurements."""
 
-    format: str
-    layout: str
-    rel_mse: float
-    """``mean((w_hat - w)**2) / mean(w**2)``."""
-    sqnr_db: float
-    """``-10 log10(rel_mse)``."""
-    max_abs_err: float
+    path: str
+    perplexity: float
+    kl_divergence: float
+    top1_agreement: float
     bytes: int
-    """Codes (1 byte each) plus FP32 inverse scales (4 bytes each)."""
-    bits_per_weight: float
+    """Checkpoint size: quantized tensors as stored, every other tensor counted as bf16."""
     seconds: float
-    """Wall time of quantize + dequantize (informational only)."""
+    """Wall time of the quantization (informational)."""
+    simulated: bool
+    """True for weight QDQ without a packed runtime module (numerics only)."""
 
 
-def demo_weight(
-    rows: int = 1024, cols: int = 2048, *, seed: int = 0, outlier_rate: float = 1e-3
-) -> Float[Tensor, "rows cols"]:
-    """A seeded LLM-like weight: Gaussian rows of varied scale plus rare ×50 outliers (FP32).
+class DemoReport(NamedTuple):
+    """The demo's rows and the evaluation it used."""
 
-    Numerics: deterministic for a seed (torch CPU generator), FP32.
+    rows: tuple[DemoRow, ...]
+    windows: int
+    tokens: int
+
+
+def _size(model: nn.Module, *, packed_linear_bits: float | None = None) -> int:
+    """Bytes as stored: FP8 modules exactly, every other floating tensor as bf16.
+
+    With ``packed_linear_bits``, the weights of ``nn.Linear`` modules other than the output
+    embedding count at that many bits per value (a packed format's size).
     """
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(rows, cols, generator=g) * 0.02
-    w = w * torch.exp2(torch.randn(rows, 1, generator=g))  # per-channel spread
-    spikes = torch.rand(rows, cols, generator=g) < outlier_rate
-    return torch.where(spikes, w * 50, w)
+    from floatxq.nn.fp8_linear import TorchFP8Linear
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    total = 0.0
+    for module in model.modules():
+        tensors = list(module.named_parameters(recurse=False)) + list(
+            module.named_buffers(recurse=False)
+        )
+        for name, tensor in tensors:
+            if isinstance(module, TorchFP8Linear):
+                total += tensor.numel() * tensor.element_size()
+            elif (
+                packed_linear_bits is not None
+                and isinstance(module, nn.Linear)
+                and module is not head
+                and name == "weight"
+            ):
+                total += tensor.numel() * packed_linear_bits / 8
+            elif tensor.is_floating_point():
+                total += tensor.numel() * 2
+            else:
+                total += tensor.numel() * tensor.element_size()
+    return int(total)
 
 
-def fp8_error_table(
-    weight: Float[Tensor, "out in"],
+def _row(name: str, model: nn.Module, refs, windows, seconds, size, *, simulated) -> DemoRow:
+    report: EvalReport = evaluate_lm(model, windows, reference=refs)
+    return DemoRow(
+        name,
+        report.perplexity,
+        float(report.kl_divergence or 0.0),
+        float(report.top1_agreement or 0.0),
+        size,
+        seconds,
+        simulated,
+    )
+
+
+def _nvfp4_weights(model: nn.Module, recipe: str) -> nn.Module:
+    """A copy whose linear weights (not lm_head) went through NVFP4 QDQ along in-features."""
+    out = copy.deepcopy(model)
+    head = out.get_output_embeddings() if hasattr(out, "get_output_embeddings") else None
+    with torch.no_grad():
+        for module in out.modules():
+            if isinstance(module, nn.Linear) and module is not head:
+                module.weight.copy_(nvfp4_block_qdq(module.weight, None, recipe))
+    return out
+
+
+def _linear_targets(model: nn.Module) -> dict[str, nn.Linear]:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+
+
+def _calibration_hessians(model: nn.Module, samples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each linear layer's GPTQ Hessian from the unquantized model's inputs on ``samples``."""
+    states = {name: hessian_init(m.in_features) for name, m in _linear_targets(model).items()}
+    hooks = []
+    for name, module in _linear_targets(model).items():
+
+        def fold(_module, args, _out, name=name):
+            states[name] = hessian_update(states[name], args[0].detach().to(torch.float32))
+
+        hooks.append(module.register_forward_hook(fold))
+    try:
+        with torch.inference_mode():
+            for sample in samples:
+                model(input_ids=sample[None])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {name: hessian_finalize(state) for name, state in states.items()}
+
+
+def _int4_weights(
+    model: nn.Module, config: GPTQConfig, hessians: dict[str, torch.Tensor] | None
+) -> nn.Module:
+    """A copy whose linear weights (not lm_head) are GPTQ-solved (or RTN) INT4 values."""
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, module in _linear_targets(out).items():
+            w = module.weight.detach()
+            solved = (
+                rtn_quantize(w, config)
+                if hessians is None
+                else gptq_solve(w, hessians[name], config)
+            )
+            module.weight.copy_(solved.dequantized)
+    return out
+
+
+def run_demo(
     *,
-    formats: tuple[str, ...] = DEMO_FORMATS,
-    layouts: tuple[tuple[str, tuple[int, int] | None], ...] = DEMO_LAYOUTS,
-) -> tuple[FP8ErrorRow, ...]:
-    """Quantize ``weight`` with each format × layout and measure reconstruction error and size.
+    model: nn.Module | None = None,
+    windows: torch.Tensor | None = None,
+    max_windows: int = 24,
+    seq_len: int = 256,
+    on_path: Callable[[str], None] | None = None,
+) -> DemoReport:
+    """Run every available quantization path on the tiny Llama and measure each one.
 
-    Numerics: errors in float64 from the FP32 reconstruction; timings are wall-clock, for display.
+    Args:
+      model: the reference model (default: the shipped tiny Llama in FP32).
+      windows: evaluation token windows (default: ``max_windows`` windows of ``seq_len`` from the
+        held-out evaluation split).
+      on_path: called with each path's name before it runs (progress).
+
+    Numerics: FP8 paths through the real ``TorchFP8Linear`` modules; NVFP4 rows are weight QDQ
+    (``nvfp4_block_qdq`` per recipe, dynamic global scale) and INT4 rows the dequantized RTN /
+    GPTQ solution (Hessians from 32 calibration-split windows, each layer solved on the
+    unquantized model's inputs), all marked ``simulated`` (numerics without a packed runtime).
     """
-    w64 = weight.double()
-    power = float(w64.pow(2).mean())
-    rows = []
-    for fmt in formats:
-        for method, block in layouts:
-            start = time.perf_counter()
-            q = quantize_fp8_weight(
-                weight, format=fmt, weight_scale_method=method, weight_block_size=block
-            )
-            back = dequantize_fp8_weight(q.qweight, q.scale_inv)
-            seconds = time.perf_counter() - start
-            err = back.double() - w64
-            rel = float(err.pow(2).mean()) / power if power > 0 else 0.0
-            size = q.qweight.numel() + 4 * q.scale_inv.numel()
-            rows.append(
-                FP8ErrorRow(
-                    format=fmt,
-                    layout=method if block is None else f"block {block[0]}x{block[1]}",
-                    rel_mse=rel,
-                    sqnr_db=float("inf")
-                    if rel == 0
-                    else -10.0 * torch.log10(torch.tensor(rel)).item(),
-                    max_abs_err=float(err.abs().max()) if err.numel() else 0.0,
-                    bytes=size,
-                    bits_per_weight=8.0 * size / max(weight.numel(), 1),
-                    seconds=seconds,
-                )
-            )
-    return tuple(rows)
+    from floatxq.tiny import load_tiny_llama, token_windows
+
+    reference = model if model is not None else load_tiny_llama(dtype=torch.float32)
+    if windows is None:
+        windows = token_windows("evaluation", seq_len=seq_len, max_windows=max_windows)
+    refs = reference_logprobs(reference, windows)
+    rows = [
+        _row("bf16 (reference)", reference, refs, windows, 0.0, _size(reference), simulated=False)
+    ]
+    for name, config in FP8_PATHS:
+        if on_path is not None:
+            on_path(name)
+        start = time.perf_counter()
+        qmodel = load(copy.deepcopy(reference), quantize_config=config).quantize(progress=False)
+        seconds = time.perf_counter() - start
+        rows.append(
+            _row(name, qmodel.model, refs, windows, seconds, _size(qmodel.model), simulated=False)
+        )
+    for recipe in NVFP4_RECIPES:
+        name = f"nvfp4 {recipe} (weights, simulated)"
+        if on_path is not None:
+            on_path(name)
+        start = time.perf_counter()
+        simulated = _nvfp4_weights(reference, recipe)
+        seconds = time.perf_counter() - start
+        # 4 bits per value + one E4M3 scale per 16 values (+ a negligible FP32 global scale)
+        size = _size(simulated, packed_linear_bits=4.5)
+        rows.append(_row(name, simulated, refs, windows, seconds, size, simulated=True))
+    gptq = GPTQConfig(bits=4, group_size=128, sym=True)
+    # 4 bits per value + an fp16 scale per 128 values (zeros are implied by sym)
+    int4_bits = 4 + 16 / 128
+    if on_path is not None:
+        on_path("int4 rtn g128 (weights, simulated)")
+    start = time.perf_counter()
+    rtn = _int4_weights(reference, gptq, None)
+    seconds = time.perf_counter() - start
+    size = _size(rtn, packed_linear_bits=int4_bits)
+    rows.append(
+        _row(
+            "int4 rtn g128 (weights, simulated)", rtn, refs, windows, seconds, size, simulated=True
+        )
+    )
+    if on_path is not None:
+        on_path("int4 gptq g128 (weights, simulated)")
+    from floatxq.tiny import calibration_samples
+
+    start = time.perf_counter()
+    hessians = _calibration_hessians(reference, calibration_samples(num_samples=32, seq_len=256))
+    solved = _int4_weights(reference, gptq, hessians)
+    seconds = time.perf_counter() - start
+    size = _size(solved, packed_linear_bits=int4_bits)
+    rows.append(
+        _row(
+            "int4 gptq g128 (weights, simulated)",
+            solved,
+            refs,
+            windows,
+            seconds,
+            size,
+            simulated=True,
+        )
+    )
+    return DemoReport(
+        tuple(rows), int(windows.shape[0]), int(windows.shape[0] * (windows.shape[1] - 1))
+    )
+
+
+def plot_demo(report: DemoReport, path: str) -> None:
+    """Save a two-panel PNG (KL divergence and perplexity per path) to ``path``.
+
+    Numerics: none (drawing).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report.rows
+    names = [r.path for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 1.8))
+    palette = {"reference": "#888888", "nvfp4": "#d9822b", "int4": "#3aa655"}
+    colors = [next((c for k, c in palette.items() if k in n), "#2b7bd9") for n in names]
+    axes[0].barh(names, [r.kl_divergence for r in rows], color=colors)
+    axes[0].set_xlabel("KL(reference ‖ quantized), nats per token (lower is better)")
+    axes[0].invert_yaxis()
+    axes[1].barh(names, [r.perplexity for r in rows], color=colors)
+    axes[1].set_xlabel("held-out perplexity (lower is better)")
+    axes[1].invert_yaxis()
+    axes[1].set_yticklabels([])
+    base = rows[0].perplexity
+    axes[1].axvline(base, color="#444444", linestyle="--", linewidth=1)
+    axes[1].set_xlim(base * 0.98, max(r.perplexity for r in rows) * 1.01)
+    fig.suptitle(
+        f"floatxq demo: tiny Llama, {report.tokens} held-out byte tokens "
+        f"(blue: FP8 modules, orange: NVFP4 weight QDQ, green: INT4 g128)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,4 +1,4 @@
-"""NVFP4: exhaustive codec tables, the scale search against the literal oracle, swizzle, headroom."""
+"""NVFP4: exhaustive codec tables, the scale search vs the literal oracle, swizzle, headroom."""
 
 import math
 import warnings
@@ -345,7 +345,7 @@ def test_headroom_binning_and_amax_by_hand():
         and state.counts[bin_high] == 10
         and state.counts.sum() == 1010
     )
-    centre = lambda b: 2.0 ** (-40 + (b + 0.5) * width)  # noqa: E731
+    centre = lambda b: 2.0 ** (-40 + (b + 0.5) * width)
     assert fq.headroom_percentile(state, 1.0) == centre(bin_low)
     assert fq.headroom_percentile(state, 99.99) == centre(bin_high)
     amax = fq.headroom_amax(state)

@@ -12,9 +12,19 @@ import floatxq.formats
 import floatxq.fp8
 import floatxq.gptq
 import floatxq.int4
+import floatxq.kernels
+import floatxq.nn
 import floatxq.nvfp4
 
-OWNERS = (floatxq.config, floatxq.formats, floatxq.fp8, floatxq.gptq, floatxq.int4, floatxq.nvfp4)
+OWNERS = (
+    floatxq.config,
+    floatxq.formats,
+    floatxq.fp8,
+    floatxq.gptq,
+    floatxq.int4,
+    floatxq.nn,
+    floatxq.nvfp4,
+)
 
 
 def _public_callables():
@@ -48,6 +58,12 @@ def test_every_public_name_of_the_owning_modules_is_reexported():
         ]
         missing = sorted(set(public) - set(fq.__all__))
         assert not missing, f"{module.__name__} exports {missing} that floatxq does not"
+
+
+def test_kernel_entry_points_are_reexported():
+    # floatxq.kernels keeps its availability helpers to itself; the entry points are top-level
+    for name in ("quantize_fp8_weight_kernel", "quantize_fp8_weight_auto"):
+        assert getattr(fq, name) is getattr(floatxq.kernels, name)
 
 
 def test_docstrings_are_google_style_with_numerics_line():

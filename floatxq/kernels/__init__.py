@@ -1,0 +1,72 @@
+"""Triton twins of floatxq's pure functions, and the dispatchers that choose between them.
+
+Each kernel equals its pure reference bit for bit. Importing this package needs neither Triton
+nor CUDA: Triton is imported on a kernel's first launch, and a kernel called without it raises a
+``RuntimeError`` naming what is missing. Dispatchers (``*_auto``) take the kernel where it can
+run and otherwise the pure function, and say which they took and why.
+"""
+
+from typing import Any
+
+import torch
+
+from floatxq._typing import Float, Tensor
+from floatxq.fp8 import FP8Weight, quantize_fp8_weight
+from floatxq.kernels._triton import (
+    triton_available,
+    triton_interpret_enabled,
+    triton_unavailable_reason,
+)
+from floatxq.kernels.fp8_weight import quantize_fp8_input, quantize_fp8_weight_kernel
+
+__all__ = [
+    "quantize_fp8_input",
+    "quantize_fp8_weight_auto",
+    "quantize_fp8_weight_kernel",
+    "triton_available",
+    "triton_interpret_enabled",
+    "triton_unavailable_reason",
+]
+
+
+def quantize_fp8_weight_auto(
+    weight: Float[Tensor, "out in"],
+    *,
+    format: Any = "float8_e4m3fn",
+    weight_scale_method: Any = "row",
+    weight_block_size: Any = None,
+) -> tuple[FP8Weight, str, str | None]:
+    """:func:`floatxq.quantize_fp8_weight` through the Triton kernel where it runs, else in torch.
+
+    Args:
+      weight, format, weight_scale_method, weight_block_size: as ``quantize_fp8_weight``.
+
+    Returns:
+      ``(FP8Weight, route, reason)``: ``route`` is ``"triton"`` (CUDA tensor, Triton imports) or
+      ``"torch"``; ``reason`` says why the kernel was not taken (``None`` when it was). Both
+      routes give the same bytes.
+
+    Raises:
+      ValueError, TypeError: as :func:`floatxq.quantize_fp8_weight`.
+
+    Numerics: identical bytes on either route (the kernel's tests prove it on fuzzed shapes).
+
+    Example:
+      >>> q, route, reason = quantize_fp8_weight_auto(torch.ones(2, 2))
+      >>> route, q.scale_inv.tolist()
+      ('torch', [448.0, 448.0])
+    """
+    kwargs = dict(
+        format=format,
+        weight_scale_method=weight_scale_method,
+        weight_block_size=weight_block_size,
+    )
+    if not isinstance(weight, torch.Tensor):
+        return quantize_fp8_weight(weight, **kwargs), "torch", "weight is not a tensor"
+    if weight.device.type != "cuda":
+        reason = f"weight is on {weight.device}; the Triton kernel runs on CUDA tensors"
+    else:
+        reason = triton_unavailable_reason(weight.device)
+    if reason is None:
+        return quantize_fp8_weight_kernel(weight, **kwargs), "triton", None
+    return quantize_fp8_weight(weight, **kwargs), "torch", reason

@@ -1,0 +1,434 @@
+"""Time every ``TorchFP8Linear`` route and the FP8 weight-quantize kernel against anchors measured
+in the same run.
+
+Usage (GPU): ``python3 benchmarks/fp8_linear.py`` (M in {1, 16, 4096}, N = K = 8192, bf16 input).
+``--probe-only`` prints the environment and the capability probe and stops.
+
+Sections, each printed as a table:
+
+1. Environment: date (UTC), GPU and SM version, torch / Triton / CUDA versions.
+2. Probe: which ``scaled_mm`` recipes this torch + GPU accept (tensorwise, rowwise, blockwise
+   1x128 x 128x128; output dtypes; e5m2; a bias epilogue), what Triton's ``.to(tl.float8e4nv)``
+   does against torch's nearest-even cast, and the PTX of the weight kernel (``div.rn.f32``,
+   ``cvt.rn.satfinite``, no ``.ftz`` multiply).
+3. Forward: median time (``triton.testing.do_bench``, L2 flushed before each call, CUDA events) of
+   each module route and of the raw kernels, with the ratio of each route to raw tensorwise
+   ``torch._scaled_mm`` (inputs already FP8), to its own raw recipe, and to bf16 ``F.linear``.
+   A second column times CUDA-graph replays (``do_bench_cudagraph``: no launch gaps).
+4. Weight quantize: the Triton kernel on an 8192 x 8192 bf16 weight per layout, as effective
+   bandwidth (bytes the contract must move: read the weight once, write codes and scales) over
+   the bandwidth of a device-to-device copy of the same weight timed in the same run.
+"""
+
+import argparse
+import datetime
+import pathlib
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import floatxq as fq
+from floatxq.kernels import fp8_weight as kernel_module
+from floatxq.kernels import quantize_fp8_weight_kernel
+from floatxq.nn import TorchFP8Linear
+
+MS = (1, 16, 4096)
+N = K = 8192
+
+
+def _line(*cells: object, widths: tuple[int, ...] = (28, 14, 14, 12, 12, 12)) -> str:
+    return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=False))
+
+
+def environment() -> None:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    print("== environment")
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    print(f"date          {now}")
+    sm = f"SM {props.major}.{props.minor}, {props.multi_processor_count} SMs"
+    print(f"gpu           {props.name}, {sm}")
+    print(f"torch         {torch.__version__} (CUDA {torch.version.cuda})")
+    print(f"triton        {triton.__version__}")
+    blas = getattr(torch.backends.cuda, "preferred_blas_library", lambda: "n/a")()
+    print(f"blas          {blas}")
+
+
+def _try(fn) -> str:
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        return f"ok ({out})" if isinstance(out, str) else "ok"
+    except Exception as exc:  # the probe reports every refusal as a row
+        return f"NO: {type(exc).__name__}: {str(exc).splitlines()[0][:110]}"
+
+
+def probe() -> None:
+    print("== probe: scaled_mm recipes on this GPU")
+    dev = "cuda"
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    one = torch.ones((), device=dev)
+
+    def mats(m, n, k, da=e4, db=e4):
+        a = torch.randn(m, k, device=dev).to(da)
+        b = torch.randn(n, k, device=dev).to(db).t()
+        return a, b
+
+    rows = []
+    for m in (1, 16, 17):
+        a, b = mats(m, 256, 512)
+        rows.append(
+            (
+                f"tensorwise e4m3 M={m} bf16",
+                lambda a=a, b=b: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16),
+            )
+        )
+    a, b = mats(16, 256, 512)
+    rows.append(
+        (
+            "tensorwise e4m3 fp16 out",
+            lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.float16),
+        )
+    )
+    rows.append(
+        (
+            "tensorwise e4m3 fp32 out",
+            lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.float32),
+        )
+    )
+    bias = torch.randn(256, device=dev, dtype=torch.bfloat16)
+    rows.append(
+        (
+            "tensorwise bias bf16 epilogue",
+            lambda: torch._scaled_mm(a, b, one, one, bias=bias, out_dtype=torch.bfloat16),
+        )
+    )
+    a5, b5 = mats(16, 256, 512, e5, e5)
+    rows.append(
+        (
+            "tensorwise e5m2 x e5m2",
+            lambda: torch._scaled_mm(a5, b5, one, one, out_dtype=torch.bfloat16),
+        )
+    )
+    a4, b5b = mats(16, 256, 512, e4, e5)
+    rows.append(
+        (
+            "tensorwise e4m3 x e5m2",
+            lambda: torch._scaled_mm(a4, b5b, one, one, out_dtype=torch.bfloat16),
+        )
+    )
+    for m in (1, 16, 17):
+        a, b = mats(m, 256, 512)
+        sa = torch.rand(m, 1, device=dev) + 0.5
+        sb = torch.rand(1, 256, device=dev) + 0.5
+        rows.append(
+            (
+                f"rowwise e4m3 M={m} bf16",
+                lambda a=a, b=b, sa=sa, sb=sb: torch._scaled_mm(
+                    a, b, sa, sb, out_dtype=torch.bfloat16
+                ),
+            )
+        )
+    a, b = mats(16, 256, 512)
+    sa, sb = torch.rand(16, 1, device=dev) + 0.5, torch.rand(1, 256, device=dev) + 0.5
+    for od in (torch.float16, torch.float32):
+        rows.append(
+            (f"rowwise e4m3 {od} out", lambda od=od: torch._scaled_mm(a, b, sa, sb, out_dtype=od))
+        )
+    rows.append(
+        (
+            "rowwise bias bf16 epilogue",
+            lambda: torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16),
+        )
+    )
+    a4, b5b = mats(16, 256, 512, e4, e5)
+    rows.append(
+        ("rowwise e4m3 x e5m2", lambda: torch._scaled_mm(a4, b5b, sa, sb, out_dtype=torch.bfloat16))
+    )
+    recipes = getattr(F, "ScalingType", None)
+    rows.append(("F.scaled_mm (v2 API) present", lambda: str(recipes)))
+    if recipes is not None:
+        r1 = getattr(recipes, "BlockWise1x128", None) or getattr(recipes, "Blockwise_1x128", None)
+        r128 = getattr(recipes, "BlockWise128x128", None) or getattr(
+            recipes, "Blockwise_128x128", None
+        )
+        for m in (1, 16, 17, 256):
+            for od in (torch.bfloat16, torch.float16, torch.float32):
+                if od != torch.bfloat16 and m != 16:
+                    continue
+                a, b = mats(m, 256, 512)
+                kb = 512 // 128
+                sa = (torch.rand(kb, m, device=dev) + 0.5).t()
+                grid = torch.ones(256 // 128, -(-kb // 4) * 4, device=dev)
+                sb = grid.t()
+                rows.append(
+                    (
+                        f"blockwise 1x128.128x128 M={m} {od}",
+                        lambda a=a, b=b, sa=sa, sb=sb, od=od: F.scaled_mm(
+                            a, b, sa, r1, sb, r128, output_dtype=od
+                        ),
+                    )
+                )
+        a, b = mats(16, 256, 512)
+        sa = (torch.rand(4, 16, device=dev) + 0.5).t()
+        sb = torch.ones(2, 4, device=dev).t()
+        rows.append(
+            (
+                "blockwise bias bf16 epilogue",
+                lambda: F.scaled_mm(a, b, sa, r1, sb, r128, bias=bias, output_dtype=torch.bfloat16),
+            )
+        )
+        rows.append(
+            (
+                "blockwise via torch._scaled_mm v1",
+                lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16),
+            )
+        )
+    for name, fn in rows:
+        print(_line(name, _try(fn), widths=(40, 100)))
+    probe_triton()
+
+
+def probe_triton() -> None:
+    import triton
+    import triton.language as tl
+
+    print("== probe: Triton float8 conversion and the weight kernel's PTX")
+
+    @triton.jit
+    def cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask)
+        tl.store(y_ptr + offs, x.to(tl.float8e4nv).to(tl.int8, bitcast=True), mask=mask)
+
+    bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = bf16.float()
+    values = values[torch.isfinite(values)].clamp(-448, 448)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = torch.unique(codes[torch.isfinite(codes)])
+    mids = (finite[1:] + finite[:-1]) / 2
+    values = torch.cat(
+        [values, mids, torch.nextafter(mids, finite[1:]), torch.nextafter(mids, finite[:-1])]
+    )
+    x = values.cuda()
+    y = torch.empty(x.numel(), dtype=torch.int8, device="cuda")
+    cast_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    ref = x.to(torch.float8_e4m3fn).view(torch.int8)
+    bad = int((ref != y).sum())
+    print(
+        _line(
+            ".to(tl.float8e4nv) vs torch RNE",
+            f"{bad} of {x.numel()} differ (bf16 values, midpoints, neighbours)",
+            widths=(40, 100),
+        )
+    )
+    w = torch.randn(256, 512, device="cuda")
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"):
+        quantize_fp8_weight_kernel(w, format=name, weight_scale_method="row")
+        ptx = kernel_module._LAST_COMPILED[0].asm["ptx"]
+        found = {
+            "div.rn.f32": "div.rn.f32" in ptx,
+            "div.full/approx": "div.full" in ptx or "div.approx" in ptx,
+            "cvt.rn.satfinite.e4m3x2": "e4m3x2" in ptx,
+            "cvt.rn.satfinite.e5m2x2": "e5m2x2" in ptx,
+            ".ftz": ".ftz" in ptx,
+        }
+        print(
+            _line(
+                f"kernel PTX {name}",
+                ", ".join(f"{k}={v}" for k, v in found.items()),
+                widths=(40, 100),
+            )
+        )
+
+
+def _loop_us(fn, calls: int = 200) -> float:
+    """Back-to-back calls, one sync at the end: max(host time, GPU time) per call."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _bench(fn) -> tuple[float, float]:
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    events = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    try:
+        graph = do_bench_cudagraph(fn, rep=30, return_mode="median")
+    except Exception:  # a route that cannot be captured shows no graph figure
+        graph = float("nan")
+    return events, graph
+
+
+def _raw_anchors(x, weight, dense, r1, r128) -> dict:
+    """The raw kernels each route wraps, on inputs already in FP8 (no input quantization)."""
+    m, dev = x.shape[0], x.device
+    xq = x.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=dev)
+    sa_row = torch.rand(m, 1, device=dev) + 0.5
+    sb_row = torch.rand(1, N, device=dev) + 0.5
+    # cuBLAS's blockwise recipe needs M % 16 == 0 (the route pads): time the padded product
+    m16 = -(-m // 16) * 16
+    xq16 = torch.nn.functional.pad(x, (0, 0, 0, m16 - m)).to(torch.float8_e4m3fn)
+    sa_blk = (torch.rand(K // 128, m16, device=dev) + 0.5).t()
+    sb_blk = torch.ones(N // 128, K // 128, device=dev).t()
+    bf16 = torch.bfloat16
+    return {
+        "raw _scaled_mm tensorwise": lambda: torch._scaled_mm(
+            xq, weight.t(), one, one, out_dtype=bf16
+        ),
+        "raw _scaled_mm rowwise": lambda: torch._scaled_mm(
+            xq, weight.t(), sa_row, sb_row, out_dtype=bf16
+        ),
+        "raw scaled_mm blockwise": lambda: F.scaled_mm(
+            xq16, weight.t(), sa_blk, r1, sb_blk, r128, output_dtype=bf16
+        ),
+        "bf16 F.linear": lambda: F.linear(x, dense.weight, dense.bias),
+    }
+
+
+def forward() -> None:
+    print(f"== forward: N = K = {K}, x bfloat16, times in microseconds (median)")
+    torch.manual_seed(0)
+    dev = "cuda"
+    dense = torch.nn.Linear(K, N, bias=True, device=dev, dtype=torch.bfloat16)
+    layers = {
+        m: TorchFP8Linear.from_linear(dense, weight_scale_method=m, weight_block_size=b)
+        for m, b in (("tensor", None), ("row", None), ("block", (128, 128)))
+    }
+    forced = TorchFP8Linear.from_linear(dense, weight_scale_method="row")
+    forced._runtime.disabled[("scaled_mm_rowwise", torch.bfloat16)] = "forced by the benchmark"
+    wt = layers["tensor"]
+    recipes = F.ScalingType
+    r1 = getattr(recipes, "BlockWise1x128", None) or getattr(recipes, "Blockwise_1x128", None)
+    r128 = getattr(recipes, "BlockWise128x128", None) or getattr(recipes, "Blockwise_128x128", None)
+    print(
+        "ev = do_bench events (L2 flushed), gr = CUDA-graph replay, loop = back-to-back calls "
+        "(host-bound when > gr); ratios = anchor time / case time"
+    )
+    head = ("case", "ev_us", "gr_us", "loop_us", "ev/rawTW", "gr/rawTW", "ev/own", "gr/own")
+    widths = (34, 9, 9, 9, 9, 9, 9, 9, 9)
+    print(_line(*head, "ev/bf16", widths=widths))
+    nan3 = (float("nan"),) * 3
+    for m in MS:
+        x = torch.randn(m, K, device=dev, dtype=torch.bfloat16)
+        raw = _raw_anchors(x, wt.weight, dense, r1, r128)
+        times = {}
+        for name, fn in raw.items():
+            try:
+                times[name] = (*_bench(fn), _loop_us(fn))
+            except Exception as exc:
+                print(_line(f"{name} M={m}", f"failed: {exc}"[:80]))
+        routes = {
+            "route scaled_mm_tensorwise": (layers["tensor"], "raw _scaled_mm tensorwise"),
+            "route scaled_mm_rowwise": (layers["row"], "raw _scaled_mm rowwise"),
+            "route scaled_mm_blockwise": (layers["block"], "raw scaled_mm blockwise"),
+            "route dequant_matmul (row)": (forced, "bf16 F.linear"),
+        }
+        owns = {}
+        for name, (layer, own) in routes.items():
+            layer(x)
+            expected = name.split()[1]
+            if layer.last_route != expected:
+                print(
+                    _line(
+                        f"{name} M={m}",
+                        f"took {layer.last_route}: {layer.last_fallback_reason}"[:100],
+                        widths=(28, 100),
+                    )
+                )
+            fn = lambda layer=layer, x=x: layer(x)
+            times[name] = (*_bench(fn), _loop_us(fn))
+            owns[name] = times.get(own, nan3)
+        anchor = times.get("raw _scaled_mm tensorwise", nan3)
+        bf16 = times.get("bf16 F.linear", nan3)
+        for name, (ev, gr, loop) in times.items():
+            own = owns.get(name, (ev, gr, loop))
+            cells = (
+                f"{ev * 1e3:.1f}",
+                f"{gr * 1e3:.1f}",
+                f"{loop:.1f}",
+                f"{anchor[0] / ev:.3f}",
+                f"{anchor[1] / gr:.3f}",
+                f"{own[0] / ev:.3f}",
+                f"{own[1] / gr:.3f}",
+                f"{bf16[0] / ev:.3f}",
+            )
+            print(_line(f"{name} M={m}", *cells, widths=widths))
+
+
+def weight_quantize() -> None:
+    print(f"== weight quantize: {N} x {K} bfloat16 -> float8_e4m3fn; vs_copy = GB/s over copy GB/s")
+    torch.manual_seed(0)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(w)
+    from triton.testing import do_bench
+
+    copy_ms = do_bench(lambda: dst.copy_(w), warmup=25, rep=200, return_mode="median")
+    copy_bytes = 2 * w.numel() * w.element_size()
+    copy_bw = copy_bytes / copy_ms / 1e6
+    print(_line("case", "ms", "GB/s", "vs_copy", widths=(44, 10, 10, 10)))
+    print(
+        _line(
+            "copy (read + write bf16)",
+            f"{copy_ms:.3f}",
+            f"{copy_bw:.0f}",
+            "1.000",
+            widths=(44, 10, 10, 10),
+        )
+    )
+    for method, block in (("row", None), ("block", (128, 128)), ("tensor", None)):
+        out_shape = {"row": (N,), "block": (N // 128, K // 128), "tensor": ()}[method]
+        scale = torch.empty(out_shape, device="cuda")
+        launch = lambda method=method, block=block, scale=scale: kernel_module._launch(
+            w, "float8_e4m3fn", method, block, scale_out=scale
+        )
+        public = lambda method=method, block=block: quantize_fp8_weight_kernel(
+            w, weight_scale_method=method, weight_block_size=block
+        )
+        pure = lambda method=method, block=block: fq.quantize_fp8_weight(
+            w, weight_scale_method=method, weight_block_size=block
+        )
+        ideal = w.numel() * (w.element_size() + 1) + scale.numel() * 4
+        for label, fn in (
+            (f"kernel {method}", launch),
+            (f"quantize_fp8_weight_kernel {method} (+checks)", public),
+            (f"pure torch {method}", pure),
+        ):
+            ms = do_bench(fn, warmup=10, rep=100, return_mode="median")
+            bw = ideal / ms / 1e6
+            print(
+                _line(
+                    label, f"{ms:.3f}", f"{bw:.0f}", f"{bw / copy_bw:.3f}", widths=(44, 10, 10, 10)
+                )
+            )
+        same = torch.equal(launch()[0].view(torch.uint8), pure().qweight.view(torch.uint8))
+        print(_line(f"  codes equal to pure ({method})", "yes" if same else "NO", widths=(44, 10)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--probe-only", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/fp8_linear.py needs a CUDA device")
+    environment()
+    probe()
+    if args.probe_only:
+        return
+    forward()
+    weight_quantize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Quality of a quantized causal LM: perplexity, and KL divergence / top-1 agreement vs a reference.
+
+These are the numbers that say whether a quantization is good on a *trained* model: perplexity on
+held-out text, and how far the next-token distributions moved from the unquantized model's.
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from floatxq._typing import Integer, Tensor
+
+
+class EvalReport(NamedTuple):
+    """Next-token quality over ``tokens`` predicted positions."""
+
+    perplexity: float
+    """``exp(mean next-token NLL)``."""
+    kl_divergence: float | None
+    """Mean ``KL(reference ‖ model)`` per position in nats (None without a reference)."""
+    top1_agreement: float | None
+    """Share of positions where the argmax matches the reference's (None without a reference)."""
+    tokens: int
+
+
+def _logits(model: nn.Module, ids: Tensor) -> Tensor:
+    device = next(model.parameters()).device
+    out = model(input_ids=ids.to(device))
+    logits = out.logits if hasattr(out, "logits") else out
+    return logits[:, :-1].to(torch.float32)
+
+
+def reference_logprobs(
+    reference: nn.Module, windows: Integer[Tensor, "windows length"], *, batch_size: int = 8
+) -> list[Tensor]:
+    """The reference model's next-token log-probabilities per batch (compute once, compare often).
+
+    Numerics: FP32 log-softmax of the logits.
+    """
+    with torch.inference_mode():
+        return [
+            torch.log_softmax(_logits(reference, batch), dim=-1).cpu()
+            for batch in windows.split(batch_size)
+        ]
+
+
+def evaluate_lm(
+    model: nn.Module,
+    windows: Integer[Tensor, "windows length"],
+    *,
+    reference: nn.Module | list[Tensor] | None = None,
+    batch_size: int = 8,
+) -> EvalReport:
+    """Perplexity of ``model`` on ``windows`` and, with ``reference``, KL and top-1 agreement.
+
+    Every position but the first of each window is predicted from the tokens before it.
+    ``reference`` is a model or its :func:`reference_logprobs` for the same windows and batch size.
+
+    Raises:
+      ValueError: empty windows, ``length < 2`` or ``batch_size < 1``.
+
+    Numerics: FP32 log-softmax of the logits; sums in float64; KL as
+    ``Σ p_ref · (log p_ref − log p_model)``.
+    """
+    if windows.ndim != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
+        raise ValueError(
+            f"evaluate_lm: windows must be (windows ≥ 1, length ≥ 2) ids, got "
+            f"{tuple(windows.shape)}"
+        )
+    if batch_size < 1:
+        raise ValueError(f"evaluate_lm: batch_size must be ≥ 1, got {batch_size}")
+    refs = (
+        reference_logprobs(reference, windows, batch_size=batch_size)
+        if isinstance(reference, nn.Module)
+        else reference
+    )
+    batches = windows.split(batch_size)
+    if refs is not None and len(refs) != len(batches):
+        raise ValueError(
+            f"evaluate_lm: {len(refs)} reference batches for {len(batches)} batches of windows"
+        )
+    nll = kl = 0.0
+    agree = count = 0
+    with torch.inference_mode():
+        for i, batch in enumerate(batches):
+            targets = batch[:, 1:]
+            logp = torch.log_softmax(_logits(model, batch), dim=-1)
+            nll -= float(logp.gather(-1, targets.to(logp.device)[..., None]).double().sum())
+            count += targets.numel()
+            if refs is not None:
+                ref = refs[i].to(logp.device)
+                kl += float((ref.exp() * (ref - logp)).sum(dim=-1).double().sum())
+                agree += int((ref.argmax(-1) == logp.argmax(-1)).sum())
+    return EvalReport(
+        perplexity=math.exp(nll / count),
+        kl_divergence=kl / count if reference is not None else None,
+        top1_agreement=agree / count if reference is not None else None,
+        tokens=count,
+    )

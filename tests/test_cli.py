@@ -1,0 +1,78 @@
+"""The ``floatxq`` command line, end to end on the built-in tiny Llama."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from floatxq.cli import app
+
+runner = CliRunner()
+
+
+def _run(*args: str):
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+@pytest.fixture(scope="module")
+def quantized_tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tiny-fp8"
+    code, output = _run("quantize", "tiny", "--out", str(out), "--block-size", "128", "128")
+    assert code == 0, output
+    return out, output
+
+
+def test_quantize_tiny_block_scales(quantized_tiny):
+    out, output = quantized_tiny
+    assert "quantized 56 modules (float8_e4m3fn, block)" in output
+    qc = json.loads((out / "quantize_config.json").read_text())
+    assert qc["weight_block_size"] == [128, 128] and qc["weight_scale_method"] == "block"
+
+
+def test_inspect_reports_convention_and_layouts(quantized_tiny):
+    out, _ = quantized_tiny
+    code, output = _run("inspect", str(out))
+    assert code == 0, output
+    assert "method:      fp8" in output
+    assert "convention:  floatxq_fp8: inverse weight_scale_inv" in output
+    assert "quantized:   56 layers" in output
+    assert "scales block 128x128: 56 layers" in output
+    assert "F8_E4M3 x56" in output
+
+
+def test_inspect_plain_model():
+    from floatxq.tiny import TINY_LLAMA_DIR
+
+    code, output = _run("inspect", str(TINY_LLAMA_DIR))
+    assert code == 0, output
+    assert "none (not quantized)" in output and "convention:  none" in output
+
+
+def test_eval_against_reference(quantized_tiny):
+    out, _ = quantized_tiny
+    code, output = _run("eval", str(out), "--reference", "tiny", "--windows", "4")
+    assert code == 0, output
+    lines = dict(line.split(":", 1) for line in output.strip().splitlines())
+    assert float(lines["perplexity"]) < 5.0
+    assert 0 < float(lines["KL"].split()[0]) < 0.05
+    assert float(lines["top-1"].strip().rstrip("%")) > 90
+
+
+def test_quantize_errors_exit_2(tmp_path):
+    code, output = _run("quantize", "tiny", "--out", str(tmp_path / "x"), "--method", "awq")
+    assert code == 2 and "unsupported --method 'awq'" in output
+    code, output = _run("quantize", "tiny", "--out", str(tmp_path / "x"), "--format", "e3m4")
+    assert code == 2 and "unsupported FP8 format" in output
+    code, output = _run("quantize", str(tmp_path / "missing"), "--out", str(tmp_path / "y"))
+    assert code == 2 and "not a model directory" in output
+    code, output = _run("inspect", str(tmp_path))
+    assert code == 2 and "config.json is missing" in output
+
+
+def test_recipes_table_and_png(tmp_path):
+    png = tmp_path / "recipes.png"
+    code, output = _run("recipes", "--size", "64", "--png", str(png))
+    assert code == 0, output
+    assert "least_squares_grid" in output and "exhaustive" in output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
