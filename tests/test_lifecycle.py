@@ -303,3 +303,21 @@ def test_plain_directory_loads_and_tokenizer_files_travel(tmp_path):
     out = q.save(tmp_path / "fp8")
     assert (out / "tokenizer.json").read_text() == "{}"
     assert fq.load(out).quantized
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_cuda_quantize_save_load_matches_cpu_bytes(tmp_path, model_type):
+    cpu = fq.load(_small(model_type), quantize_config=fq.FP8Config()).quantize(progress=False)
+    gpu = fq.load(_small(model_type), quantize_config=fq.FP8Config(), device="cuda")
+    gpu.quantize(progress=False)
+    for name in cpu.quantized_modules:
+        a = dict(cpu.model.named_modules())[name]
+        b = dict(gpu.model.named_modules())[name]
+        assert b.weight.is_cuda
+        assert_bitwise_equal(b.weight, a.weight, msg=name)
+        assert_bitwise_equal(b.weight_scale_inv, a.weight_scale_inv, msg=name)
+    out = gpu.save(tmp_path / "gpu")
+    loaded = fq.load(out, device="cuda")
+    ids = _ids().cuda()
+    assert_bitwise_equal(loaded.model(input_ids=ids).logits, gpu.model(input_ids=ids).logits)
