@@ -155,6 +155,29 @@ def _amax(x: Tensor, dim: tuple[int, ...] | None) -> Tensor:
     return x.new_zeros(shape)
 
 
+def _weight_arguments(
+    weight: Any,
+    *,
+    format: Any,
+    weight_scale_method: Any,
+    weight_block_size: Any,
+    where: str,
+) -> tuple[str, str, tuple[int, int] | None]:
+    """Validate a weight-quantization call: ``(format name, scale method, block size)``.
+
+    Shared by the pure function and its kernel twin so both reject bad input the same way.
+    """
+    _require_floating(weight, name="weight", where=where)
+    if weight.ndim != 2:
+        raise ValueError(
+            f"{where}: weight must be a 2-D (out, in) matrix, got shape {tuple(weight.shape)}"
+        )
+    name = _encodable_format(format, where=where)
+    block = normalize_fp8_block_size(weight_block_size)
+    method = normalize_fp8_scale_method(weight_scale_method, weight_block_size=block)
+    return name, method, block
+
+
 def quantize_fp8_weight(
     weight: Float[Tensor, "out in"],
     *,
@@ -190,14 +213,13 @@ def quantize_fp8_weight(
       ([224.0, 1.0], [[224.0, -448.0], [0.0, 0.0]])
     """
     where = "quantize_fp8_weight"
-    _require_floating(weight, name="weight", where=where)
-    if weight.ndim != 2:
-        raise ValueError(
-            f"{where}: weight must be a 2-D (out, in) matrix, got shape {tuple(weight.shape)}"
-        )
-    name = _encodable_format(format, where=where)
-    block = normalize_fp8_block_size(weight_block_size)
-    method = normalize_fp8_scale_method(weight_scale_method, weight_block_size=block)
+    name, method, block = _weight_arguments(
+        weight,
+        format=format,
+        weight_scale_method=weight_scale_method,
+        weight_block_size=weight_block_size,
+        where=where,
+    )
     dtype, fmax = getattr(torch, name), fp8_max(name)
     w = weight.to(torch.float32)
     _require_finite(w, name="weight", where=where)

@@ -45,17 +45,14 @@ from floatxq.formats import (
     FLOAT32_MAX,
     FLOAT32_TINY,
     fp8_max,
-    normalize_fp8_block_size,
-    normalize_fp8_scale_method,
 )
 from floatxq.fp8 import (
     FP8Weight,
     _amax,
-    _encodable_format,
     _inverse_scale,
     _require_finite,
-    _require_floating,
     _saturating_cast,
+    _weight_arguments,
 )
 from floatxq.kernels._triton import (
     import_triton,
@@ -503,14 +500,13 @@ def quantize_fp8_weight_kernel(
       torch.Size([256])
     """
     where = "quantize_fp8_weight_kernel"
-    _require_floating(weight, name="weight", where=where)
-    if weight.ndim != 2:
-        raise ValueError(
-            f"{where}: weight must be a 2-D (out, in) matrix, got shape {tuple(weight.shape)}"
-        )
-    name = _encodable_format(format, where=where)
-    block = normalize_fp8_block_size(weight_block_size)
-    method = normalize_fp8_scale_method(weight_scale_method, weight_block_size=block)
+    name, method, block = _weight_arguments(
+        weight,
+        format=format,
+        weight_scale_method=weight_scale_method,
+        weight_block_size=weight_block_size,
+        where=where,
+    )
     w = weight if weight.dtype in _KERNEL_INPUT_DTYPES[:3] else weight.to(torch.float32)
     if method == "block":
         rows, cols = w.shape
