@@ -4,8 +4,9 @@ Run: python benchmarks/lifecycle.py [--device cuda] [--layers 16] [--out /tmp/fp
 
 The model has Llama-3.2-1B's shapes (hidden 2048, MLP 8192, 32 heads / 8 KV heads, vocab 128256,
 16 layers, untied lm_head; 1.50B parameters) with random bf16 weights: quantization cost does
-not depend on what the weights have learned. The anchor measured in the same run is a plain bf16 save of the same
-model (its safetensors write), so the ratio says what FP8 adds on top of writing the bytes.
+not depend on what the weights have learned. The anchor measured in the same run is a plain
+bf16 save of the same model (its safetensors write), so the ratio says what FP8 adds on top of
+writing the bytes.
 """
 
 import argparse
