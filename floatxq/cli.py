@@ -142,22 +142,21 @@ def eval_(
     seq_len: int = typer.Option(256, help="Tokens per window."),
     device: str | None = typer.Option(None, help="Device (cpu, cuda)."),
 ) -> None:
-    """Perplexity on held-out stdlib text, and KL / top-1 agreement against a reference."""
-    from floatxq.lifecycle.evaluate import evaluate_lm
-    from floatxq.tiny import token_windows
+    """Perplexity on held-out stdlib text, and KL / top-1 agreement against a reference.
+
+    Byte-vocabulary models read the evaluation split's bytes; other models need a tokenizer in
+    their directory.
+    """
+    from floatxq.lifecycle.evaluate import evaluate_lm, heldout_windows
 
     try:
         candidate = _source_model(model, device=device).model
         ref = _source_model(reference, device=device).model if reference else None
+        vocab = int(getattr(getattr(candidate, "config", None), "vocab_size", 0) or 0)
+        model_dir = None if model == TINY else model
+        ids = heldout_windows(model_dir, vocab_size=vocab, seq_len=seq_len, max_windows=windows)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         raise _fail(str(exc)) from None
-    vocab = getattr(getattr(candidate, "config", None), "vocab_size", None)
-    if vocab != 256:
-        raise _fail(
-            f"eval uses the byte-level held-out split and needs a byte-vocabulary model "
-            f"(vocab_size 256), got vocab_size {vocab}"
-        )
-    ids = token_windows("evaluation", seq_len=seq_len, max_windows=windows)
     report = evaluate_lm(candidate, ids, reference=ref)
     typer.echo(f"tokens:      {report.tokens}")
     typer.echo(f"perplexity:  {report.perplexity:.4f}")

@@ -1,6 +1,7 @@
 """The ``floatxq`` command line, end to end on the built-in tiny Llama."""
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -76,3 +77,42 @@ def test_recipes_table_and_png(tmp_path):
     assert code == 0, output
     assert "least_squares_grid" in output and "exhaustive" in output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_tokenizer_model_against_its_fp8_version(tmp_path):
+    """A model with its own tokenizer: the held-out split is encoded with that tokenizer."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from floatxq.tiny import stdlib_corpus
+
+    text = stdlib_corpus("train").decode("utf-8", errors="replace")[:200_000]
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=384, special_tokens=["[UNK]"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    plain = tmp_path / "plain"
+    transformers.LlamaForCausalLM(config).save_pretrained(plain)
+    fast.save_pretrained(plain)
+    out = tmp_path / "fp8"
+    code, output = _run("quantize", str(plain), "--out", str(out))
+    assert code == 0, output
+    assert (out / "tokenizer.json").is_file()  # tokenizer files travel with the checkpoint
+    code, output = _run(
+        "eval", str(out), "--reference", str(plain), "--windows", "4", "--seq-len", "64"
+    )
+    assert code == 0, output
+    assert int(re.search(r"tokens:\s+(\d+)", output).group(1)) == 4 * 63, output
+    assert 0 <= float(re.search(r"KL:\s+(\S+)", output).group(1)) < 0.05
+    # a non-byte model without a tokenizer is refused with the reason
+    (plain / "tokenizer.json").unlink()
+    (plain / "tokenizer_config.json").unlink()
+    code, output = _run("eval", str(plain), "--windows", "2")
+    assert code == 2 and "tokenizer" in output

@@ -99,3 +99,54 @@ def evaluate_lm(
         top1_agreement=agree / count if reference is not None else None,
         tokens=count,
     )
+
+
+def heldout_windows(
+    model_dir: str | None,
+    *,
+    vocab_size: int,
+    seq_len: int = 256,
+    max_windows: int = 64,
+) -> Tensor:
+    """Held-out evaluation windows for a model: the stdlib evaluation split in its own tokens.
+
+    A byte-vocabulary model (``vocab_size == 256``, like the built-in tiny Llama) reads the split's
+    bytes; any other model needs a tokenizer in ``model_dir`` (loaded locally with
+    ``AutoTokenizer``), which encodes the split's text. Windows are evenly spaced over the split.
+
+    Raises:
+      ValueError: a non-byte model without a local tokenizer, or too little text for one window.
+
+    Numerics: exact token ids.
+    """
+    from floatxq.tiny import stdlib_corpus, token_windows
+
+    if vocab_size == 256:
+        return token_windows("evaluation", seq_len=seq_len, max_windows=max_windows)
+    if model_dir is None:
+        raise ValueError(
+            f"eval: a model with vocab_size {vocab_size} needs its tokenizer; pass a model "
+            f"directory that holds one"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"eval: no usable tokenizer in {model_dir} ({exc})") from None
+    documents = stdlib_corpus("evaluation").decode("utf-8", errors="replace").split("\x00")
+    ids = [
+        t for doc in documents if doc for t in tokenizer(doc, add_special_tokens=False)["input_ids"]
+    ]
+    count = len(ids) // seq_len
+    if count == 0:
+        raise ValueError(f"eval: the evaluation split gives fewer than {seq_len} tokens")
+    windows = torch.tensor(ids[: count * seq_len], dtype=torch.int64).reshape(count, seq_len)
+    if max_windows < count:
+        windows = windows[(torch.arange(max_windows) * count) // max_windows]
+    if int(windows.max()) >= vocab_size:
+        raise ValueError(
+            f"eval: the tokenizer in {model_dir} produces ids up to {int(windows.max())}, beyond "
+            f"the model's vocab_size {vocab_size}"
+        )
+    return windows.contiguous()

@@ -83,11 +83,18 @@ def _build_from_config(config_payload: Mapping[str, Any], *, device: Any, dtype:
 
 def _load_plain(path: Path, *, device: Any, dtype: Any) -> nn.Module:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     kwargs: dict[str, Any] = {"local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # floatxq shows its own progress where work is long
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if device is not None:
         model = model.to(device)
     return model.eval()
