@@ -1,24 +1,32 @@
 """Run every benchmark script in this folder (``make bench``); each prints its own table.
 
-Benchmarks time on the device (an H200) and on CPU; their figures go into RESULTS.md by hand,
-with the date, GPU, command, figure and the ratio to the anchor measured in the same run.
+On a machine without CUDA the GPU-only scripts are skipped and the GPTQ benchmark runs at its CPU
+size. Figures go into RESULTS.md by hand, with the date, machine, command, figure and the ratio to
+the anchor measured in the same run.
 """
 
 import pathlib
 import subprocess
 import sys
 
+import torch
+
+GPU_ONLY = {"fp8_linear.py", "lifecycle.py"}
+CPU_ARGS = {"gptq.py": ["--small"], "recipes.py": ["--size", "2048"]}
+
 
 def main() -> int:
     here = pathlib.Path(__file__).parent
     scripts = sorted(p for p in here.glob("*.py") if p.name != pathlib.Path(__file__).name)
-    if not scripts:
-        print("no benchmark scripts yet")
-        return 0
+    cuda = torch.cuda.is_available()
     failed = 0
     for script in scripts:
-        print(f"== {script.name}", flush=True)
-        failed += subprocess.call([sys.executable, str(script)]) != 0
+        if not cuda and script.name in GPU_ONLY:
+            print(f"== {script.name}: skipped (needs a CUDA device)", flush=True)
+            continue
+        args = [] if cuda else CPU_ARGS.get(script.name, [])
+        print(f"== {script.name} {' '.join(args)}".rstrip(), flush=True)
+        failed += subprocess.call([sys.executable, str(script), *args]) != 0
     return 1 if failed else 0
 
 
