@@ -333,16 +333,21 @@ def _tiles(rows: int, width: int, *, per_row: bool) -> dict[str, int]:
 
     Tiles hold at least 128 elements and every thread at least 4 (the PTX conversion packs 4).
     """
-    tile_c = max(16, min(_next_pow2(width), _MAX_TILE))
-    tile_r = max(1, min(_next_pow2(rows), _MAX_TILE // tile_c))
+    # Swept on an H200 (8192² bf16 → E4M3, CUDA events, L2 flushed; bytes moved over a bf16
+    # copy): per-row layouts peak with 8192-element tiles and a warp per 1024 elements (0.95×),
+    # 128×128 blocks with 16384-element tiles and two warps per 1024 (0.86×).
+    max_tile = _MAX_TILE // 2 if per_row else _MAX_TILE
+    tile_c = max(16, min(_next_pow2(width), max_tile))
+    tile_r = max(1, min(_next_pow2(rows), max_tile // tile_c))
     while tile_r * tile_c < 128:
         tile_r *= 2
+    warps_per_1k = 1 if per_row else 2
     return dict(
         TILE_R=tile_r,
         TILE_C=tile_c,
         R_ITERS=1 if per_row else _cdiv(rows, tile_r),
         C_ITERS=_cdiv(width, tile_c),
-        num_warps=max(1, min(16, tile_r * tile_c // 1024)),
+        num_warps=max(1, min(16, tile_r * tile_c * warps_per_1k // 1024)),
     )
 
 
