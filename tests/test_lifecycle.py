@@ -321,3 +321,19 @@ def test_cuda_quantize_save_load_matches_cpu_bytes(tmp_path, model_type):
     loaded = fq.load(out, device="cuda")
     ids = _ids().cuda()
     assert_bitwise_equal(loaded.model(input_ids=ids).logits, gpu.model(input_ids=ids).logits)
+
+
+def test_a_loaded_checkpoint_saves_again_unchanged(tmp_path):
+    from safetensors.torch import load_file
+
+    first = _saved(tmp_path)
+    again = fq.load(first).save(tmp_path / "again")
+    a, b = load_file(first / "model.safetensors"), load_file(again / "model.safetensors")
+    assert set(a) == set(b)
+    for name in a:
+        assert_bitwise_equal(b[name], a[name], msg=name)
+    assert json.loads((again / "config.json").read_text()) == json.loads(
+        (first / "config.json").read_text()
+    )
+    with pytest.warns(UserWarning, match="already quantized"):
+        fq.load(first, quantize_config=fq.FP8Config(format="e5m2"))
