@@ -51,6 +51,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import typing
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -781,8 +782,7 @@ class TorchFP8Linear(nn.Module):
         return grid.t()
 
     def _conv_forward(self, x: Tensor) -> Tensor:
-        g = self.conv
-        assert g is not None
+        g = typing.cast(ConvGeometry, self.conv)  # forward() only routes convolutions here
         weight = self.dequantize_weight(dtype=x.dtype).reshape(g.weight_shape)
         conv = (F.conv1d, F.conv2d, F.conv3d)[g.dims - 1]
         bias = self._bias_as(x.dtype)
