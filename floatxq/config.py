@@ -315,6 +315,15 @@ class DynamicRules:
         return iter(self.rules)
 
 
+def _module_overrides(dynamic: DynamicRules | None, module_name: str) -> Mapping[str, Any] | None:
+    """A config's overrides for one module (None: excluded); shared by every ``resolve``."""
+    if not isinstance(module_name, str):
+        raise TypeError(
+            f"module_name: expected a str, got {type(module_name).__name__} {module_name!r}"
+        )
+    return dynamic.overrides_for(module_name) if dynamic is not None else {}
+
+
 # --------------------------------------------------------------------------------------------
 # FP8Config
 # --------------------------------------------------------------------------------------------
@@ -542,11 +551,7 @@ class FP8Config:
           >>> FP8Config(dynamic={"-:lm_head": {}}).resolve("lm_head") is None
           True
         """
-        if not isinstance(module_name, str):
-            raise TypeError(
-                f"module_name: expected a str, got {type(module_name).__name__} {module_name!r}"
-            )
-        overrides = self.dynamic.overrides_for(module_name) if self.dynamic is not None else {}
+        overrides = _module_overrides(self.dynamic, module_name)
         if overrides is None:
             return None
         scale_method, block = self.weight_scale_method, self.weight_block_size
@@ -991,11 +996,7 @@ class GPTQConfig:
           >>> GPTQConfig(dynamic={"-:lm_head": {}}).resolve("lm_head") is None
           True
         """
-        if not isinstance(module_name, str):
-            raise TypeError(
-                f"module_name: expected a str, got {type(module_name).__name__} {module_name!r}"
-            )
-        found = self.dynamic.overrides_for(module_name) if self.dynamic is not None else {}
+        found = _module_overrides(self.dynamic, module_name)
         if found is None:
             return None
         overrides = dict(found)

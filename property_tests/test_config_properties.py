@@ -15,6 +15,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from floatxq.config import METHOD, FP8Config
+from floatxq.testing.strategies import FP8_ALIASES, FP8_ENCODABLE
 
 # --------------------------------------------------------------------------------------------
 # Independent tables
@@ -23,15 +24,7 @@ from floatxq.config import METHOD, FP8Config
 WEIGHT_FORMAT_ALIASES = {
     "": "float8_e4m3fn",
     "fp8": "float8_e4m3fn",
-    "e4m3": "float8_e4m3fn",
-    "float8_e4m3": "float8_e4m3fn",
-    "float8_e4m3fn": "float8_e4m3fn",
-    "e5m2": "float8_e5m2",
-    "float8_e5m2": "float8_e5m2",
-    "e4m3fnuz": "float8_e4m3fnuz",
-    "float8_e4m3fnuz": "float8_e4m3fnuz",
-    "e5m2fnuz": "float8_e5m2fnuz",
-    "float8_e5m2fnuz": "float8_e5m2fnuz",
+    **{alias: name for alias, name in FP8_ALIASES.items() if name in FP8_ENCODABLE},
 }
 
 MODULES = (
