@@ -32,9 +32,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import floatxq as fq
+from floatxq.kernels import fp8_small_m, quantize_fp8_weight_kernel
 from floatxq.kernels import fp8_weight as kernel_module
-from floatxq.kernels import quantize_fp8_weight_kernel
 from floatxq.nn import TorchFP8Linear
+from floatxq.nn.fp8_linear import SMALL_M
 
 MS = (1, 16, 4096)
 N = K = 8192
@@ -306,6 +307,13 @@ def forward() -> None:
         m: TorchFP8Linear.from_linear(dense, weight_scale_method=m, weight_block_size=b)
         for m, b in (("tensor", None), ("row", None), ("block", (128, 128)))
     }
+    cublas = {  # the same layers with the small-M kernel switched off: scaled_mm at every M
+        m: TorchFP8Linear.from_linear(dense, weight_scale_method=m, weight_block_size=b)
+        for m, b in (("tensor", None), ("row", None), ("block", (128, 128)))
+    }
+    for layer in cublas.values():
+        for dtype in (torch.bfloat16, torch.float16):
+            layer._runtime.disabled[("fp8_small_m", dtype)] = "off for the benchmark"
     forced = TorchFP8Linear.from_linear(dense, weight_scale_method="row")
     forced._runtime.disabled[("scaled_mm_rowwise", torch.bfloat16)] = "forced by the benchmark"
     wt = layers["tensor"]
@@ -329,12 +337,15 @@ def forward() -> None:
                 times[name] = (*_bench(fn), _loop_us(fn))
             except Exception as exc:
                 print(_line(f"{name} M={m}", f"failed: {exc}"[:80]))
-        routes = {
-            "route scaled_mm_tensorwise": (layers["tensor"], "raw _scaled_mm tensorwise"),
-            "route scaled_mm_rowwise": (layers["row"], "raw _scaled_mm rowwise"),
-            "route scaled_mm_blockwise": (layers["block"], "raw scaled_mm blockwise"),
-            "route dequant_matmul (row)": (forced, "bf16 F.linear"),
-        }
+        routes = {}
+        if m <= SMALL_M:
+            routes["route fp8_small_m (tensor)"] = (layers["tensor"], "raw _scaled_mm tensorwise")
+            routes["route fp8_small_m (row)"] = (layers["row"], "raw _scaled_mm rowwise")
+            routes["route fp8_small_m (block)"] = (layers["block"], "raw scaled_mm blockwise")
+        routes["route scaled_mm_tensorwise"] = (cublas["tensor"], "raw _scaled_mm tensorwise")
+        routes["route scaled_mm_rowwise"] = (cublas["row"], "raw _scaled_mm rowwise")
+        routes["route scaled_mm_blockwise"] = (cublas["block"], "raw scaled_mm blockwise")
+        routes["route dequant_matmul (row)"] = (forced, "bf16 F.linear")
         owns = {}
         for name, (layer, own) in routes.items():
             layer(x)
@@ -368,7 +379,11 @@ def forward() -> None:
 
 
 def weight_quantize() -> None:
-    print(f"== weight quantize: {N} x {K} bfloat16 -> float8_e4m3fn; vs_copy = GB/s over copy GB/s")
+    print(f"== weight quantize: {N} x {K} bfloat16 -> float8_e4m3fn")
+    print(
+        "vs_copy = GB/s over copy GB/s, counting the bytes the contract must move once (read bf16, "
+        "write codes + scales); time/copy = copy ms / case ms (the same weight)"
+    )
     torch.manual_seed(0)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(w)
@@ -377,16 +392,16 @@ def weight_quantize() -> None:
     copy_ms = do_bench(lambda: dst.copy_(w), warmup=25, rep=200, return_mode="median")
     copy_bytes = 2 * w.numel() * w.element_size()
     copy_bw = copy_bytes / copy_ms / 1e6
-    print(_line("case", "ms", "GB/s", "vs_copy", widths=(44, 10, 10, 10)))
-    print(
-        _line(
-            "copy (read + write bf16)",
-            f"{copy_ms:.3f}",
-            f"{copy_bw:.0f}",
-            "1.000",
-            widths=(44, 10, 10, 10),
-        )
-    )
+    widths = (48, 10, 10, 10, 10)
+    print(_line("case", "ms", "GB/s", "vs_copy", "time/copy", widths=widths))
+    print(_line("copy (read + write bf16)", f"{copy_ms:.3f}", f"{copy_bw:.0f}", "1.000", "1.000",
+                widths=widths))  # fmt: skip
+
+    def row(label: str, ms: float, moved: int) -> None:
+        bw = moved / ms / 1e6
+        cells = (f"{ms:.3f}", f"{bw:.0f}", f"{bw / copy_bw:.3f}", f"{copy_ms / ms:.3f}")
+        print(_line(label, *cells, widths=widths))
+
     for method, block in (("row", None), ("block", (128, 128)), ("tensor", None)):
         out_shape = {"row": (N,), "block": (N // 128, K // 128), "tensor": ()}[method]
         scale = torch.empty(out_shape, device="cuda")
@@ -399,26 +414,87 @@ def weight_quantize() -> None:
         pure = lambda method=method, block=block: fq.quantize_fp8_weight(
             w, weight_scale_method=method, weight_block_size=block
         )
-        ideal = w.numel() * (w.element_size() + 1) + scale.numel() * 4
+        once = w.numel() * (w.element_size() + 1) + scale.numel() * 4
         for label, fn in (
             (f"kernel {method}", launch),
             (f"quantize_fp8_weight_kernel {method} (+checks)", public),
             (f"pure torch {method}", pure),
         ):
-            ms = do_bench(fn, warmup=10, rep=100, return_mode="median")
-            bw = ideal / ms / 1e6
-            print(
-                _line(
-                    label, f"{ms:.3f}", f"{bw:.0f}", f"{bw / copy_bw:.3f}", widths=(44, 10, 10, 10)
-                )
-            )
+            row(label, do_bench(fn, warmup=10, rep=100, return_mode="median"), once)
+        if method == "tensor":
+            # a global amax must be known before the first code: the weight (larger than L2)
+            # is read twice; sweep the amax pass's programs per SM
+            twice = once + w.numel() * w.element_size()
+            default = kernel_module._AMAX_PROGRAMS_PER_SM
+            for per_sm in (1, 2, 4, 8):
+                kernel_module._AMAX_PROGRAMS_PER_SM = per_sm
+                kernel_module._PLANS.clear()
+                ms = do_bench(launch, warmup=10, rep=100, return_mode="median")
+                row(f"  kernel tensor, {per_sm} amax programs/SM", ms, once)
+                row("    (counting the two reads)", ms, twice)
+            kernel_module._AMAX_PROGRAMS_PER_SM = default
+            kernel_module._PLANS.clear()
         same = torch.equal(launch()[0].view(torch.uint8), pure().qweight.view(torch.uint8))
-        print(_line(f"  codes equal to pure ({method})", "yes" if same else "NO", widths=(44, 10)))
+        print(_line(f"  codes equal to pure ({method})", "yes" if same else "NO", widths=(48, 10)))
+
+
+def small_m_sweep() -> None:
+    """Tiles of the fp8_small_m kernel at M = 1 and 16 (N = K = 8192, bf16), per recipe; the best
+    (least time summed over both M) is applied to ``fp8_small_m.TILES`` for the rest of the run
+    (the defaults in floatxq/kernels/fp8_small_m.py come from this table)."""
+    from triton.testing import do_bench
+
+    print("== fp8_small_m tile sweep: median us (CUDA events, L2 flushed), N = K = 8192, bf16")
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(K, N, bias=True, device="cuda", dtype=torch.bfloat16)
+    xs = {m: torch.randn(m, K, device="cuda", dtype=torch.bfloat16) for m in (1, 16)}
+    bias = dense.bias.detach()
+    for method, block, recipe in (
+        ("tensor", None, "tensorwise"),
+        ("row", None, "rowwise"),
+        ("block", (128, 128), "blockwise"),
+    ):
+        q = fq.quantize_fp8_weight(
+            dense.weight.detach(), weight_scale_method=method, weight_block_size=block
+        )
+        codes, scale = q.qweight, 1 / q.scale_inv
+        results = []
+        for block_n in (64, 128):
+            for block_k in (128,) if recipe == "blockwise" else (128, 256):
+                for warps in (4, 8):
+                    for stages in (3, 4, 5):
+                        tiles = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                                     num_stages=stages)  # fmt: skip
+                        fp8_small_m.TILES[recipe] = tiles
+                        try:
+                            us = [
+                                do_bench(
+                                    lambda x=x, c=codes, sc=scale, r=recipe: fp8_small_m._launch(
+                                        x, c, sc, bias, r, False
+                                    ),
+                                    warmup=5,
+                                    rep=30,
+                                    return_mode="median",
+                                )
+                                * 1e3
+                                for x in xs.values()
+                            ]
+                        except Exception as exc:  # out of resources: not a candidate
+                            print(f"  {recipe} {tiles}: {type(exc).__name__}")
+                            continue
+                        results.append((sum(us), us, tiles))
+        results.sort(key=lambda r: r[0])
+        for _, us, tiles in results[:3]:
+            cells = (f"M=1 {us[0]:.1f}", f"M=16 {us[1]:.1f}", str(tiles))
+            print(_line(recipe, *cells, widths=(12, 12, 12, 80)))
+        fp8_small_m.TILES[recipe] = results[0][2]
+    print(f"applied: {fp8_small_m.TILES}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probe-only", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="sweep the fp8_small_m tiles first")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fp8_linear.py needs a CUDA device")
@@ -426,6 +502,8 @@ def main() -> None:
     probe()
     if args.probe_only:
         return
+    if args.sweep:
+        small_m_sweep()
     forward()
     weight_quantize()
 

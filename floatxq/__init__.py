@@ -40,6 +40,7 @@ from floatxq.formats import (
     nvfp4_uses_headroom,
 )
 from floatxq.fp8 import (
+    FP8_SCALED_RECIPES,
     FP8Tokens,
     FP8Weight,
     decode_e8m0,
@@ -47,6 +48,7 @@ from floatxq.fp8 import (
     direct_to_inverse_scale,
     fp8_cast,
     fp8_decode,
+    fp8_scaled_linear,
     fp8_token_dequantize,
     fp8_token_qdq,
     fp8_token_quantize,
@@ -77,7 +79,11 @@ from floatxq.int4 import (
     split_int4_planes,
     unpack_gptq_int4,
 )
-from floatxq.kernels import quantize_fp8_weight_auto, quantize_fp8_weight_kernel
+from floatxq.kernels import (
+    fp8_scaled_linear_kernel,
+    quantize_fp8_weight_auto,
+    quantize_fp8_weight_kernel,
+)
 from floatxq.nn import ROUTES, ConvGeometry, TorchFP8Linear
 from floatxq.nvfp4 import (
     DEFAULT_REPORT_RECIPES,
@@ -143,6 +149,7 @@ __all__ = [
     "FP4_E2M1_MAX",
     "FP8_E4M3_MAX",
     "FP8_FORMATS",
+    "FP8_SCALED_RECIPES",
     "GPTQ_BITS",
     "GPTQ_FORMATS",
     "GPTQ_ROTATIONS",
@@ -192,6 +199,8 @@ __all__ = [
     "fp8_decode",
     "fp8_dtype",
     "fp8_max",
+    "fp8_scaled_linear",
+    "fp8_scaled_linear_kernel",
     "fp8_token_dequantize",
     "fp8_token_qdq",
     "fp8_token_quantize",

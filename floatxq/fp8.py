@@ -26,6 +26,7 @@ from floatxq.formats import (
 )
 
 __all__ = [
+    "FP8_SCALED_RECIPES",
     "FP8Tokens",
     "FP8Weight",
     "decode_e8m0",
@@ -33,6 +34,7 @@ __all__ = [
     "direct_to_inverse_scale",
     "fp8_cast",
     "fp8_decode",
+    "fp8_scaled_linear",
     "fp8_token_dequantize",
     "fp8_token_qdq",
     "fp8_token_quantize",
@@ -486,3 +488,109 @@ def fp8_token_qdq(x: Float[Tensor, "*b k"]) -> Float[Tensor, "*b k"]:
         return x
     tokens = fp8_token_quantize(x)
     return fp8_token_dequantize(tokens.codes, tokens.scale, dtype=x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The scaled FP8 linear (what the scaled_mm routes and the small-M kernel compute)
+# ----------------------------------------------------------------------------------------------
+
+FP8_SCALED_RECIPES = ("tensorwise", "rowwise", "blockwise")
+"""How ``x`` is quantized against an FP8 weight in :func:`fp8_scaled_linear`, by weight layout:
+tensor scales (``x`` per tensor, in the weight's format), row scales (``x`` per row, E4M3) and
+``[128, 128]`` blocks (``x`` per 1×128 block, E4M3)."""
+
+_RECIPE_X = {
+    "tensorwise": ("tensor", None),
+    "rowwise": ("row", None),
+    "blockwise": ("block", (1, 128)),
+}
+
+
+def fp8_scaled_linear(
+    x: Float[Tensor, "m k"],
+    weight: FP8Dtype[Tensor, "n k"],
+    weight_scale_inv: Float32[Tensor, "*scale"],
+    bias: Float[Tensor, "n"] | None = None,  # noqa: F821
+    *,
+    recipe: str,
+) -> Float[Tensor, "m n"]:
+    """``x @ W.T + bias`` as the FP8 GEMM routes compute it: ``x`` quantized, both operands FP8.
+
+    The pure reference of ``TorchFP8Linear``'s ``scaled_mm`` routes and of the Triton small-M
+    kernel. ``x`` is quantized with the weight formula (``scale_inv = fp8_max / max(amax,
+    FLT_MIN)``, :func:`quantize_fp8_weight`) per tensor in the weight's format (``tensorwise``),
+    per row in E4M3 (``rowwise``) or per 1×128 block in E4M3 (``blockwise``); then
+    ``out[m, n] = Σ_k code_x[m, k] · code_w[n, k] · sx · sw + bias[n]`` with direct scales
+    ``sx = 1 / scale_inv_x`` and ``sw = 1 / weight_scale_inv`` (FP32 IEEE quotients, as the GEMMs
+    are given them); for ``blockwise`` each 128-wide K block's partial sum takes its own
+    ``sx[m, kb] · sw[n // 128, kb]``.
+
+    Args:
+      x: ``(m, k)`` floating activations (finite).
+      weight: ``(n, k)`` FP8 codes (``float8_e4m3fn``; ``float8_e5m2`` for ``rowwise``).
+      weight_scale_inv: FP32 inverse scales: ``()`` (tensorwise), ``(n,)`` (rowwise) or
+        ``(n/128, k/128)`` (blockwise).
+      bias: ``(n,)`` or None; added after it is rounded to ``x.dtype`` (as the routes pass it).
+      recipe: one of :data:`FP8_SCALED_RECIPES`.
+
+    Returns:
+      ``(m, n)`` in ``x.dtype``.
+
+    Raises:
+      ValueError: an unknown recipe, mismatched shapes or scale layout, non-finite ``x``.
+      TypeError: ``weight`` is not an FP8 tensor the recipe takes, ``x`` is not floating.
+
+    Numerics: products and sums in float64 (exact products, sums to ~2**-53), rounded to FP32
+    and then once to ``x.dtype``; a GEMM accumulating in FP32 differs from it only by its FP32
+    summation order and scale roundings (the kernels' tests bound that difference per element).
+
+    Example:
+      >>> q = quantize_fp8_weight(torch.eye(2) * 448, weight_scale_method="tensor")  # scale 1
+      >>> fp8_scaled_linear(torch.tensor([[448.0, -0.5]]), *q, recipe="tensorwise").tolist()
+      [[200704.0, -224.0]]
+    """
+    where = "fp8_scaled_linear"
+    if recipe not in _RECIPE_X:
+        raise ValueError(f"{where}: recipe must be one of {FP8_SCALED_RECIPES}, got {recipe!r}")
+    _require_floating(x, name="x", where=where)
+    if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"{where}: x (m, k) and weight (n, k) must share k, got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    name = str(weight.dtype).removeprefix("torch.")
+    allowed = ("float8_e4m3fn", "float8_e5m2") if recipe == "rowwise" else ("float8_e4m3fn",)
+    if name not in allowed:
+        raise TypeError(
+            f"{where}: the {recipe} recipe takes {' or '.join(allowed)} codes, got {name}"
+        )
+    (m, k), n = x.shape, weight.shape[0]
+    expected = {"tensorwise": (), "rowwise": (n,), "blockwise": (-(-n // 128), -(-k // 128))}
+    if recipe == "blockwise" and (n % 128 or k % 128):
+        raise ValueError(f"{where}: blockwise needs n and k divisible by 128, got ({n}, {k})")
+    if tuple(weight_scale_inv.shape) != expected[recipe] or weight_scale_inv.dtype != torch.float32:
+        raise ValueError(
+            f"{where}: the {recipe} recipe takes float32 weight_scale_inv of shape "
+            f"{expected[recipe]}, got {weight_scale_inv.dtype} {tuple(weight_scale_inv.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"{where}: bias must have shape ({n},), got {tuple(bias.shape)}")
+    method, block = _RECIPE_X[recipe]
+    x_format = name if recipe == "tensorwise" else "float8_e4m3fn"
+    xq = quantize_fp8_weight(
+        x, format=x_format, weight_scale_method=method, weight_block_size=block
+    )
+    sx = (torch.ones_like(xq.scale_inv) / xq.scale_inv).double()
+    sw = (torch.ones_like(weight_scale_inv) / weight_scale_inv).double()
+    cx, cw = xq.qweight.float().double(), weight.float().double()
+    if recipe == "blockwise":
+        kb = k // 128
+        parts = torch.einsum("mbk,nbk->mnb", cx.reshape(m, kb, 128), cw.reshape(n, kb, 128))
+        out = (parts * sx[:, None, :] * sw.repeat_interleave(128, dim=0)[None, :, :]).sum(-1)
+    elif recipe == "rowwise":
+        out = (cx @ cw.T) * sx[:, None] * sw[None, :]
+    else:
+        out = (cx @ cw.T) * (sx * sw)
+    if bias is not None:
+        out = out + bias.to(x.dtype).double()
+    return out.float().to(x.dtype)

@@ -21,7 +21,8 @@ from transformers.pytorch_utils import Conv1D
 
 import floatxq as fq
 from floatxq.nn import ROUTES, TorchFP8Linear
-from floatxq.testing import assert_bitwise_equal, unchecked
+from floatxq.nn.fp8_linear import SMALL_M
+from floatxq.testing import assert_bitwise_equal, assert_fp8_linear_close, unchecked
 
 LAYOUTS = [("tensor", None), ("row", None), ("block", (16, 32))]
 ENCODABLE = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
@@ -519,18 +520,30 @@ ROUTE_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_scaled_mm_routes_match_the_decoded_reference(method, block, name, route, x_quant, dtype):
     _, layer = _route_layer(method, block, name=name)
-    for m in (1, 16, 33, 256):
-        x = torch.randn(2, m, 512, device="cuda").to(dtype)
-        got = layer(x)
-        assert layer.last_route == route, layer.last_fallback_reason
-        assert layer.last_fallback_reason is None
-        assert got.dtype == dtype and got.shape == (2, m, 384)
-        flat = x.reshape(-1, 512).float()
-        x_format, x_method, x_block = x_quant
-        emulated = _emulated(layer, flat, x_format=x_format, x_method=x_method, x_block=x_block)
-        assert _rel(got.reshape(-1, 384), emulated) < 1e-2
-        decoded = flat @ layer.dequantize_weight().T + layer.bias.float()
-        assert _rel(got.reshape(-1, 384), decoded) < 0.08
+    recipe = {"tensor": "tensorwise", "row": "rowwise", "block": "blockwise"}[method]
+    for small_m in (True, False):  # rows <= SMALL_M take the fused kernel unless it is off
+        if not small_m:
+            layer._runtime.disabled[("fp8_small_m", dtype)] = "off for this test"
+        for m in (1, 8, 16, 33, 256, 8, 1):  # repeated sizes reuse the bound route and launch
+            x = torch.randn(2, m, 512, device="cuda").to(dtype)
+            got = layer(x)
+            rows = 2 * m
+            expected = "fp8_small_m" if small_m and rows <= SMALL_M else route
+            assert layer.last_route == expected, layer.last_fallback_reason
+            assert layer.last_fallback_reason is None
+            assert got.dtype == dtype and got.shape == (2, m, 384)
+            flat = x.reshape(-1, 512)
+            assert_fp8_linear_close(
+                got.reshape(-1, 384), flat, layer.weight, layer.weight_scale_inv,
+                layer.bias.to(dtype), recipe=recipe, msg=expected, accumulator_bits=22,
+            )  # fmt: skip
+            x_format, x_method, x_block = x_quant
+            emulated = _emulated(
+                layer, flat.float(), x_format=x_format, x_method=x_method, x_block=x_block
+            )
+            assert _rel(got.reshape(-1, 384), emulated) < 1e-2
+            decoded = flat.float() @ layer.dequantize_weight().T + layer.bias.float()
+            assert _rel(got.reshape(-1, 384), decoded) < 0.08
 
 
 @pytest.mark.gpu
@@ -568,9 +581,29 @@ def test_ineligible_inputs_fall_back_with_a_reason(kwargs, shape, dtype, reason)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("method", "block"), [("tensor", None), ("row", None), ("block", (128, 128))]
+)
+def test_routes_rebind_when_a_buffer_is_replaced(method, block):
+    # A route binds its weight-side operands (direct scales, the cast bias) on first use;
+    # assigning a new buffer must not leave the old ones in use.
+    bias = _linear(512, 384, seed=0).bias.detach().cuda().half().float()
+    cases = ((SMALL_M, "fp8_small_m"), (4 * SMALL_M, f"scaled_mm_{_route_name(method)}"))
+    for rows, route in cases:
+        _, layer = _route_layer(method, block)
+        x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+        first = layer(x).float()
+        layer.weight_scale_inv = layer.weight_scale_inv * 2  # the decoded weight halves, exactly
+        layer.bias = torch.zeros_like(layer.bias)
+        second = layer(x).float()
+        assert layer.last_route == route, layer.last_fallback_reason
+        assert _rel(second, (first - bias) / 2) < 1e-2
+
+
+@pytest.mark.gpu
 def test_a_failing_scaled_mm_disables_the_route_for_that_dtype(monkeypatch):
     _, layer = _route_layer("tensor", None)
-    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4 * SMALL_M, 512, device="cuda", dtype=torch.bfloat16)
     real = torch._scaled_mm
 
     def broken(*args, **kwargs):
@@ -594,6 +627,36 @@ def test_a_failing_scaled_mm_disables_the_route_for_that_dtype(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_small_m_kernel_falls_back_to_scaled_mm(monkeypatch):
+    import floatxq.nn.fp8_linear as module
+
+    _, layer = _route_layer("row", None)
+    x = torch.randn(3, 512, device="cuda", dtype=torch.bfloat16)
+
+    def broken(*args):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(module, "small_m_launch", broken)
+    with pytest.warns(RuntimeWarning, match="now uses scaled_mm_rowwise"):
+        got = layer(x)
+    assert layer.last_route == "scaled_mm_rowwise" and layer.last_fallback_reason is None
+    assert_fp8_linear_close(
+        got, x, layer.weight, layer.weight_scale_inv, layer.bias.to(x.dtype), recipe="rowwise",
+        accumulator_bits=22,
+    )  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="no such kernel"):
+        layer(x.half())
+    assert layer.last_route == "scaled_mm_rowwise"  # the kernel still fails for fp16 ...
+    monkeypatch.undo()
+    layer(x)
+    assert layer.last_route == "scaled_mm_rowwise"  # ... and stays off for bf16 on this module
+    _, fresh = _route_layer("row", None)
+    monkeypatch.setattr(module, "triton_unavailable_reason", lambda device: "no Triton here")
+    fresh(x)
+    assert fresh.last_route == "scaled_mm_rowwise"
+
+
+@pytest.mark.gpu
 def test_device_moves_carry_bytes_and_forward_follows():
     layer = TorchFP8Linear.from_linear(_linear(512, 384), weight_scale_method="tensor")
     before = {k: v.clone() for k, v in layer.state_dict().items()}
@@ -603,7 +666,7 @@ def test_device_moves_carry_bytes_and_forward_follows():
         assert_bitwise_equal(getattr(layer, key).cpu(), tensor, msg=key)
     x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
     layer(x)
-    assert layer.last_route == "scaled_mm_tensorwise"
+    assert layer.last_route == "fp8_small_m"
     with pytest.raises(TypeError, match="buffers are on"):
         unchecked(TorchFP8Linear.forward)(layer, x.cpu())
     layer.cpu()

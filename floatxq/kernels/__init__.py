@@ -17,9 +17,11 @@ from floatxq.kernels._triton import (
     triton_interpret_enabled,
     triton_unavailable_reason,
 )
+from floatxq.kernels.fp8_small_m import fp8_scaled_linear_kernel
 from floatxq.kernels.fp8_weight import quantize_fp8_input, quantize_fp8_weight_kernel
 
 __all__ = [
+    "fp8_scaled_linear_kernel",
     "quantize_fp8_input",
     "quantize_fp8_weight_auto",
     "quantize_fp8_weight_kernel",

@@ -7,10 +7,10 @@ scale + clamp + convert) run inside one program and the second pass reads from r
 
 * ``row`` and ``(1, bc)`` blocks: a program takes a few rows of one column group; per-row amax.
 * ``(br, bc)`` blocks with ``br > 1``: a program takes one block.
-* ``tensor``: one program for up to 65536 elements; otherwise a first pass that stores each
-  program's amax and a second pass whose programs take the max of those partial maxima (or
-  torch's ``amax`` of them, when there are more than 256) before quantizing. Max is exact in any
-  order, so the bytes never depend on the split.
+* ``tensor``: one program for up to 65536 elements; otherwise two launches: a few programs per
+  SM each take the amax of strided row tiles, then one program per row tile takes the max of
+  those partial maxima itself and quantizes, last tile first (the rows the first pass read last
+  may still be in L2). Max is exact in any order, so the bytes never depend on the split.
 
 Numerics, mirroring :mod:`floatxq.fp8` without re-deriving it:
 
@@ -32,6 +32,7 @@ Triton is imported on the first launch; importing this module needs neither Trit
 """
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import re
@@ -55,7 +56,9 @@ from floatxq.fp8 import (
     _weight_arguments,
 )
 from floatxq.kernels._triton import (
+    CachedLauncher,
     import_triton,
+    triton_available,
     triton_interpret_enabled,
     triton_unavailable_reason,
 )
@@ -72,6 +75,11 @@ class constexpr:
 
 
 _MODE_FULL, _MODE_AMAX, _MODE_GIVEN = 0, 1, 2
+_CONSTEXPR_ORDER = (
+    "FMAX", "FLT_MAX", "TINY_BITS", "MODE", "PER_ROW", "DIRECT", "CONVERT", "MANT", "BIAS",
+    "FNUZ", "TILE_R", "TILE_C", "R_ITERS", "C_ITERS", "P_BLOCK",
+)  # fmt: skip
+"""The kernel's constexpr parameters in signature order (every launch passes them by position)."""
 _CONVERT_PTX_E4M3, _CONVERT_PTX_E5M2, _CONVERT_INTEGER = 0, 1, 2
 _PTX_CONVERT = {"float8_e4m3fn": _CONVERT_PTX_E4M3, "float8_e5m2": _CONVERT_PTX_E5M2}
 _PTX_MIN_CAPABILITY = (8, 9)
@@ -81,12 +89,67 @@ _MAX_TILE = 16384
 """Largest tile (elements) a program holds; a 128×128 block or an 8192-wide row fits whole."""
 _TENSOR_ONE_PROGRAM = 1 << 16
 """Tensor-scaled inputs up to this many elements run as a single program (one launch)."""
-_IN_KERNEL_PARTIALS = 256
-"""Tensor scaling: up to this many partial maxima are reduced inside the second pass."""
+_IN_KERNEL_PARTIALS = 1024
+"""Tensor scaling: at most this many amax programs (each quantize program reduces their maxima)."""
+_AMAX_PROGRAMS_PER_SM = 2
+"""Tensor scaling: amax-pass programs per SM (swept on the H200, see benchmarks/RESULTS.md)."""
 _KERNEL_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _TINY_BITS = struct.unpack("<I", struct.pack("<f", FLOAT32_TINY))[0]
 """Bit pattern of FLT_MIN: the amax floor, applied to bit patterns (0x00800000)."""
+
+
+def _fp8_encode(y, CONVERT: constexpr, MANT: constexpr, BIAS: constexpr, FNUZ: constexpr):
+    """int8 FP8 codes of FP32 ``y`` (clamped to ±fp8_max, NaN kept) with one nearest-even step.
+
+    CONVERT 0/1: the PTX ``cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32`` instruction; 2: an integer
+    encoder into (MANT, BIAS, FNUZ). Jitted on the first launch and called by every FP8 kernel
+    that writes codes, so their codes cannot drift apart.
+    """
+    if CONVERT == 0:
+        code = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+            "mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r",
+            [y],
+            dtype=tl.int8,
+            is_pure=True,
+            pack=4,
+        )
+    elif CONVERT == 1:
+        code = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi;\n"
+            "cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1;\n"
+            "cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3;\n"
+            "mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r",
+            [y],
+            dtype=tl.int8,
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        # Integer round-to-nearest-even into (MANT, BIAS); |y| <= FMAX, so no overflow.
+        bits = y.to(tl.int32, bitcast=True)
+        sign = (bits >> 31) & 1
+        a = bits & 0x7FFFFFFF
+        # normal range: round the FP32 mantissa to MANT bits, then re-bias
+        kept = (a + ((1 << (22 - MANT)) - 1) + ((a >> (23 - MANT)) & 1)) >> (23 - MANT)
+        normal = kept - ((127 - BIAS) << MANT)
+        # subnormal range: the code is round(|y| / 2**(1 - BIAS - MANT))
+        mant = (a & 0x7FFFFF) | 0x800000
+        shift = tl.minimum(tl.maximum((151 - BIAS - MANT) - (a >> 23), 1), 25)
+        sub = (mant + (1 << (shift - 1)) - 1 + ((mant >> shift) & 1)) >> shift
+        mag = tl.where(a >= ((128 - BIAS) << 23), normal, sub)
+        if FNUZ:
+            code32 = tl.where(mag == 0, 0, mag | (sign << 7))
+            code32 = tl.where(a > 0x7F800000, 0x80, code32)
+        else:
+            code32 = tl.where(a > 0x7F800000, 0x7F, mag) | (sign << 7)
+        code = code32.to(tl.int8)
+    return code
 
 
 def _fp8_quantize_kernel(
@@ -105,6 +168,7 @@ def _fp8_quantize_kernel(
     region_cols,
     n_groups,
     n_partials,
+    n_iters,
     FMAX: constexpr,
     FLT_MAX: constexpr,
     TINY_BITS: constexpr,
@@ -126,13 +190,18 @@ def _fp8_quantize_kernel(
     PER_ROW: regions are ``(1, region_cols)``; the program takes TILE_R rows of column group
     ``pid % n_groups``; rows ``>= rows_valid`` read as zeros (padding: codes 0, scale 1).
     Otherwise the program takes region ``(pid // n_groups, pid % n_groups)`` of size
-    ``(region_rows, region_cols)``. MODE 0 computes amax per region; MODE 1 only stores this
-    program's amax (FP32) at ``aux_ptr[pid]``; MODE 2 takes the global amax as the max of
-    ``aux_ptr[:n_partials]`` (P_BLOCK > 0) or ``aux_ptr[0]`` (P_BLOCK == 0). DIRECT stores
-    ``1 / scale_inv`` instead of ``scale_inv``. A region spans R_ITERS × C_ITERS tiles (loop
-    counts are compile-time constants); a one-tile region is loaded once.
+    ``(region_rows, region_cols)``. MODE 0 computes amax per region; MODE 1 (per-row tiles) only
+    stores the amax (FP32) of row tiles ``pid + i * n_partials`` (``i < n_iters``) at
+    ``aux_ptr[pid]`` (``n_partials`` programs); MODE 2 runs its programs last to first and
+    takes the global amax as the max of ``aux_ptr[:n_partials]`` (P_BLOCK > 0) or
+    ``aux_ptr[0]`` (P_BLOCK == 0). DIRECT stores ``1 / scale_inv`` instead of ``scale_inv``. A
+    region spans R_ITERS × C_ITERS tiles (loop counts are compile-time constants); a one-tile
+    region is loaded once.
     """
     pid = tl.program_id(0)
+    if MODE == 2:
+        # Last-to-first: the rows the amax pass read last may still sit in L2.
+        pid = tl.num_programs(0) - 1 - pid
     pr = pid // n_groups
     pc = pid % n_groups
     if PER_ROW:
@@ -147,7 +216,7 @@ def _fp8_quantize_kernel(
     offs_r = tl.arange(0, TILE_R)
     offs_c = tl.arange(0, TILE_C)
 
-    if R_ITERS * C_ITERS == 1:
+    if R_ITERS * C_ITERS == 1 and MODE != 1:
         rr = r_start + offs_r
         cc = c_start + offs_c
         m = (rr < r_load)[:, None] & (cc < c_stop)[None, :]
@@ -163,6 +232,21 @@ def _fp8_quantize_kernel(
         else:
             amax_bits = tl.load(aux_ptr).to(tl.int32, bitcast=True)
         acc = tl.zeros([TILE_R], dtype=tl.int32) + amax_bits
+    elif MODE == 1:
+        # Row tiles pid, pid + n_partials, ... (n_partials programs in all), elementwise max.
+        wide = tl.zeros([TILE_R, TILE_C], dtype=tl.int32)
+        i = 0
+        while i < n_iters:  # (a while loop: the interpreter cannot range() over a runtime int)
+            for j in range(C_ITERS):
+                rr = (pid + i * n_partials) * TILE_R + offs_r
+                cc = j * TILE_C + offs_c
+                m = (rr < rows_valid)[:, None] & (cc < cols)[None, :]
+                ptrs = w_ptr + rr.to(tl.int64)[:, None] * stride_wr
+                ptrs += cc.to(tl.int64)[None, :] * stride_wc
+                x = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
+                wide = tl.maximum(wide, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+            i += 1
+        acc = tl.max(wide, axis=1)
     else:
         if R_ITERS * C_ITERS == 1:
             acc = tl.max(x_single.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
@@ -222,74 +306,51 @@ def _fp8_quantize_kernel(
                     x = tl.load(ptrs, mask=m & (rr < r_load)[:, None], other=0.0).to(tl.float32)
                 y = x * inv[:, None]
                 y = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
-                if CONVERT == 0:
-                    code = tl.inline_asm_elementwise(
-                        "{ .reg .b16 lo, hi;\n"
-                        "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
-                        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
-                        "mov.b32 $0, {lo, hi}; }",
-                        "=r,r,r,r,r",
-                        [y],
-                        dtype=tl.int8,
-                        is_pure=True,
-                        pack=4,
-                    )
-                elif CONVERT == 1:
-                    code = tl.inline_asm_elementwise(
-                        "{ .reg .b16 lo, hi;\n"
-                        "cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1;\n"
-                        "cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3;\n"
-                        "mov.b32 $0, {lo, hi}; }",
-                        "=r,r,r,r,r",
-                        [y],
-                        dtype=tl.int8,
-                        is_pure=True,
-                        pack=4,
-                    )
-                else:
-                    # Integer round-to-nearest-even into (MANT, BIAS); |y| <= FMAX, so no overflow.
-                    bits = y.to(tl.int32, bitcast=True)
-                    sign = (bits >> 31) & 1
-                    a = bits & 0x7FFFFFFF
-                    # normal range: round the FP32 mantissa to MANT bits, then re-bias
-                    kept = (a + ((1 << (22 - MANT)) - 1) + ((a >> (23 - MANT)) & 1)) >> (23 - MANT)
-                    normal = kept - ((127 - BIAS) << MANT)
-                    # subnormal range: the code is round(|y| / 2**(1 - BIAS - MANT))
-                    mant = (a & 0x7FFFFF) | 0x800000
-                    shift = tl.minimum(tl.maximum((151 - BIAS - MANT) - (a >> 23), 1), 25)
-                    sub = (mant + (1 << (shift - 1)) - 1 + ((mant >> shift) & 1)) >> shift
-                    mag = tl.where(a >= ((128 - BIAS) << 23), normal, sub)
-                    if FNUZ:
-                        code32 = tl.where(mag == 0, 0, mag | (sign << 7))
-                        code32 = tl.where(a > 0x7F800000, 0x80, code32)
-                    else:
-                        code32 = tl.where(a > 0x7F800000, 0x7F, mag) | (sign << 7)
-                    code = code32.to(tl.int8)
+                code = _fp8_encode(y, CONVERT, MANT, BIAS, FNUZ)
                 q_ptrs = q_ptr + rr.to(tl.int64)[:, None] * cols + cc.to(tl.int64)[None, :]
                 tl.store(q_ptrs, code, mask=m)
 
 
-_BUILT: dict[bool, Any] = {}
+_BUILT: dict[bool, CachedLauncher] = {}
 _LAST_COMPILED: list[Any] = [None]
 """The last launch's compiled kernel (its ``.asm["ptx"]`` is read by the benchmark's probe)."""
 
 
-def _kernel() -> Any:
-    """The jitted kernel for the current mode (compiled, or interpreted under TRITON_INTERPRET)."""
+_ENCODE_SOURCE = _fp8_encode
+_JITTED: dict[bool, Any] = {}
+"""``triton.jit(_fp8_encode)`` per mode (compiled or interpreted)."""
+
+
+def bind_triton(where: str) -> tuple[Any, Any]:
+    """Import Triton and bind it where this module's kernel sources look it up (idempotent).
+
+    Returns ``(triton, jitted _fp8_encode)`` for the current mode: other kernel modules bind the
+    helper as their own global ``_fp8_encode`` so every kernel writes codes through it.
+    """
+    triton, language = import_triton(where=where)
+    global tl, constexpr, _fp8_encode
+    tl = language
+    # The compiler resolves the parameter annotations in this module's globals: from now on
+    # ``constexpr`` is Triton's own (the placeholder only served while Triton was absent).
+    constexpr = language.constexpr
     interpret = triton_interpret_enabled()
-    kernel = _BUILT.get(interpret)
-    if kernel is None:
-        triton, language = import_triton(where="quantize_fp8_weight_kernel")
-        global tl, constexpr
-        tl = language
-        # The compiler resolves the parameter annotations in this module's globals: from now on
-        # ``constexpr`` is Triton's own (the placeholder only served while Triton was absent).
-        constexpr = language.constexpr
+    encode = _JITTED.get(interpret)
+    if encode is None:
         # inspect.unwrap: the test run's jaxtyping hook wraps every floatxq function, and Triton
         # must see the plain function (its source and this module's globals).
-        kernel = triton.jit(inspect.unwrap(_fp8_quantize_kernel))
-        _BUILT[interpret] = kernel
-    return kernel
+        encode = _JITTED[interpret] = triton.jit(inspect.unwrap(_ENCODE_SOURCE))
+    _fp8_encode = encode
+    return triton, encode
+
+
+def _launcher(interpret: bool) -> CachedLauncher:
+    """The kernel for the mode (compiled, or interpreted under TRITON_INTERPRET)."""
+    launcher = _BUILT.get(interpret)
+    if launcher is None:
+        triton, _ = bind_triton("quantize_fp8_weight_kernel")
+        launcher = CachedLauncher(triton.jit(inspect.unwrap(_fp8_quantize_kernel)))
+        _BUILT[interpret] = launcher
+    return launcher
 
 
 @functools.cache
@@ -367,6 +428,113 @@ def _scale_strides(scale: Tensor) -> tuple[int, int]:
     return scale.stride(0), scale.stride(1)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Plan:
+    """Everything about one launch configuration that does not depend on the tensors' data.
+
+    ``steps``: ``(grid, arguments after the four pointers, launch options, aux)`` per launch,
+    where aux 1 passes the partial-maxima buffer as ``aux_ptr`` (else the scale tensor).
+    """
+
+    rows: int
+    codes_dtype: torch.dtype
+    scale_shape: tuple[int, ...]
+    partials: int
+    steps: tuple[tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any], int], ...]
+
+
+_PLANS: dict[Any, _Plan] = {}
+"""Plans by (shape, strides, dtype, device, format, layout, scale strides, options, mode)."""
+
+
+def _amax_programs(device: torch.device, row_tiles: int) -> int:
+    """Programs of the tensor layout's amax pass: a few per SM, each looping over row tiles."""
+    if device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        sms = 2  # the interpreter (CPU tensors): small enough that tests reach the strided loop
+    return max(1, min(row_tiles, _AMAX_PROGRAMS_PER_SM * sms, _IN_KERNEL_PARTIALS))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _layout_shape(
+    method: str, block: tuple[int, int] | None, rows: int, cols: int
+) -> tuple[int, ...]:
+    if method == "tensor":
+        return ()
+    if method == "row":
+        return (rows,)
+    return (rows // block[0], cols // block[1])  # type: ignore[index]
+
+
+def _make_plan(
+    w: Tensor,
+    name: str,
+    method: str,
+    block: tuple[int, int] | None,
+    scale_strides: tuple[int, int],
+    *,
+    direct: bool,
+    convert: str | None,
+    rows: int,
+) -> _Plan:
+    rows_valid, cols = w.shape
+    per_row = method == "row" or (method == "block" and block[0] == 1)  # type: ignore[index]
+    scale_shape = _layout_shape(method, block, rows, cols)
+    mant, bias, fnuz = _format_bits(name)
+    constants = dict(
+        FMAX=fp8_max(name),
+        FLT_MAX=FLOAT32_MAX,
+        TINY_BITS=_TINY_BITS,
+        DIRECT=direct,
+        CONVERT=_conversion(name, w.device, convert),
+        MANT=mant,
+        BIAS=bias,
+        FNUZ=fnuz,
+    )
+    dims = (rows, rows_valid, cols, w.stride(0), w.stride(1), *scale_strides)
+
+    def step(grid: int, ints: tuple[int, ...], mode: int, per: bool, p_block: int, aux: int,
+             tiles: dict[str, int]) -> tuple[Any, ...]:  # fmt: skip
+        tiles = dict(tiles)
+        options = {"num_warps": tiles.pop("num_warps")}
+        named = dict(constants, MODE=mode, PER_ROW=per, P_BLOCK=p_block, **tiles)
+        tail = (*dims, *ints, *(named[k] for k in _CONSTEXPR_ORDER))
+        return ((grid, 1, 1), tail, options, aux)
+
+    partials = 0
+    if per_row:
+        width = cols if method == "row" else block[1]  # type: ignore[index]
+        groups = cols // width
+        tiles = _tiles(rows, width, per_row=True)
+        grid = _cdiv(rows, tiles["TILE_R"]) * groups
+        steps = (step(grid, (1, width, groups, 0, 0), _MODE_FULL, True, 0, 0, tiles),)
+    elif method == "block":
+        br, bc = block  # type: ignore[misc]
+        tiles = _tiles(br, bc, per_row=False)
+        grid = (rows // br) * (cols // bc)
+        steps = (step(grid, (br, bc, cols // bc, 0, 0), _MODE_FULL, False, 0, 0, tiles),)
+    elif rows * cols <= _TENSOR_ONE_PROGRAM:
+        tiles = _tiles(rows, cols, per_row=False)
+        steps = (step(1, (rows, cols, 1, 0, 0), _MODE_FULL, False, 0, 0, tiles),)
+    else:
+        # Two launches: a few programs per SM take the amax of strided row tiles, then one
+        # program per row tile reduces those partial maxima itself and quantizes.
+        tiles = _tiles(rows, cols, per_row=True)
+        row_tiles = _cdiv(rows, tiles["TILE_R"])
+        partials = _amax_programs(w.device, row_tiles)
+        ints = (1, cols, 1, partials, _cdiv(row_tiles, partials))
+        steps = (
+            step(partials, ints, _MODE_AMAX, True, 0, 1, tiles),
+            step(row_tiles, ints, _MODE_GIVEN, True, _next_pow2(partials), 1, tiles),
+        )
+    return _Plan(rows, getattr(torch, name), scale_shape, partials, steps)
+
+
 def _launch(
     w: Tensor,
     name: str,
@@ -384,89 +552,68 @@ def _launch(
     ``direct`` they are ``1 / scale_inv`` (decode by multiplying), else ``scale_inv``.
     ``rows_out`` (row and ``(1, bc)`` layouts) pads the result with rows of zeros (codes 0,
     scale 1) without copying ``w``.
+
+    Host cost: the launch configuration is computed once per shape, strides, dtype and options
+    (``_PLANS``), and Triton binds the arguments once per configuration and alignment
+    (:class:`CachedLauncher`); a repeated call allocates its outputs and launches.
     """
-    rows_valid, cols = w.shape
-    rows = rows_valid if rows_out is None else rows_out
-    per_row = method == "row" or (method == "block" and block[0] == 1)  # type: ignore[index]
-    if rows < rows_valid or (rows != rows_valid and not per_row):
-        raise ValueError(f"_launch: rows_out={rows_out} needs a per-row layout and >= {rows_valid}")
-    device = w.device
-    codes = torch.empty((rows, cols), dtype=getattr(torch, name), device=device)
-    if scale_out is None:
-        if method == "tensor":
-            shape: tuple[int, ...] = ()
-        elif method == "row":
-            shape = (rows,)
-        else:
-            shape = (rows // block[0], cols // block[1])  # type: ignore[index]
-        scale_out = torch.empty(shape, dtype=torch.float32, device=device)
-    if w.numel() == 0:
-        if codes.numel():
-            codes.view(torch.uint8).zero_()
-        return codes, scale_out.fill_(1.0)  # every region is empty: amax 0, scale 1
-    if w.dtype not in _KERNEL_INPUT_DTYPES or (
-        triton_interpret_enabled() and w.dtype != torch.float32
-    ):
+    interpret = triton_interpret_enabled()
+    if w.dtype not in _KERNEL_INPUT_DTYPES or (interpret and w.dtype != torch.float32):
         # (The interpreter's bf16 -> fp32 cast flushes subnormals; torch's is exact.)
         w = w.to(torch.float32)
-    kernel = _kernel()
-    mant, bias, fnuz = _format_bits(name)
-    stride_sr, stride_sc = _scale_strides(scale_out)
-    common = dict(
-        FMAX=fp8_max(name),
-        FLT_MAX=FLOAT32_MAX,
-        TINY_BITS=_TINY_BITS,
-        DIRECT=direct,
-        CONVERT=_conversion(name, device, convert),
-        MANT=mant,
-        BIAS=bias,
-        FNUZ=fnuz,
+    rows_valid, cols = w.shape
+    rows = rows_valid if rows_out is None else rows_out
+    device = w.device
+    scale_strides = (0, 0) if scale_out is None else _scale_strides(scale_out)
+    key = (
+        w.shape, w.stride(), w.dtype, device, name, method, block, scale_strides, direct,
+        convert, rows, interpret,
+    )  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        per_row = method == "row" or (method == "block" and block[0] == 1)  # type: ignore[index]
+        if rows < rows_valid or (rows != rows_valid and not per_row):
+            raise ValueError(
+                f"_launch: rows_out={rows_out} needs a per-row layout and >= {rows_valid}"
+            )
+        if w.numel() == 0:  # every region is empty: amax 0, codes 0, scale 1
+            codes = torch.zeros((rows, cols), dtype=torch.uint8, device=device)
+            if scale_out is None:
+                shape = _layout_shape(method, block, rows, cols)
+                scale_out = torch.empty(shape, dtype=torch.float32, device=device)
+            return codes.view(getattr(torch, name)), scale_out.fill_(1.0)
+        if scale_out is None:
+            # the scale tensor this call allocates is contiguous: plan with its strides
+            shape = _layout_shape(method, block, rows, cols)
+            scale_strides = _scale_strides(torch.empty(shape, device="meta"))
+        plan = _make_plan(
+            w, name, method, block, scale_strides, direct=direct, convert=convert, rows=rows
+        )
+        _PLANS[key] = plan
+    codes = torch.empty((plan.rows, cols), dtype=plan.codes_dtype, device=device)
+    if scale_out is None:
+        scale_out = torch.empty(plan.scale_shape, dtype=torch.float32, device=device)
+    partials = (
+        torch.empty(plan.partials, dtype=torch.float32, device=device) if plan.partials else None
     )
+    launcher = _launcher(interpret)
     head = (w, codes.view(torch.int8), scale_out)
-    dims = (rows, rows_valid, cols, w.stride(0), w.stride(1), stride_sr, stride_sc)
+    aligned = (w.data_ptr() % 16 == 0, scale_out.data_ptr() % 16 == 0)
     guard: Any = contextlib.nullcontext()
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        guard = torch.cuda.device(device)
+    index = -1
+    if device.type == "cuda":
+        index = torch.cuda.current_device()
+        if device.index != index:
+            guard, index = torch.cuda.device(device), device.index  # type: ignore[assignment]
     with guard:
-        if per_row:
-            width = cols if method == "row" else block[1]  # type: ignore[index]
-            groups = cols // width
-            tiles = _tiles(rows, width, per_row=True)
-            _LAST_COMPILED[0] = kernel[(_cdiv(rows, tiles["TILE_R"]) * groups,)](
-                *head, scale_out, *dims, 1, width, groups, 0,
-                MODE=_MODE_FULL, PER_ROW=True, P_BLOCK=0, **tiles, **common,
-            )  # fmt: skip
-        elif method == "block":
-            br, bc = block  # type: ignore[misc]
-            _LAST_COMPILED[0] = kernel[((rows // br) * (cols // bc),)](
-                *head, scale_out, *dims, br, bc, cols // bc, 0,
-                MODE=_MODE_FULL, PER_ROW=False, P_BLOCK=0, **_tiles(br, bc, per_row=False),
-                **common,
-            )  # fmt: skip
-        elif rows * cols <= _TENSOR_ONE_PROGRAM:
-            _LAST_COMPILED[0] = kernel[(1,)](
-                *head, scale_out, *dims, rows, cols, 1, 0,
-                MODE=_MODE_FULL, PER_ROW=False, P_BLOCK=0, **_tiles(rows, cols, per_row=False),
-                **common,
-            )  # fmt: skip
-        else:
-            # Two launches: each program's amax, then the quantize pass, whose programs reduce
-            # the partial maxima themselves (or read torch's amax of them, for many partials).
-            tiles = _tiles(rows, cols, per_row=True)
-            programs = _cdiv(rows, tiles["TILE_R"])
-            partials = torch.empty(programs, dtype=torch.float32, device=device)
-            _LAST_COMPILED[0] = kernel[(programs,)](
-                *head, partials, *dims, 1, cols, 1, programs,
-                MODE=_MODE_AMAX, PER_ROW=True, P_BLOCK=0, **tiles, **common,
-            )  # fmt: skip
-            if programs <= _IN_KERNEL_PARTIALS:
-                amax, p_block = partials, _next_pow2(programs)
-            else:
-                amax, p_block = partials.amax(), 0  # max is exact in any order
-            _LAST_COMPILED[0] = kernel[(programs,)](
-                *head, amax, *dims, 1, cols, 1, programs,
-                MODE=_MODE_GIVEN, PER_ROW=True, P_BLOCK=p_block, **tiles, **common,
-            )  # fmt: skip
+        for i, (grid, tail, options, aux) in enumerate(plan.steps):
+            _LAST_COMPILED[0] = launcher(
+                (key, i, aligned),
+                grid,
+                (*head, partials if aux else scale_out, *tail),
+                options,
+                index,
+            )
     return codes, scale_out
 
 
@@ -592,7 +739,7 @@ def quantize_fp8_input(
     rows); scales are the IEEE quotient ``1 / scale_inv`` (Triton on CUDA when it imports, the
     pure helpers otherwise).
     """
-    if x.is_cuda and triton_unavailable_reason(x.device) is None:
+    if x.is_cuda and triton_available():
         codes, _ = _launch(
             x, format, method, block, scale_out=scale_out, direct=True, rows_out=rows_out
         )

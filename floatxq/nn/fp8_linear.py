@@ -29,6 +29,14 @@ not), for ``x`` of shape ``(*, in_features)`` and any floating dtype, output in 
     "DeepSeek" recipe through ``torch.nn.functional.scaled_mm``): ``x`` quantized per 1x128 block
     (E4M3, same formula); rows are padded to a multiple of 16 (cuBLAS refuses M = 1 or 17) with
     zero codes, and the padded outputs dropped.
+``fp8_small_m``
+    Where one of the three ``scaled_mm`` routes applies and ``x`` has at most :data:`SMALL_M`
+    rows (decode), and Triton imports: :func:`floatxq.kernels.fp8_scaled_linear_kernel`, one
+    launch that quantizes ``x`` with that route's recipe inside the GEMM (same ``x`` codes,
+    FP32 accumulation of exact products, the same direct scales and epilogue bias). It saves
+    the separate quantization launch and its host time; the result equals the ``scaled_mm``
+    route's up to FP32 summation order (both are checked against
+    :func:`floatxq.fp8_scaled_linear`).
 ``dequant_matmul``
     Everywhere else: the weight is decoded for this call only (``dequantize_fp8_weight`` in
     ``x.dtype``) and multiplied; no dense weight is kept between calls.
@@ -69,11 +77,17 @@ from floatxq.formats import (
     normalize_fp8_scale_method,
 )
 from floatxq.fp8 import dequantize_fp8_weight, infer_scale_layout
-from floatxq.kernels import quantize_fp8_input, quantize_fp8_weight_auto
+from floatxq.kernels import (
+    quantize_fp8_input,
+    quantize_fp8_weight_auto,
+    triton_unavailable_reason,
+)
+from floatxq.kernels.fp8_small_m import _launch as small_m_launch
 
-__all__ = ["ROUTES", "ConvGeometry", "TorchFP8Linear"]
+__all__ = ["ROUTES", "SMALL_M", "ConvGeometry", "TorchFP8Linear"]
 
 ROUTES: tuple[str, ...] = (
+    "fp8_small_m",
     "scaled_mm_tensorwise",
     "scaled_mm_rowwise",
     "scaled_mm_blockwise",
@@ -95,6 +109,10 @@ _TENSORWISE_MIN_CAPABILITY = (8, 9)
 _ROWWISE_MIN_CAPABILITY = (9, 0)
 _BLOCKWISE_MAJOR = 9
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+SMALL_M = 16
+"""Inputs of at most this many rows (after flattening) take the ``fp8_small_m`` kernel."""
+_METHOD_RECIPE = {"tensor": "tensorwise", "row": "rowwise", "block": "blockwise"}
+
 _METHOD_ROUTE = {
     "tensor": "scaled_mm_tensorwise",
     "row": "scaled_mm_rowwise",
@@ -198,10 +216,13 @@ def _blockwise_recipes() -> tuple[Callable[..., Tensor], Any, Any] | None:
 class _Runtime:
     """Per-device caches and route switches; rebuilt whenever the buffers move or are loaded."""
 
-    __slots__ = ("compiled", "disabled", "plans", "prepared", "warned")
+    __slots__ = ("compiled", "disabled", "plans", "prepared", "runners", "warned")
 
     def __init__(self) -> None:
         self.plans: dict[tuple[torch.device, torch.dtype], tuple[str, str | None]] = {}
+        self.runners: dict[tuple[str, torch.dtype], tuple[Callable[[Tensor], Tensor], tuple]] = {}
+        """A ``scaled_mm`` route's call with everything but ``x`` bound, and the buffers it
+        bound (the runner is rebuilt when one of them is replaced)."""
         self.prepared: dict[Any, Tensor] = {}
         self.disabled: dict[tuple[str, torch.dtype | None], str] = {}
         self.compiled: Callable[..., Tensor] | None = None
@@ -245,10 +266,6 @@ class TorchFP8Linear(nn.Module):
     bias: Tensor | None
     adapter: Callable[[Tensor, Tensor], Tensor] | None
     """LoRA hook: ``out = adapter(x_flat, out)`` after the bias (``None``: no adapter)."""
-    last_route: str
-    """The route the last forward took (one of :data:`ROUTES`; ``"none"`` before any call)."""
-    last_fallback_reason: str | None
-    """Why a faster route was not taken for the last call (``None`` when the fastest ran)."""
 
     def __init__(
         self,
@@ -286,8 +303,7 @@ class TorchFP8Linear(nn.Module):
         fp16 = torch.zeros(out_features, dtype=torch.float16, device=device) if bias else None
         self.register_buffer("bias", fp16)
         self.adapter = None
-        self.last_route = "none"
-        self.last_fallback_reason = None
+        self._set_last("none", None)
         self._compile_requested = False
         self._compile_backend = "inductor"
         self._runtime = _Runtime()
@@ -553,6 +569,21 @@ class TorchFP8Linear(nn.Module):
     # Forward
     # ------------------------------------------------------------------------------------------
 
+    @property
+    def last_route(self) -> str:
+        """The route the last forward took (one of :data:`ROUTES`; ``"none"`` before any call)."""
+        return self._last[0]
+
+    @property
+    def last_fallback_reason(self) -> str | None:
+        """Why a faster route was not taken for the last call (``None`` when the fastest ran)."""
+        return self._last[1]
+
+    def _set_last(self, route: str, reason: str | None) -> None:
+        # A plain attribute, set past nn.Module.__setattr__ (whose checks cost microseconds per
+        # call on the decode path).
+        self.__dict__["_last"] = (route, reason)
+
     def forward(self, x: Float[Tensor, "..."]) -> Float[Tensor, "..."]:
         """``x @ W.T + bias`` (then the adapter) through the fastest eligible route.
 
@@ -561,9 +592,10 @@ class TorchFP8Linear(nn.Module):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
             raise TypeError(f"TorchFP8Linear: x must be a floating tensor, got {got}")
-        if x.device != self.weight.device:
+        device = x.device
+        if device != self._buffers["weight"].device:
             raise TypeError(
-                f"TorchFP8Linear: x is on {x.device} but the module's buffers are on "
+                f"TorchFP8Linear: x is on {device} but the module's buffers are on "
                 f"{self.weight.device}; move one of them with .to()"
             )
         if self.conv is not None:
@@ -580,13 +612,21 @@ class TorchFP8Linear(nn.Module):
 
     def _linear(self, x: Tensor) -> Tensor:
         if x.shape[0] == 0:  # no rows: nothing to multiply (and no kernel launched)
-            self.last_route, self.last_fallback_reason = "dequant_matmul", "x has no rows"
+            self._set_last("dequant_matmul", "x has no rows")
             return x.new_empty((0, self.out_features))
         route, reason = self._plan(x)
         out = None
-        if route in _SCALED_ROUTES:
+        if route in _SCALED_ROUTES and x.shape[0] <= SMALL_M:
+            small = self._small_m_runner(x.dtype)
+            if small is not None:
+                try:
+                    out = small(x)
+                    route = "fp8_small_m"
+                except Exception as exc:  # the scaled_mm route takes over for this dtype
+                    self._disable("fp8_small_m", x.dtype, exc, fallback=route)
+        if out is None and route in _SCALED_ROUTES:
             try:
-                out = _SCALED_ROUTES[route](self, x)
+                out = self._runner(route, x.dtype)(x)
             except Exception as exc:
                 reason = self._disable(route, x.dtype, exc)
                 route = "dequant_matmul"
@@ -600,8 +640,31 @@ class TorchFP8Linear(nn.Module):
                 route = "dequant_matmul"
         if out is None:
             out = _dequant_linear(x, self.weight, self.weight_scale_inv, self._bias_as(x.dtype))
-        self.last_route, self.last_fallback_reason = route, reason
+        self._set_last(route, reason)
         return out
+
+    def _small_m_runner(self, dtype: torch.dtype) -> Callable[[Tensor], Tensor] | None:
+        """The ``fp8_small_m`` call for ``dtype`` inputs, or None (Triton absent, switched off)."""
+        if ("fp8_small_m", dtype) in self._runtime.disabled:
+            return None
+        if triton_unavailable_reason(self._buffers["weight"].device) is not None:
+            self._runtime.disabled[("fp8_small_m", dtype)] = "Triton is not available"
+            return None
+        return self._runner("fp8_small_m", dtype)
+
+    def _runner(self, route: str, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+        """The route's call for ``dtype`` inputs with its weight-side operands bound once."""
+        buffers = self._buffers
+        weight, scale, bias = buffers["weight"], buffers["weight_scale_inv"], buffers.get("bias")
+        entry = self._runtime.runners.get((route, dtype))
+        if entry is not None:
+            bound = entry[1]
+            if bound[0] is weight and bound[1] is scale and bound[2] is bias:
+                return entry[0]
+            self._runtime.prepared.clear()  # a buffer was replaced: the cached operands are stale
+        entry = (_ROUTE_BUILDERS[route](self, dtype), (weight, scale, bias))
+        self._runtime.runners[(route, dtype)] = entry
+        return entry[0]
 
     def _plan(self, x: Tensor) -> tuple[str, str | None]:
         """The route for ``x`` and, when it is ``dequant_matmul``, why no faster one applies."""
@@ -671,7 +734,14 @@ class TorchFP8Linear(nn.Module):
             return f"this torch {torch.__version__} has no torch.nn.functional.scaled_mm"
         return None
 
-    def _disable(self, route: str, dtype: torch.dtype | None, exc: Exception) -> str:
+    def _disable(
+        self,
+        route: str,
+        dtype: torch.dtype | None,
+        exc: Exception,
+        *,
+        fallback: str = "dequant_matmul",
+    ) -> str:
         reason = f"{route} raised {type(exc).__name__}: {exc}".strip()
         key = (route, dtype)
         self._runtime.disabled[key] = f"disabled after an error: {reason}"
@@ -679,7 +749,7 @@ class TorchFP8Linear(nn.Module):
         if key not in self._runtime.warned:
             self._runtime.warned.add(key)
             warnings.warn(
-                f"TorchFP8Linear: {reason}; this module now uses dequant_matmul for "
+                f"TorchFP8Linear: {reason}; this module now uses {fallback} for "
                 f"{dtype or 'CPU'} inputs (until its buffers move or are reloaded)",
                 RuntimeWarning,
                 stacklevel=3,
@@ -714,64 +784,67 @@ class TorchFP8Linear(nn.Module):
         s = self.weight_scale_inv
         return self._prepared("direct", lambda: torch.ones_like(s) / s)
 
-    def _tensorwise(self, x: Tensor) -> Tensor:
-        scale_a = torch.empty((), dtype=torch.float32, device=x.device)
-        xq = quantize_fp8_input(
-            x, format=self.format, method="tensor", block=None, scale_out=scale_a
-        )
-        return _scaled_mm_fn()(  # type: ignore[misc]
-            xq,
-            self.weight.t(),
-            scale_a=scale_a,
-            scale_b=self._direct_weight_scale(),
-            bias=self._bias_as(x.dtype),
-            out_dtype=x.dtype,
-        )
+    def _small_m(self, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+        recipe = _METHOD_RECIPE[self.weight_scale_method]
+        weight, scale, bias = self.weight, self._direct_weight_scale(), self._bias_as(dtype)
 
-    def _rowwise(self, x: Tensor) -> Tensor:
-        scale_a = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
-        xq = quantize_fp8_input(
-            x, format="float8_e4m3fn", method="row", block=None, scale_out=scale_a
-        )
+        def run(x: Tensor) -> Tensor:
+            return small_m_launch(x, weight, scale, bias, recipe, False)
+
+        return run
+
+    def _tensorwise(self, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+        mm, name, device = _scaled_mm_fn(), self.format, self.weight.device
+        weight_t, scale_b, bias = self.weight.t(), self._direct_weight_scale(), self._bias_as(dtype)
+
+        def run(x: Tensor) -> Tensor:
+            scale_a = torch.empty((), dtype=torch.float32, device=device)
+            xq = quantize_fp8_input(x, format=name, method="tensor", block=None, scale_out=scale_a)
+            return mm(xq, weight_t, scale_a, scale_b, bias, None, dtype)  # type: ignore[misc]
+
+        return run
+
+    def _rowwise(self, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+        mm, device = _scaled_mm_fn(), self.weight.device
+        weight_t, bias = self.weight.t(), self._bias_as(dtype)
         scale_b = self._prepared(
             "rowwise_b", lambda: self._direct_weight_scale().reshape(1, -1).contiguous()
         )
-        return _scaled_mm_fn()(  # type: ignore[misc]
-            xq,
-            self.weight.t(),
-            scale_a=scale_a,
-            scale_b=scale_b,
-            bias=self._bias_as(x.dtype),
-            out_dtype=x.dtype,
-        )
 
-    def _blockwise(self, x: Tensor) -> Tensor:
+        def run(x: Tensor) -> Tensor:
+            scale_a = torch.empty((x.shape[0], 1), dtype=torch.float32, device=device)
+            xq = quantize_fp8_input(
+                x, format="float8_e4m3fn", method="row", block=None, scale_out=scale_a
+            )
+            return mm(xq, weight_t, scale_a, scale_b, bias, None, dtype)  # type: ignore[misc]
+
+        return run
+
+    def _blockwise(self, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
         fn, recipe_a, recipe_b = _blockwise_recipes()  # type: ignore[misc]
-        m, k = x.shape
-        # cuBLAS's blockwise kernels refuse row counts that are not a multiple of 16 (M = 1 and
-        # 17 fail on the H200 with torch 2.11, 16 and 256 run): pad with zero rows, whose codes
-        # are 0 with scale 1, and drop their outputs.
-        padded_m = -(-m // _BLOCKWISE_M_ALIGN) * _BLOCKWISE_M_ALIGN
-        groups = k // _BLOCKWISE_K_GROUP
-        # scale_a: (M, K/128) with strides (1, M); scale_b: (round_up(K/128, 4), N/128) with
-        # strides (1, round_up(K/128, 4)), entry [kb, nb] = 1 / weight_scale_inv[nb, kb].
-        scale_a = torch.empty((groups, padded_m), dtype=torch.float32, device=x.device).t()
-        xq = quantize_fp8_input(
-            x, format="float8_e4m3fn", method="block", block=(1, _BLOCKWISE_K_GROUP),
-            scale_out=scale_a, rows_out=padded_m,
-        )  # fmt: skip
+        device, weight_t, bias = self.weight.device, self.weight.t(), self._bias_as(dtype)
         scale_b = self._prepared("blockwise_b", self._blockwise_weight_scale)
-        out = fn(
-            xq,
-            self.weight.t(),
-            scale_a,
-            recipe_a,
-            scale_b,
-            recipe_b,
-            bias=self._bias_as(x.dtype),
-            output_dtype=x.dtype,
-        )
-        return out if padded_m == m else out[:m]
+        groups = self.in_features // _BLOCKWISE_K_GROUP
+
+        def run(x: Tensor) -> Tensor:
+            m = x.shape[0]
+            # cuBLAS's blockwise kernels refuse row counts that are not a multiple of 16 (M = 1
+            # and 17 fail on the H200 with torch 2.11, 16 and 256 run): pad with zero rows,
+            # whose codes are 0 with scale 1, and drop their outputs.
+            padded_m = -(-m // _BLOCKWISE_M_ALIGN) * _BLOCKWISE_M_ALIGN
+            # scale_a: (M, K/128) with strides (1, M); scale_b: (round_up(K/128, 4), N/128)
+            # with strides (1, round_up(K/128, 4)), entry [kb, nb] = 1 / weight_scale_inv[nb, kb].
+            scale_a = torch.empty((groups, padded_m), dtype=torch.float32, device=device).t()
+            xq = quantize_fp8_input(
+                x, format="float8_e4m3fn", method="block", block=(1, _BLOCKWISE_K_GROUP),
+                scale_out=scale_a, rows_out=padded_m,
+            )  # fmt: skip
+            out = fn(
+                xq, weight_t, scale_a, recipe_a, scale_b, recipe_b, bias=bias, output_dtype=dtype
+            )
+            return out if padded_m == m else out[:m]
+
+        return run
 
     def _blockwise_weight_scale(self) -> Tensor:
         direct = self._direct_weight_scale()  # (N/128, K/128)
@@ -791,20 +864,22 @@ class TorchFP8Linear(nn.Module):
             out = conv(padded, weight, bias, g.stride, 0, g.dilation, g.groups)
         else:
             out = conv(x, weight, bias, g.stride, g.padding, g.dilation, g.groups)
-        self.last_route = "conv_dequant"
-        self.last_fallback_reason = (
-            "convolution: no FP8 convolution kernel, the weight is decoded for this call"
+        self._set_last(
+            "conv_dequant",
+            "convolution: no FP8 convolution kernel, the weight is decoded for this call",
         )
         if self.adapter is not None:
             out = self.adapter(x, out)
         return out
 
 
-_SCALED_ROUTES: dict[str, Callable[[TorchFP8Linear, Tensor], Tensor]] = {
+_ROUTE_BUILDERS: dict[str, Callable[[TorchFP8Linear, torch.dtype], Callable[[Tensor], Tensor]]] = {
+    "fp8_small_m": TorchFP8Linear._small_m,
     "scaled_mm_tensorwise": TorchFP8Linear._tensorwise,
     "scaled_mm_rowwise": TorchFP8Linear._rowwise,
     "scaled_mm_blockwise": TorchFP8Linear._blockwise,
 }
+_SCALED_ROUTES = frozenset(_ROUTE_BUILDERS) - {"fp8_small_m"}
 
 
 @functools.cache

@@ -6,6 +6,11 @@
 imported only when those modules are.
 """
 
-from floatxq.testing.assertions import assert_bitwise_equal, bits_of, unchecked
+from floatxq.testing.assertions import (
+    assert_bitwise_equal,
+    assert_fp8_linear_close,
+    bits_of,
+    unchecked,
+)
 
-__all__ = ["assert_bitwise_equal", "bits_of", "unchecked"]
+__all__ = ["assert_bitwise_equal", "assert_fp8_linear_close", "bits_of", "unchecked"]

@@ -1,4 +1,4 @@
-"""Bitwise comparisons: NaN equals NaN (any payload), and +0 differs from -0."""
+"""Bitwise comparisons (NaN equals NaN, +0 differs from -0) and the FP8 GEMM's stated bound."""
 
 import inspect
 from collections.abc import Callable
@@ -58,3 +58,81 @@ def unchecked(fn: Callable[..., Any]) -> Callable[..., Any]:
     Tests of floatxq's own argument checks use it, since the hook rejects a wrong shape first.
     """
     return inspect.unwrap(fn)
+
+
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+
+
+def assert_fp8_linear_close(
+    actual: Shaped[Tensor, "m n"],
+    x: Shaped[Tensor, "m k"],
+    weight: Shaped[Tensor, "n k"],
+    weight_scale_inv: Shaped[Tensor, "*scale"],
+    bias: Shaped[Tensor, "n"] | None,  # noqa: F821
+    *,
+    recipe: str,
+    accumulator_bits: int = 24,
+    msg: str = "",
+) -> None:
+    """Assert ``actual`` is :func:`floatxq.fp8_scaled_linear` up to its summation order.
+
+    Per element: ``|actual - reference| <= (k + 8) * 2**-p * S + ulp(|reference|)`` where ``S``
+    is the same sum over absolute values (``Σ |code_x · code_w · sx · sw|`` plus ``|bias|``),
+    the bound on any order of accumulation with ``p = accumulator_bits`` significant bits and
+    on the FP32 roundings of the scale products, and ``ulp`` is one unit in the last place of
+    ``x.dtype`` (the two results may round to neighbouring values). ``p = 24`` is FP32; Hopper's
+    FP8 tensor cores add products with fewer bits before a GEMM promotes them to FP32 (cuBLAS's
+    ``scaled_mm`` measured within 2x of the FP32 bound on an H200), so GPU tests of those GEMMs
+    pass 22. Codes that differed from the reference's would break either bound.
+
+    Raises:
+      AssertionError: naming the worst elements and the bound.
+
+    Numerics: the reference and ``S`` in float64 on ``actual``'s device.
+    """
+    from floatxq.fp8 import _RECIPE_X, fp8_scaled_linear, quantize_fp8_weight
+
+    prefix = f"{msg}: " if msg else ""
+    reference = fp8_scaled_linear(x, weight, weight_scale_inv, bias, recipe=recipe)
+    if actual.dtype != reference.dtype or actual.shape != reference.shape:
+        raise AssertionError(
+            f"{prefix}{actual.dtype} {tuple(actual.shape)} != expected {reference.dtype} "
+            f"{tuple(reference.shape)}"
+        )
+    method, block = _RECIPE_X[recipe]
+    x_format = str(weight.dtype).removeprefix("torch.") if recipe == "tensorwise" else None
+    xq = quantize_fp8_weight(
+        x, format=x_format or "float8_e4m3fn", weight_scale_method=method, weight_block_size=block
+    )
+    sx = (torch.ones_like(xq.scale_inv) / xq.scale_inv).double()
+    sw = (torch.ones_like(weight_scale_inv) / weight_scale_inv).double()
+    cx, cw = xq.qweight.float().double().abs(), weight.float().double().abs()
+    (m, k), n = x.shape, weight.shape[0]
+    if recipe == "blockwise":
+        kb = k // 128
+        parts = torch.einsum("mbk,nbk->mnb", cx.reshape(m, kb, 128), cw.reshape(n, kb, 128))
+        total = (parts * sx[:, None, :] * sw.repeat_interleave(128, dim=0)[None, :, :]).sum(-1)
+    elif recipe == "rowwise":
+        total = (cx @ cw.T) * sx[:, None] * sw[None, :]
+    else:
+        total = (cx @ cw.T) * (sx * sw)
+    if bias is not None:
+        total = total + bias.to(x.dtype).double().abs()
+    ref = reference.double()
+    magnitude = ref.abs().clamp_min(torch.finfo(reference.dtype).tiny)
+    ulp = torch.exp2(torch.floor(torch.log2(magnitude)) - _MANTISSA_BITS[reference.dtype])
+    bound = (k + 8) * 2.0**-accumulator_bits * total + ulp
+    error = (actual.double() - ref).abs()
+    bad = ~(error <= bound) & ~(actual.isnan() & reference.isnan())
+    if not bool(bad.any()):
+        return
+    worst = (error - bound).flatten().argsort(descending=True)[:5]
+    shown = [
+        (divmod(int(i), n), actual.flatten()[i].item(), reference.flatten()[i].item(),
+         bound.flatten()[i].item())
+        for i in worst
+    ]  # fmt: skip
+    raise AssertionError(
+        f"{prefix}{int(bad.sum())} of {actual.numel()} elements outside the FP32-order bound "
+        f"(index, actual, reference, bound): {shown}"
+    )

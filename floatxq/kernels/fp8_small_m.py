@@ -1,0 +1,342 @@
+"""Triton FP8 linear for decode-sized inputs: ``x`` is quantized inside the GEMM, one launch.
+
+Twin of :func:`floatxq.fp8_scaled_linear` (the pure reference) for ``M`` up to a few dozen
+rows, where ``quantize x`` + ``torch._scaled_mm`` costs two launches and their host time
+(:class:`floatxq.nn.TorchFP8Linear` routes ``M <= 16`` here on CUDA). A program owns
+``BLOCK_N`` output columns of every row:
+
+1. ``tensorwise``/``rowwise``: it reads all of ``x`` once for the amax (per tensor or per row);
+   ``blockwise`` takes each 1×128 block's amax where the main loop reads it;
+2. the K loop quantizes its ``x`` tile with the weight formula and the same encoder as
+   :func:`floatxq.kernels.quantize_fp8_weight_kernel` (so the codes are exactly those of
+   :func:`floatxq.quantize_fp8_weight`) and multiplies the codes on the tensor cores with the
+   weight tile as the tall operand (``out.T = W · xq.T``): E4M3 × E4M3 as an FP8 MMA whose sums
+   are promoted to FP32 every 32 products, E5M2 weights through exact FP16 decodes; products
+   are exact;
+3. the epilogue multiplies by the direct scales ``sx · sw`` (per 128-wide K block inside the
+   loop for ``blockwise``), adds the bias and rounds once to the output dtype.
+
+The result equals the reference up to FP32 summation order and the FP32 rounding of the scale
+products (bounded per element in the tests). Triton is imported on the first launch.
+"""
+
+import contextlib
+import inspect
+from typing import Any
+
+import torch
+
+from floatxq._typing import Float, Float32, FP8Dtype, Tensor
+from floatxq.formats import FLOAT32_MAX, fp8_max
+from floatxq.fp8 import FP8_SCALED_RECIPES
+from floatxq.kernels import fp8_weight
+from floatxq.kernels._triton import CachedLauncher, import_triton, triton_interpret_enabled
+
+__all__ = ["fp8_scaled_linear_kernel"]
+
+tl: Any = None
+"""``triton.language``, bound on the first launch (the kernel source below refers to it)."""
+_fp8_encode: Any = None
+"""The jitted FP8 encoder shared with the weight kernel, bound on the first launch."""
+
+
+class constexpr:
+    """Parameter marker (see :mod:`floatxq.kernels.fp8_weight`): Triton's own once imported."""
+
+
+_X_TENSOR, _X_ROW, _X_BLOCK = 0, 1, 2
+_RECIPE_MODE = {"tensorwise": _X_TENSOR, "rowwise": _X_ROW, "blockwise": _X_BLOCK}
+_BLOCK_K_GROUP = 128
+_BLOCK_M = 16
+_IMPRECISE_K = 32
+"""FP8 products added inside the tensor core before FP32 promotion (one Hopper MMA's K)."""
+TILES: dict[str, dict[str, int]] = {
+    "tensorwise": {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+    "rowwise": {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+    "blockwise": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+}
+"""Tiles per recipe (swept on the H200 for M = 1 and 16, N = K = 8192: see
+benchmarks/RESULTS.md; ``benchmarks/fp8_linear.py --sweep`` reruns it). Blockwise always takes
+BLOCK_K = 128 (one weight scale per K step)."""
+
+
+def _fp8_small_m_kernel(
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_s0,
+    stride_s1,
+    stride_om,
+    MODE: constexpr,
+    W_E5M2: constexpr,
+    HAS_BIAS: constexpr,
+    FMAX: constexpr,
+    FLT_MAX: constexpr,
+    TINY_BITS: constexpr,
+    CONVERT: constexpr,
+    IMPRECISE_K: constexpr,
+    BLOCK_M: constexpr,
+    BLOCK_N: constexpr,
+    BLOCK_K: constexpr,
+    M_ITERS: constexpr,
+    K_ITERS: constexpr,
+):
+    """``out[m-tile, n-tile]`` of :func:`floatxq.fp8_scaled_linear` (see the module docstring).
+
+    MODE 0 tensorwise (x per tensor, every program reduces all of x), 1 rowwise (per row),
+    2 blockwise (per 1×128 block, BLOCK_K == 128, the weight scale grid is (N/128, K/128)).
+    ``ws_ptr`` holds DIRECT weight scales (``1 / weight_scale_inv``). E4M3 weights meet the
+    E4M3 ``x`` codes in an FP8 MMA; E5M2 weights and ``x`` are decoded exactly to FP16 first.
+    Loop trip counts are compile-time constants
+    (``M_ITERS = cdiv(M, BLOCK_M)`` for the tensorwise amax, ``K_ITERS = cdiv(K, BLOCK_K)``):
+    one compiled kernel per layer width, and loops the compiler can pipeline.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+
+    # 1. x's amax on bit patterns (subnormals exact): per row, or over every row of x.
+    if MODE == 0:
+        amax = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for mi in range(M_ITERS):
+            rows = mi * BLOCK_M + tl.arange(0, BLOCK_M)
+            base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+            for ki in range(K_ITERS):
+                kk = ki * BLOCK_K + offs_k
+                mask = (rows < M)[:, None] & (kk < K)[None, :]
+                v = tl.load(base + kk.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0)
+                bits = v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+                amax = tl.maximum(amax, tl.max(bits, axis=1))
+        amax = tl.zeros([BLOCK_M], dtype=tl.int32) + tl.max(amax, axis=0)
+    elif MODE == 1:
+        amax = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for ki in range(K_ITERS):
+            kk = ki * BLOCK_K + offs_k
+            mask = m_ok[:, None] & (kk < K)[None, :]
+            v = tl.load(x_rows + kk.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0)
+            bits = v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            amax = tl.maximum(amax, tl.max(bits, axis=1))
+    if MODE != 2:
+        # scale_inv = fmax / max(amax, FLT_MIN) (IEEE division), capped, 1 for amax 0.
+        den = tl.maximum(amax, TINY_BITS).to(tl.float32, bitcast=True)
+        inv = tl.math.div_rn(tl.full([BLOCK_M], FMAX, tl.float32), den)
+        inv = tl.where(inv > FLT_MAX, FLT_MAX, inv)
+        inv = tl.where(amax > 0, inv, 1.0)
+        sx = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), inv)
+
+    # 2. K loop: quantize x's tile to E4M3 codes in registers, then one tensor-core product
+    # out.T[n, m] += W[n, k] · xq.T[k, m] ("swap AB": the weight tile is the MMA's tall operand,
+    # so 16 rows of x do not waste a 64-row MMA tile), FP32 accumulation promoted every
+    # IMPRECISE_K products (Hopper's FP8 MMA adds with fewer bits than FP32 otherwise).
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for ki in range(K_ITERS):
+        k0 = ki * BLOCK_K
+        kk = k0 + offs_k
+        k_ok = kk < K
+        xv = tl.load(
+            x_rows + kk.to(tl.int64)[None, :] * stride_xk,
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if MODE == 2:
+            amax = tl.max(xv.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+            den = tl.maximum(amax, TINY_BITS).to(tl.float32, bitcast=True)
+            inv = tl.math.div_rn(tl.full([BLOCK_M], FMAX, tl.float32), den)
+            inv = tl.where(inv > FLT_MAX, FLT_MAX, inv)
+            inv = tl.where(amax > 0, inv, 1.0)
+        y = xv * inv[:, None]
+        y = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
+        xq = _fp8_encode(y, CONVERT, 3, 7, False).to(tl.float8e4nv, bitcast=True)
+        w = tl.load(
+            w_rows + kk.to(tl.int64)[None, :] * stride_wk,
+            mask=n_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        if W_E5M2:  # E4M3 x E5M2: both decoded exactly to FP16 (no mixed-format MMA needed)
+            part = tl.dot(w.to(tl.float16), tl.trans(xq.to(tl.float16)), out_dtype=tl.float32)
+        else:
+            part = tl.dot(w, tl.trans(xq), out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+        if MODE == 2:
+            sx_block = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), inv)
+            sw_block = tl.load(
+                ws_ptr + (offs_n // 128).to(tl.int64) * stride_s0 + (k0 // 128) * stride_s1,
+                mask=n_ok,
+                other=0.0,
+            )
+            acc += part * (sw_block[:, None] * sx_block[None, :])
+        else:
+            acc += part
+
+    # 3. Epilogue: direct scales, bias (already in the output dtype), one rounding.
+    if MODE == 2:
+        out = acc
+    elif MODE == 0:
+        out = acc * (tl.load(ws_ptr) * sx[None, :])
+    else:
+        sw = tl.load(ws_ptr + offs_n.to(tl.int64) * stride_s0, mask=n_ok, other=0.0)
+        out = acc * (sw[:, None] * sx[None, :])
+    if HAS_BIAS:
+        out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    # out is allocated contiguous by the caller (unit column stride); written transposed back
+    o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n.to(tl.int64)[:, None]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+_BUILT: dict[bool, CachedLauncher] = {}
+
+
+def _launcher(interpret: bool) -> CachedLauncher:
+    launcher = _BUILT.get(interpret)
+    if launcher is None:
+        triton, encode = fp8_weight.bind_triton("fp8_scaled_linear_kernel")
+        _, language = import_triton(where="fp8_scaled_linear_kernel")
+        global tl, constexpr, _fp8_encode
+        tl, constexpr, _fp8_encode = language, language.constexpr, encode
+        launcher = CachedLauncher(triton.jit(inspect.unwrap(_fp8_small_m_kernel)))
+        _BUILT[interpret] = launcher
+    return launcher
+
+
+def fp8_scaled_linear_kernel(
+    x: Float[Tensor, "m k"],
+    weight: FP8Dtype[Tensor, "n k"],
+    weight_scale: Float32[Tensor, "*scale"],
+    bias: Float[Tensor, "n"] | None = None,  # noqa: F821
+    *,
+    recipe: str,
+) -> Float[Tensor, "m n"]:
+    """Triton version of :func:`floatxq.fp8_scaled_linear` for small ``m`` (one launch).
+
+    Args:
+      x: ``(m, k)`` fp16/bf16/fp32 CUDA activations (any strides); the output takes its dtype.
+      weight: ``(n, k)`` FP8 codes (``float8_e4m3fn``; ``float8_e5m2`` for ``rowwise``).
+      weight_scale: FP32 DIRECT weight scales ``1 / weight_scale_inv`` (what ``scaled_mm``
+        takes): ``()``, ``(n,)`` or ``(n/128, k/128)`` by recipe (any strides).
+      bias: ``(n,)`` in ``x.dtype`` or None.
+      recipe: ``"tensorwise"``, ``"rowwise"`` or ``"blockwise"``.
+
+    Returns:
+      ``(m, n)`` in ``x.dtype``.
+
+    Raises:
+      ValueError: an unknown recipe, shapes or scale layouts that do not fit.
+      TypeError: devices, dtypes or a weight format the recipe does not take.
+      RuntimeError: Triton is not importable.
+
+    Numerics: ``x``'s FP8 codes are bit-identical to the reference's; the output equals
+    :func:`floatxq.fp8_scaled_linear` up to FP32 summation order and the FP32 rounding of the
+    scale products. No finiteness check (no host sync): NaN in ``x`` gives NaN rows.
+
+    Example:
+      >>> w = floatxq.quantize_fp8_weight(torch.randn(256, 512, device="cuda"))  # doctest: +SKIP
+      >>> fp8_scaled_linear_kernel(  # doctest: +SKIP
+      ...     torch.randn(1, 512, device="cuda"), w.qweight, 1 / w.scale_inv, recipe="rowwise"
+      ... ).shape
+      torch.Size([1, 256])
+    """
+    where = "fp8_scaled_linear_kernel"
+    if recipe not in _RECIPE_MODE:
+        raise ValueError(f"{where}: recipe must be one of {FP8_SCALED_RECIPES}, got {recipe!r}")
+    for label, t in (("x", x), ("weight", weight), ("weight_scale", weight_scale)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {label} must be a tensor, got {type(t).__name__}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"{where}: x must be float16/bfloat16/float32, got {x.dtype}")
+    name = str(weight.dtype).removeprefix("torch.")
+    allowed = ("float8_e4m3fn", "float8_e5m2") if recipe == "rowwise" else ("float8_e4m3fn",)
+    if name not in allowed:
+        raise TypeError(f"{where}: the {recipe} recipe takes {' or '.join(allowed)}, got {name}")
+    if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"{where}: x (m, k) and weight (n, k) must share k, got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    k, n = x.shape[1], weight.shape[0]
+    if recipe == "blockwise" and (n % _BLOCK_K_GROUP or k % _BLOCK_K_GROUP):
+        raise ValueError(f"{where}: blockwise needs n and k divisible by 128, got ({n}, {k})")
+    expected = {"tensorwise": (), "rowwise": (n,), "blockwise": (n // 128, k // 128)}[recipe]
+    if tuple(weight_scale.shape) != expected or weight_scale.dtype != torch.float32:
+        raise ValueError(
+            f"{where}: the {recipe} recipe takes float32 weight_scale of shape {expected}, got "
+            f"{weight_scale.dtype} {tuple(weight_scale.shape)}"
+        )
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype):
+        raise ValueError(
+            f"{where}: bias must be ({n},) in {x.dtype}, got {bias.dtype} {tuple(bias.shape)}"
+        )
+    devices = {t.device for t in (x, weight, weight_scale) + ((bias,) if bias is not None else ())}
+    interpret = triton_interpret_enabled()
+    if len(devices) != 1 or (x.device.type != "cuda" and not interpret):
+        raise TypeError(f"{where}: every tensor must be on one CUDA device, got {devices}")
+    return _launch(x, weight, weight_scale, bias, recipe, interpret)
+
+
+def _launch(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    recipe: str,
+    interpret: bool,
+) -> Tensor:
+    """The launch, arguments already checked (``TorchFP8Linear`` calls this directly)."""
+    (m, k), n = x.shape, weight.shape[0]
+    device = x.device
+    out = torch.empty((m, n), dtype=x.dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
+    mode = _RECIPE_MODE[recipe]
+    tiles = TILES[recipe]
+    block_n, block_k = tiles["BLOCK_N"], tiles["BLOCK_K"]
+    if mode == _X_BLOCK:
+        block_k = _BLOCK_K_GROUP
+        block_n = min(block_n, 128)
+    if interpret:
+        x = (
+            x.float() if x.dtype != torch.float32 else x
+        )  # (the interpreter's widening is not exact)
+    e5m2 = weight.dtype == torch.float8_e5m2
+    scale_strides = (*weight_scale.stride(), 0, 0)[:2]
+    convert = fp8_weight._conversion("float8_e4m3fn", device, None)
+    args = (
+        x, weight, weight_scale, bias if bias is not None else weight_scale, out,
+        m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *scale_strides,
+        out.stride(0),
+        mode, e5m2, bias is not None, fp8_max("float8_e4m3fn"), FLOAT32_MAX,
+        fp8_weight._TINY_BITS, convert, min(_IMPRECISE_K, block_k),
+        _BLOCK_M, block_n, block_k, -(-m // _BLOCK_M) if mode == _X_TENSOR else 1,
+        -(-k // block_k),
+    )  # fmt: skip
+    options = {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
+    aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:5])
+    key = (
+        x.dtype, weight.dtype, bias is not None and bias.dtype, args[5:], aligned,
+        tuple(options.items()), device, interpret,
+    )  # fmt: skip
+    grid = (-(-m // _BLOCK_M), -(-n // block_n), 1)
+    guard: Any = contextlib.nullcontext()
+    index = -1
+    if device.type == "cuda":
+        index = torch.cuda.current_device()
+        if device.index != index:
+            guard, index = torch.cuda.device(device), device.index  # type: ignore[assignment]
+    with guard:
+        _launcher(interpret)(key, grid, args, options, index)
+    return out

@@ -1,0 +1,251 @@
+"""``fp8_scaled_linear_kernel`` equals ``fp8_scaled_linear`` up to FP32 summation order, fuzzed.
+
+The bound (``floatxq.testing.assert_fp8_linear_close``) is per element: ``(k + 8) · 2**-24`` of
+the sum of absolute terms plus one unit in the output's last place, so an ``x`` code that
+differed from the pure quantizer's, a wrong scale or a dropped tile would fail it. GPU tests run
+the compiled kernel; without CUDA, ``test_interpreter_suite`` reruns the ``interpreted`` tests in
+a child process under ``TRITON_INTERPRET=1`` on small shapes. Argument checks need neither.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import floatxq as fq
+from floatxq.kernels import fp8_scaled_linear_kernel, triton_available
+from floatxq.testing import assert_fp8_linear_close, unchecked
+
+RECIPES = [
+    ("tensorwise", "tensor", None, "float8_e4m3fn"),
+    ("rowwise", "row", None, "float8_e4m3fn"),
+    ("rowwise", "row", None, "float8_e5m2"),
+    ("blockwise", "block", (128, 128), "float8_e4m3fn"),
+]
+
+# (m, n, k): one row, ragged rows and columns, K not a multiple of the tile (or of 16), more rows
+# than one 16-row tile, and the empty edges. Blockwise takes the cases whose n and k divide 128.
+GPU_SHAPES = [
+    (1, 256, 256),
+    (1, 128, 8192),
+    (3, 48, 40),
+    (16, 384, 512),
+    (17, 256, 384),
+    (5, 1000, 300),
+    (40, 128, 1024),
+    (2, 16, 16),
+    (0, 256, 256),
+    (4, 0, 256),
+    (4, 256, 0),
+]
+INTERPRETER_SHAPES = [(1, 128, 256), (3, 48, 40), (17, 256, 128), (0, 128, 128), (2, 128, 0)]
+
+
+def _case(seed, m, n, k, recipe, method, block, name, dtype, device):
+    g = torch.Generator().manual_seed(seed)
+    # rows spanning binades (so per-row scales matter), a zero row, a subnormal-only row
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-6, 6, (m, 1), generator=g))
+    if m > 2 and k:
+        x[1] = 0.0
+        x[2] = 0.0
+        x[2, :: max(1, k // 5)] = 2.0**-20
+    w = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-4, 4, (n, 1), generator=g))
+    bias = torch.randn(n, generator=g) * 4
+    q = fq.quantize_fp8_weight(w, format=name, weight_scale_method=method, weight_block_size=block)
+    move = dict(device=device)
+    return (
+        x.to(dtype).to(**move),
+        q.qweight.to(**move),
+        q.scale_inv.to(**move),
+        bias.to(dtype).to(**move),
+    )
+
+
+GPU_BITS = 22
+"""Accumulator bits the GPU bounds assume (FP8 MMAs; see ``assert_fp8_linear_close``)."""
+
+
+def _check(seed, m, n, k, recipe, method, block, name, dtype, device, *, with_bias=True):
+    x, codes, scale_inv, bias = _case(seed, m, n, k, recipe, method, block, name, dtype, device)
+    bias = bias if with_bias else None
+    direct = torch.ones_like(scale_inv) / scale_inv
+    got = fp8_scaled_linear_kernel(x, codes, direct, bias, recipe=recipe)
+    assert got.dtype == dtype and got.shape == (m, n) and got.device == x.device
+    assert_fp8_linear_close(
+        got, x, codes, scale_inv, bias, recipe=recipe, msg=f"{recipe} {name} {(m, n, k)} {dtype}",
+        accumulator_bits=GPU_BITS if x.is_cuda else 24,
+    )  # fmt: skip
+
+
+def _fits(recipe, n, k):
+    return recipe != "blockwise" or (n % 128 == 0 and k % 128 == 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the compiled kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("recipe", "method", "block", "name"), RECIPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_matches_the_reference_on_fuzzed_shapes(recipe, method, block, name, dtype):
+    for seed, (m, n, k) in enumerate(GPU_SHAPES):
+        if _fits(recipe, n, k):
+            _check(seed, m, n, k, recipe, method, block, name, dtype, "cuda")
+            _check(seed, m, n, k, recipe, method, block, name, dtype, "cuda", with_bias=False)
+
+
+@pytest.mark.gpu
+def test_strided_inputs_and_repeated_launches():
+    x, codes, scale_inv, bias = _case(
+        3, 8, 256, 512, "rowwise", "row", None, "float8_e4m3fn", torch.bfloat16, "cuda"
+    )
+    direct = 1 / scale_inv
+    wide = torch.zeros(8, 1024, dtype=x.dtype, device="cuda")
+    wide[:, ::2] = x
+    for view in (x, x.t().contiguous().t(), wide[:, ::2]):  # row-major, column-major, strided
+        for _ in range(2):  # the second launch of a configuration skips Triton's binding
+            got = fp8_scaled_linear_kernel(view, codes, direct, bias, recipe="rowwise")
+            assert_fp8_linear_close(
+                got, x, codes, scale_inv, bias, recipe="rowwise", accumulator_bits=GPU_BITS
+            )
+
+
+@pytest.mark.gpu
+def test_kernel_and_scaled_mm_agree_within_the_bound():
+    """The same recipe through cuBLAS's scaled_mm: both inside the reference's bound."""
+    x, codes, scale_inv, bias = _case(
+        4, 16, 512, 1024, "tensorwise", "tensor", None, "float8_e4m3fn", torch.bfloat16, "cuda"
+    )
+    xq = fq.quantize_fp8_weight(x, weight_scale_method="tensor")
+    one = torch.ones((), device="cuda")
+    cublas = torch._scaled_mm(
+        xq.qweight, codes.t(), one / xq.scale_inv, one / scale_inv, bias, None, x.dtype
+    )
+    kw = dict(recipe="tensorwise", accumulator_bits=GPU_BITS)
+    assert_fp8_linear_close(cublas, x, codes, scale_inv, bias, **kw)
+    got = fp8_scaled_linear_kernel(x, codes, one / scale_inv, bias, recipe="tensorwise")
+    assert_fp8_linear_close(got, x, codes, scale_inv, bias, **kw)
+
+
+@pytest.mark.gpu
+def test_nan_inputs_give_nan_rows():
+    x, codes, scale_inv, bias = _case(
+        5, 4, 128, 256, "rowwise", "row", None, "float8_e4m3fn", torch.bfloat16, "cuda"
+    )
+    x[1, 7] = float("nan")
+    got = fp8_scaled_linear_kernel(x, codes, 1 / scale_inv, bias, recipe="rowwise")
+    assert bool(got[1].isnan().all()) and not bool(got[[0, 2, 3]].isnan().any())
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the interpreter (small shapes) and the argument checks
+# ----------------------------------------------------------------------------------------------
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETING or torch.cuda.is_available() or not triton_available(),
+    reason="runs in the child process test_interpreter_suite starts (TRITON_INTERPRET=1, no CUDA)",
+)
+
+
+@pytest.mark.skipif(
+    INTERPRETING or torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+    reason="needs Triton and no CUDA (with CUDA the compiled kernel is tested instead)",
+)
+def test_interpreter_suite():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", __file__, "-k", "interpreted"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    log = done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.returncode == 0, log
+    passed = re.search(r"(\d+) passed", done.stdout)
+    assert passed is not None and int(passed[1]) == 4, log  # every interpreted test ran
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("recipe", "method", "block", "name"), RECIPES)
+def test_interpreted_kernel_matches_the_reference(recipe, method, block, name):
+    for seed, (m, n, k) in enumerate(INTERPRETER_SHAPES):
+        if _fits(recipe, n, k):
+            dtype = (torch.bfloat16, torch.float16)[seed % 2]
+            _check(seed, m, n, k, recipe, method, block, name, dtype, "cpu")
+
+
+def _bad(**changes):
+    x = torch.randn(2, 256)
+    q = fq.quantize_fp8_weight(torch.randn(128, 256))
+    args = dict(x=x, weight=q.qweight, weight_scale=1 / q.scale_inv, bias=None, recipe="rowwise")
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (_bad(recipe="columnwise"), ValueError, "recipe must be one of"),
+        (_bad(x=torch.ones(2, 256, dtype=torch.int32)), TypeError, "float16/bfloat16/float32"),
+        (_bad(x=torch.randn(2, 128)), ValueError, "must share k"),
+        (
+            _bad(weight=torch.zeros(128, 256, dtype=torch.float8_e5m2), recipe="tensorwise"),
+            TypeError,
+            "takes float8_e4m3fn",
+        ),
+        (_bad(weight=torch.zeros(128, 256, dtype=torch.uint8)), TypeError, "takes float8"),
+        (
+            _bad(
+                weight_scale=torch.ones(()),
+            ),
+            ValueError,
+            r"shape \(128,\)",
+        ),
+        (_bad(weight_scale=torch.ones(128, dtype=torch.float16)), ValueError, "float32"),
+        (_bad(bias=torch.zeros(127)), ValueError, "bias must be"),
+        (_bad(recipe="blockwise", weight_scale=torch.ones(2, 1)), ValueError, r"shape \(1, 2\)"),
+        (
+            _bad(weight=torch.zeros(100, 256, dtype=torch.float8_e4m3fn), recipe="blockwise"),
+            ValueError,
+            "divisible by 128",
+        ),
+    ],
+)
+def test_kernel_rejects_bad_arguments_before_launching(args, error, match):
+    with pytest.raises(error, match=match):
+        unchecked(fp8_scaled_linear_kernel)(**args)
+
+
+def test_kernel_on_cpu_names_what_is_missing(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(TypeError, match="one CUDA device"):
+        fp8_scaled_linear_kernel(**_bad())
+
+
+def test_reference_rejects_bad_arguments():
+    x, q = torch.randn(2, 256), fq.quantize_fp8_weight(torch.randn(128, 256))
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        fq.fp8_scaled_linear(x, *q, recipe="per-channel")
+    with pytest.raises(ValueError, match=r"shape \(\)"):
+        fq.fp8_scaled_linear(x, *q, recipe="tensorwise")
+    with pytest.raises(ValueError, match="must share k"):
+        unchecked(fq.fp8_scaled_linear)(x[:, :128], *q, recipe="rowwise")
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        fq.fp8_scaled_linear(x.fill_(float("inf")), *q, recipe="rowwise")
+
+
+def test_reference_equals_the_decoded_product_when_scales_are_exact():
+    """Powers of two everywhere: the direct scales are exact, so the reference is the product of
+    the decoded operands (a check of the formula that does not restate it)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-8, 9, (128, 256), generator=g).float() * 32  # amax 256 per row...
+    w[:, 0] = 448.0  # ...pinned at fp8_max: scale_inv 1
+    x = torch.randint(-8, 9, (3, 256), generator=g).float()
+    x[:, 0] = 448.0
+    q = fq.quantize_fp8_weight(w)
+    assert bool((q.scale_inv == 1).all())
+    got = fq.fp8_scaled_linear(x, *q, recipe="rowwise")
+    assert torch.equal(got, x @ w.T)
