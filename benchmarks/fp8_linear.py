@@ -22,6 +22,7 @@ Sections, each printed as a table:
 
 import argparse
 import datetime
+import functools
 import pathlib
 import sys
 import time
@@ -36,6 +37,7 @@ from floatxq.kernels import fp8_small_m, quantize_fp8_weight_kernel
 from floatxq.kernels import fp8_weight as kernel_module
 from floatxq.nn import TorchFP8Linear
 from floatxq.nn.fp8_linear import SMALL_M
+from floatxq.testing import assert_fp8_linear_close
 
 MS = (1, 16, 4096)
 N = K = 8192
@@ -331,7 +333,7 @@ def forward() -> None:
     for m in MS:
         x = torch.randn(m, K, device=dev, dtype=torch.bfloat16)
         raw = _raw_anchors(x, wt.weight, dense, r1, r128)
-        times = {}
+        times, owns = {}, {}
         for name, fn in raw.items():
             try:
                 times[name] = (*_bench(fn), _loop_us(fn))
@@ -339,17 +341,32 @@ def forward() -> None:
                 print(_line(f"{name} M={m}", f"failed: {exc}"[:80]))
         routes = {}
         if m <= SMALL_M:
-            routes["route fp8_small_m (tensor)"] = (layers["tensor"], "raw _scaled_mm tensorwise")
-            routes["route fp8_small_m (row)"] = (layers["row"], "raw _scaled_mm rowwise")
-            routes["route fp8_small_m (block)"] = (layers["block"], "raw scaled_mm blockwise")
+            # the module as shipped: eager calls take fp8_small_m, graph captures follow the
+            # capture policy (tensorwise/blockwise: scaled_mm; rowwise: fp8_small_m)
+            routes["module default (tensor)"] = (layers["tensor"], "raw _scaled_mm tensorwise")
+            routes["module default (row)"] = (layers["row"], "raw _scaled_mm rowwise")
+            routes["module default (block)"] = (layers["block"], "raw scaled_mm blockwise")
+            for method, recipe, own in (
+                ("tensor", "tensorwise", "raw _scaled_mm tensorwise"),
+                ("row", "rowwise", "raw _scaled_mm rowwise"),
+                ("block", "blockwise", "raw scaled_mm blockwise"),
+            ):
+                layer = layers[method]
+                scale = layer._direct_weight_scale()
+                bias = layer._bias_as(x.dtype)
+                fn = functools.partial(
+                    fp8_small_m._launch, x, layer.weight, scale, bias, recipe, False
+                )
+                name = f"kernel fp8_small_m ({method})"
+                times[name] = (*_bench(fn), _loop_us(fn))
+                owns[name] = times.get(own, nan3)
         routes["route scaled_mm_tensorwise"] = (cublas["tensor"], "raw _scaled_mm tensorwise")
         routes["route scaled_mm_rowwise"] = (cublas["row"], "raw _scaled_mm rowwise")
         routes["route scaled_mm_blockwise"] = (cublas["block"], "raw scaled_mm blockwise")
         routes["route dequant_matmul (row)"] = (forced, "bf16 F.linear")
-        owns = {}
         for name, (layer, own) in routes.items():
             layer(x)
-            expected = name.split()[1]
+            expected = "fp8_small_m" if name.startswith("module") else name.split()[1]
             if layer.last_route != expected:
                 print(
                     _line(
@@ -459,30 +476,44 @@ def small_m_sweep() -> None:
         )
         codes, scale = q.qweight, 1 / q.scale_inv
         results = []
-        for block_n in (64, 128):
-            for block_k in (128,) if recipe == "blockwise" else (128, 256):
-                for warps in (4, 8):
-                    for stages in (3, 4, 5):
-                        tiles = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                                     num_stages=stages)  # fmt: skip
-                        fp8_small_m.TILES[recipe] = tiles
-                        try:
-                            us = [
-                                do_bench(
-                                    lambda x=x, c=codes, sc=scale, r=recipe: fp8_small_m._launch(
-                                        x, c, sc, bias, r, False
-                                    ),
-                                    warmup=5,
-                                    rep=30,
-                                    return_mode="median",
-                                )
-                                * 1e3
-                                for x in xs.values()
-                            ]
-                        except Exception as exc:  # out of resources: not a candidate
-                            print(f"  {recipe} {tiles}: {type(exc).__name__}")
-                            continue
-                        results.append((sum(us), us, tiles))
+        configs = [
+            dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, imprecise_k=imp)
+            for bn in (32, 64)
+            for bk in ((128,) if recipe == "blockwise" else (128, 256))
+            for w in (4, 8)
+            for st in (4, 5)
+            for imp in sorted({32, bk})
+        ]
+        for tiles in configs:
+            fp8_small_m.TILES[recipe] = tiles
+            try:
+                us = [
+                    do_bench(
+                        lambda x=x, c=codes, sc=scale, r=recipe: fp8_small_m._launch(
+                            x, c, sc, bias, r, False
+                        ),
+                        warmup=5,
+                        rep=30,
+                        return_mode="median",
+                    )
+                    * 1e3
+                    for x in xs.values()
+                ]
+            except Exception as exc:  # out of resources: not a candidate
+                print(f"  {recipe} {tiles}: {type(exc).__name__}")
+                continue
+            # the bound the tests hold the GPU routes to (22-bit accumulation)
+            x = xs[16]
+            got = fp8_small_m._launch(x, codes, scale, bias, recipe, False)
+            try:
+                assert_fp8_linear_close(
+                    got, x, codes, q.scale_inv, bias, recipe=recipe,
+                    accumulator_bits=22,
+                )  # fmt: skip
+            except AssertionError as exc:
+                print(f"  {recipe} {tiles}: outside the bound: {str(exc)[:120]}")
+                continue
+            results.append((sum(us), us, tiles))
         results.sort(key=lambda r: r[0])
         for _, us, tiles in results[:3]:
             cells = (f"M=1 {us[0]:.1f}", f"M=16 {us[1]:.1f}", str(tiles))

@@ -627,6 +627,40 @@ def test_a_failing_scaled_mm_disables_the_route_for_that_dtype(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("method", "block", "captured"),
+    [
+        ("tensor", None, "scaled_mm_tensorwise"),
+        ("row", None, "fp8_small_m"),
+        ("block", (128, 128), "scaled_mm_blockwise"),
+    ],
+)
+def test_graph_capture_takes_the_faster_gpu_route(method, block, captured):
+    # Eager small-M calls take the one-launch kernel; inside a CUDA graph capture tensorwise and
+    # blockwise layers take cuBLAS (faster GPU code once launches are free), rowwise keeps it.
+    _, layer = _route_layer(method, block, seed=3)
+    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up as torch's CUDA-graph notes ask (eager, side stream)
+        layer(x)
+    torch.cuda.current_stream().wait_stream(side)
+    assert layer.last_route == "fp8_small_m"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    assert layer.last_route == captured, layer.last_fallback_reason
+    for seed in range(2):  # replays read x's storage: new values, new result
+        x.copy_(torch.randn(4, 512, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_fp8_linear_close(
+            out, x, layer.weight, layer.weight_scale_inv, layer.bias.to(x.dtype),
+            recipe=_route_name(method), accumulator_bits=22,
+        )  # fmt: skip
+
+
+@pytest.mark.gpu
 def test_small_m_kernel_falls_back_to_scaled_mm(monkeypatch):
     import floatxq.nn.fp8_linear as module
 

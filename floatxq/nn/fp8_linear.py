@@ -33,10 +33,12 @@ not), for ``x`` of shape ``(*, in_features)`` and any floating dtype, output in 
     Where one of the three ``scaled_mm`` routes applies and ``x`` has at most :data:`SMALL_M`
     rows (decode), and Triton imports: :func:`floatxq.kernels.fp8_scaled_linear_kernel`, one
     launch that quantizes ``x`` with that route's recipe inside the GEMM (same ``x`` codes,
-    FP32 accumulation of exact products, the same direct scales and epilogue bias). It saves
-    the separate quantization launch and its host time; the result equals the ``scaled_mm``
-    route's up to FP32 summation order (both are checked against
-    :func:`floatxq.fp8_scaled_linear`).
+    FP32 accumulation of exact products, the same direct scales and epilogue bias). Eager
+    decode is bound by host time, and one launch instead of two makes it 1.4-1.9x faster. While
+    a CUDA graph is being captured (launches then cost nothing) only rowwise layers keep it,
+    where it is also the faster GPU code; tensorwise and blockwise layers capture cuBLAS's
+    ``scaled_mm`` (see ``benchmarks/RESULTS.md``). The result equals the ``scaled_mm`` route's
+    up to summation order (both are checked against :func:`floatxq.fp8_scaled_linear`).
 ``dequant_matmul``
     Everywhere else: the weight is decoded for this call only (``dequantize_fp8_weight`` in
     ``x.dtype``) and multiplied; no dense weight is kept between calls.
@@ -111,6 +113,10 @@ _BLOCKWISE_MAJOR = 9
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 SMALL_M = 16
 """Inputs of at most this many rows (after flattening) take the ``fp8_small_m`` kernel."""
+_SMALL_M_IN_GRAPHS = frozenset({"scaled_mm_rowwise"})
+"""Routes whose small-M calls still take ``fp8_small_m`` while a CUDA graph is captured: there
+launch costs vanish, and only for rowwise scales is the fused kernel also the faster GPU code
+(an H200 at N = K = 8192: 33 vs 43 us; tensorwise 32 vs 22, blockwise 50 vs 29)."""
 _METHOD_RECIPE = {"tensor": "tensorwise", "row": "rowwise", "block": "blockwise"}
 
 _METHOD_ROUTE = {
@@ -616,7 +622,11 @@ class TorchFP8Linear(nn.Module):
             return x.new_empty((0, self.out_features))
         route, reason = self._plan(x)
         out = None
-        if route in _SCALED_ROUTES and x.shape[0] <= SMALL_M:
+        if (
+            route in _SCALED_ROUTES
+            and x.shape[0] <= SMALL_M
+            and (route in _SMALL_M_IN_GRAPHS or not torch.cuda.is_current_stream_capturing())
+        ):
             small = self._small_m_runner(x.dtype)
             if small is not None:
                 try:
@@ -645,11 +655,15 @@ class TorchFP8Linear(nn.Module):
 
     def _small_m_runner(self, dtype: torch.dtype) -> Callable[[Tensor], Tensor] | None:
         """The ``fp8_small_m`` call for ``dtype`` inputs, or None (Triton absent, switched off)."""
-        if ("fp8_small_m", dtype) in self._runtime.disabled:
+        runtime = self._runtime
+        if ("fp8_small_m", dtype) in runtime.disabled:
             return None
-        if triton_unavailable_reason(self._buffers["weight"].device) is not None:
-            self._runtime.disabled[("fp8_small_m", dtype)] = "Triton is not available"
-            return None
+        entry = runtime.runners.get(("fp8_small_m", dtype))
+        if entry is None:  # first use on this placement: is Triton there at all?
+            reason = triton_unavailable_reason(self._buffers["weight"].device)
+            if reason is not None:
+                runtime.disabled[("fp8_small_m", dtype)] = reason
+                return None
         return self._runner("fp8_small_m", dtype)
 
     def _runner(self, route: str, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
