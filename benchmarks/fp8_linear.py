@@ -455,7 +455,7 @@ def weight_quantize() -> None:
         print(_line(f"  codes equal to pure ({method})", "yes" if same else "NO", widths=(48, 10)))
 
 
-def small_m_sweep() -> None:
+def small_m_sweep(tile_sweep: bool = False) -> None:
     """Tiles of the fp8_small_m kernel at M = 1 and 16 (N = K = 8192, bf16), per recipe; the best
     (least time summed over both M) is applied to ``fp8_small_m.TILES`` for the rest of the run
     (the defaults in floatxq/kernels/fp8_small_m.py come from this table)."""
@@ -476,14 +476,17 @@ def small_m_sweep() -> None:
         )
         codes, scale = q.qweight, 1 / q.scale_inv
         results = []
-        configs = [
-            dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, imprecise_k=imp)
-            for bn in (32, 64)
-            for bk in ((128,) if recipe == "blockwise" else (128, 256))
-            for w in (4, 8)
-            for st in (4, 5)
-            for imp in sorted({32, bk})
-        ]
+        if tile_sweep:
+            configs = [
+                dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, imprecise_k=imp)
+                for bn in (32, 64)
+                for bk in ((128,) if recipe == "blockwise" else (128, 256))
+                for w in (4, 8)
+                for st in (4, 5)
+                for imp in sorted({32, bk})
+            ]
+        else:  # split-K over the shipped tiles (splits apply to M <= 4, or any M for blockwise)
+            configs = [dict(fp8_small_m.TILES[recipe], split_k=sk) for sk in (1, 2, 4, 8)]
         for tiles in configs:
             fp8_small_m.TILES[recipe] = tiles
             try:
@@ -514,8 +517,8 @@ def small_m_sweep() -> None:
                 print(f"  {recipe} {tiles}: outside the bound: {str(exc)[:120]}")
                 continue
             results.append((sum(us), us, tiles))
-        results.sort(key=lambda r: r[0])
-        for _, us, tiles in results[:3]:
+        results.sort(key=lambda r: r[1][0] if not tile_sweep else r[0])  # splits: by M = 1
+        for _, us, tiles in results[:4]:
             cells = (f"M=1 {us[0]:.1f}", f"M=16 {us[1]:.1f}", str(tiles))
             print(_line(recipe, *cells, widths=(12, 12, 12, 80)))
         fp8_small_m.TILES[recipe] = results[0][2]
@@ -525,7 +528,8 @@ def small_m_sweep() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probe-only", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="sweep the fp8_small_m tiles first")
+    parser.add_argument("--sweep", action="store_true", help="sweep fp8_small_m's split-K first")
+    parser.add_argument("--tile-sweep", action="store_true", help="sweep fp8_small_m's tiles")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fp8_linear.py needs a CUDA device")
@@ -533,8 +537,8 @@ def main() -> None:
     probe()
     if args.probe_only:
         return
-    if args.sweep:
-        small_m_sweep()
+    if args.sweep or args.tile_sweep:
+        small_m_sweep(tile_sweep=args.tile_sweep)
     forward()
     weight_quantize()
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import floatxq as fq
-from floatxq.kernels import fp8_scaled_linear_kernel, triton_available
+from floatxq.kernels import fp8_scaled_linear_kernel, fp8_small_m, triton_available
 from floatxq.testing import assert_fp8_linear_close, unchecked
 
 RECIPES = [
@@ -42,7 +42,14 @@ GPU_SHAPES = [
     (4, 0, 256),
     (4, 256, 0),
 ]
-INTERPRETER_SHAPES = [(1, 128, 256), (3, 48, 40), (17, 256, 128), (0, 128, 128), (2, 128, 0)]
+INTERPRETER_SHAPES = [
+    (1, 128, 512),
+    (3, 48, 40),
+    (4, 128, 1000),
+    (17, 256, 128),
+    (0, 128, 128),
+    (2, 128, 0),
+]
 
 
 def _case(seed, m, n, k, recipe, method, block, name, dtype, device):
@@ -93,7 +100,12 @@ def _fits(recipe, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize(("recipe", "method", "block", "name"), RECIPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_matches_the_reference_on_fuzzed_shapes(recipe, method, block, name, dtype):
+@pytest.mark.parametrize("split", [1, 3])
+def test_kernel_matches_the_reference_on_fuzzed_shapes(
+    recipe, method, block, name, dtype, split, monkeypatch
+):
+    # split 3: K split over three programs per tile (uneven steps; the last one reduces)
+    monkeypatch.setitem(fp8_small_m.TILES[recipe], "split_k", split)
     for seed, (m, n, k) in enumerate(GPU_SHAPES):
         if _fits(recipe, n, k):
             _check(seed, m, n, k, recipe, method, block, name, dtype, "cuda")
@@ -170,11 +182,14 @@ def test_interpreter_suite():
 
 @needs_interpreter
 @pytest.mark.parametrize(("recipe", "method", "block", "name"), RECIPES)
-def test_interpreted_kernel_matches_the_reference(recipe, method, block, name):
-    for seed, (m, n, k) in enumerate(INTERPRETER_SHAPES):
-        if _fits(recipe, n, k):
-            dtype = (torch.bfloat16, torch.float16)[seed % 2]
-            _check(seed, m, n, k, recipe, method, block, name, dtype, "cpu")
+def test_interpreted_kernel_matches_the_reference(recipe, method, block, name, monkeypatch):
+    for split in (1, 3):
+        monkeypatch.setitem(fp8_small_m.TILES[recipe], "split_k", split)
+        for seed, (m, n, k) in enumerate(INTERPRETER_SHAPES):
+            if _fits(recipe, n, k):
+                dtype = (torch.bfloat16, torch.float16)[seed % 2]
+                _check(seed, m, n, k, recipe, method, block, name, dtype, "cpu")
+                _check(seed, m, n, k, recipe, method, block, name, dtype, "cpu")  # counters reset
 
 
 def _bad(**changes):

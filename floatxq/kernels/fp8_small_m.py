@@ -68,6 +68,8 @@ def _fp8_small_m_kernel(
     ws_ptr,
     b_ptr,
     out_ptr,
+    part_ptr,
+    count_ptr,
     M,
     N,
     K,
@@ -91,6 +93,8 @@ def _fp8_small_m_kernel(
     BLOCK_K: constexpr,
     M_ITERS: constexpr,
     K_ITERS: constexpr,
+    A_ITERS: constexpr,
+    SPLIT: constexpr,
 ):
     """``out[m-tile, n-tile]`` of :func:`floatxq.fp8_scaled_linear` (see the module docstring).
 
@@ -98,12 +102,18 @@ def _fp8_small_m_kernel(
     2 blockwise (per 1×128 block, BLOCK_K == 128, the weight scale grid is (N/128, K/128)).
     ``ws_ptr`` holds DIRECT weight scales (``1 / weight_scale_inv``). E4M3 weights meet the
     E4M3 ``x`` codes in an FP8 MMA; E5M2 weights and ``x`` are decoded exactly to FP16 first.
-    Loop trip counts are compile-time constants
-    (``M_ITERS = cdiv(M, BLOCK_M)`` for the tensorwise amax, ``K_ITERS = cdiv(K, BLOCK_K)``):
-    one compiled kernel per layer width, and loops the compiler can pipeline.
+    Loop trip counts are compile-time constants (``M_ITERS = cdiv(M, BLOCK_M)`` rows and
+    ``A_ITERS = cdiv(K, BLOCK_K)`` steps for the amax, ``K_ITERS = cdiv(A_ITERS, SPLIT)`` steps
+    per split): one compiled kernel per layer width, and loops the compiler can pipeline.
+
+    SPLIT > 1 splits K over ``program_id(2)`` (K_ITERS steps each): every split stores its FP32
+    partial tile at ``part_ptr[split, m, n]``, then bumps the tile's counter; the program that
+    arrives last sums the partials in split order (so the result never depends on arrival
+    order), runs the epilogue and resets the counter to 0 for the next launch.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -118,7 +128,7 @@ def _fp8_small_m_kernel(
         for mi in range(M_ITERS):
             rows = mi * BLOCK_M + tl.arange(0, BLOCK_M)
             base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-            for ki in range(K_ITERS):
+            for ki in range(A_ITERS):
                 kk = ki * BLOCK_K + offs_k
                 mask = (rows < M)[:, None] & (kk < K)[None, :]
                 v = tl.load(base + kk.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0)
@@ -127,7 +137,7 @@ def _fp8_small_m_kernel(
         amax = tl.zeros([BLOCK_M], dtype=tl.int32) + tl.max(amax, axis=0)
     elif MODE == 1:
         amax = tl.zeros([BLOCK_M], dtype=tl.int32)
-        for ki in range(K_ITERS):
+        for ki in range(A_ITERS):
             kk = ki * BLOCK_K + offs_k
             mask = m_ok[:, None] & (kk < K)[None, :]
             v = tl.load(x_rows + kk.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0)
@@ -147,7 +157,7 @@ def _fp8_small_m_kernel(
     # IMPRECISE_K products (Hopper's FP8 MMA adds with fewer bits than FP32 otherwise).
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for ki in range(K_ITERS):
-        k0 = ki * BLOCK_K
+        k0 = (pid_k * K_ITERS + ki) * BLOCK_K
         kk = k0 + offs_k
         k_ok = kk < K
         xv = tl.load(
@@ -184,7 +194,26 @@ def _fp8_small_m_kernel(
         else:
             acc += part
 
-    # 3. Epilogue: direct scales, bias (already in the output dtype), one rounding.
+    # 3. Split-K: the last split of this tile to arrive reduces the partials in split order.
+    last = True
+    if SPLIT > 1:
+        tile = pid_m * tl.num_programs(1) + pid_n
+        p_offs = offs_n.to(tl.int64)[:, None] + offs_m.to(tl.int64)[None, :] * N
+        p_mask = n_ok[:, None] & m_ok[None, :]
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + p_offs, acc, mask=p_mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        last = arrived == SPLIT - 1
+        if last:
+            tl.debug_barrier()
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for j in range(SPLIT):
+                acc += tl.load(
+                    part_ptr + j * M * N + p_offs, mask=p_mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+    # 4. Epilogue: direct scales, bias (already in the output dtype), one rounding.
     if MODE == 2:
         out = acc
     elif MODE == 0:
@@ -196,7 +225,7 @@ def _fp8_small_m_kernel(
         out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     # out is allocated contiguous by the caller (unit column stride); written transposed back
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n.to(tl.int64)[:, None]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :] & last)
 
 
 _BUILT: dict[bool, CachedLauncher] = {}
@@ -288,6 +317,36 @@ def fp8_scaled_linear_kernel(
     return _launch(x, weight, weight_scale, bias, recipe, interpret)
 
 
+_SPLIT_MAX_M = 4
+"""Split K (``TILES[recipe]["split_k"]``) for at most this many rows (any for blockwise): each
+split re-reads all of ``x`` for the tensorwise/rowwise amax."""
+_WORKSPACES: dict[Any, tuple[Tensor, Tensor]] = {}
+"""Split-K partials (FP32) and per-tile arrival counters by (device, stream): kernels on one
+stream run in order, so they can share them; counters are zero between launches (the last
+split of a tile resets its own). Buffers are only ever replaced by larger ones kept alongside,
+never freed, so a CUDA graph that captured one keeps valid memory."""
+_RETIRED: list[tuple[Tensor, Tensor]] = []
+
+
+def _workspace(
+    device: torch.device, index: int, part_numel: int, tiles: int
+) -> tuple[Tensor, Tensor]:
+    stream = torch._C._cuda_getCurrentRawStream(index) if device.type == "cuda" else 0
+    key = (device, stream)
+    held = _WORKSPACES.get(key)
+    if held is None or held[0].numel() < part_numel or held[1].numel() < tiles:
+        if held is not None:
+            _RETIRED.append(held)
+        size = max(part_numel, held[0].numel() if held else 0)
+        count = max(tiles, held[1].numel() if held else 0)
+        held = (
+            torch.empty(size, dtype=torch.float32, device=device),
+            torch.zeros(count, dtype=torch.int32, device=device),
+        )
+        _WORKSPACES[key] = held
+    return held
+
+
 def _launch(
     x: Tensor,
     weight: Tensor,
@@ -311,28 +370,16 @@ def _launch(
         block_k = _BLOCK_K_GROUP
         block_n = min(block_n, 128)
     if interpret:
-        x = (
-            x.float() if x.dtype != torch.float32 else x
-        )  # (the interpreter's widening is not exact)
+        x = x.float()  # (the interpreter's own widening flushes subnormals)
     e5m2 = weight.dtype == torch.float8_e5m2
     scale_strides = (*weight_scale.stride(), 0, 0)[:2]
     convert = fp8_weight._conversion("float8_e4m3fn", device, None)
-    args = (
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out,
-        m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *scale_strides,
-        out.stride(0),
-        mode, e5m2, bias is not None, fp8_max("float8_e4m3fn"), FLOAT32_MAX,
-        fp8_weight._TINY_BITS, convert, min(tiles.get("imprecise_k", _IMPRECISE_K), block_k),
-        _BLOCK_M, block_n, block_k, -(-m // _BLOCK_M) if mode == _X_TENSOR else 1,
-        -(-k // block_k),
-    )  # fmt: skip
-    options = {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
-    aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:5])
-    key = (
-        x.dtype, weight.dtype, bias is not None and bias.dtype, args[5:], aligned,
-        tuple(options.items()), device, interpret,
-    )  # fmt: skip
-    grid = (-(-m // _BLOCK_M), -(-n // block_n), 1)
+    steps = -(-k // block_k)
+    # Split K only where every split reading all of x for its amax stays cheap (few rows, or
+    # blockwise, which needs no amax pass).
+    split = tiles.get("split_k", 1) if m <= _SPLIT_MAX_M or mode == _X_BLOCK else 1
+    split = max(1, min(split, steps))
+    grid = (-(-m // _BLOCK_M), -(-n // block_n), split)
     guard: Any = contextlib.nullcontext()
     index = -1
     if device.type == "cuda":
@@ -340,5 +387,25 @@ def _launch(
         if device.index != index:
             guard, index = torch.cuda.device(device), device.index  # type: ignore[assignment]
     with guard:
+        if split > 1:
+            part, counts = _workspace(device, index, split * m * n, grid[0] * grid[1])
+        else:
+            part = counts = out  # unused
+        args = (
+            x, weight, weight_scale, bias if bias is not None else weight_scale, out, part,
+            counts,
+            m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+            *scale_strides, out.stride(0),
+            mode, e5m2, bias is not None, fp8_max("float8_e4m3fn"), FLOAT32_MAX,
+            fp8_weight._TINY_BITS, convert, min(tiles.get("imprecise_k", _IMPRECISE_K), block_k),
+            _BLOCK_M, block_n, block_k, -(-m // _BLOCK_M) if mode == _X_TENSOR else 1,
+            -(-steps // split), steps, split,
+        )  # fmt: skip
+        options = {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
+        aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:7])
+        key = (
+            x.dtype, weight.dtype, bias is not None and bias.dtype, args[7:], aligned,
+            tuple(options.items()), device, interpret,
+        )  # fmt: skip
         _launcher(interpret)(key, grid, args, options, index)
     return out
