@@ -506,13 +506,13 @@ def small_m_sweep(tile_sweep: bool = False) -> None:
                 print(f"  {recipe} {tiles}: {type(exc).__name__}")
                 continue
             # the bound the tests hold the GPU routes to (22-bit accumulation)
-            x = xs[16]
-            got = fp8_small_m._launch(x, codes, scale, bias, recipe, False)
             try:
-                assert_fp8_linear_close(
-                    got, x, codes, q.scale_inv, bias, recipe=recipe,
-                    accumulator_bits=22,
-                )  # fmt: skip
+                for x in xs.values():
+                    got = fp8_small_m._launch(x, codes, scale, bias, recipe, False)
+                    assert_fp8_linear_close(
+                        got, x, codes, q.scale_inv, bias, recipe=recipe,
+                        accumulator_bits=22,
+                    )  # fmt: skip
             except AssertionError as exc:
                 print(f"  {recipe} {tiles}: outside the bound: {str(exc)[:120]}")
                 continue

@@ -95,6 +95,7 @@ def _fp8_small_m_kernel(
     K_ITERS: constexpr,
     A_ITERS: constexpr,
     SPLIT: constexpr,
+    UNROLL_MAX: constexpr,
 ):
     """``out[m-tile, n-tile]`` of :func:`floatxq.fp8_scaled_linear` (see the module docstring).
 
@@ -122,8 +123,22 @@ def _fp8_small_m_kernel(
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
 
-    # 1. x's amax on bit patterns (subnormals exact): per row, or over every row of x.
-    if MODE == 0:
+    # 1. x's amax on bit patterns (subnormals exact): per row, or over every row of x. The
+    # loops are unrolled so every load is in flight at once (a rolled loop of loads feeding
+    # only a max is not pipelined, and was a chain of dependent memory round trips).
+    if MODE == 0 and M_ITERS * A_ITERS <= UNROLL_MAX:
+        amax = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for mi in tl.static_range(M_ITERS):
+            rows = mi * BLOCK_M + tl.arange(0, BLOCK_M)
+            base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+            for ki in tl.static_range(A_ITERS):
+                kk = ki * BLOCK_K + offs_k
+                mask = (rows < M)[:, None] & (kk < K)[None, :]
+                v = tl.load(base + kk.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0)
+                bits = v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+                amax = tl.maximum(amax, tl.max(bits, axis=1))
+        amax = tl.zeros([BLOCK_M], dtype=tl.int32) + tl.max(amax, axis=0)
+    elif MODE == 0:  # many rows: the same loop, rolled (bounded code size)
         amax = tl.zeros([BLOCK_M], dtype=tl.int32)
         for mi in range(M_ITERS):
             rows = mi * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -135,6 +150,14 @@ def _fp8_small_m_kernel(
                 bits = v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
                 amax = tl.maximum(amax, tl.max(bits, axis=1))
         amax = tl.zeros([BLOCK_M], dtype=tl.int32) + tl.max(amax, axis=0)
+    elif MODE == 1 and A_ITERS <= UNROLL_MAX:
+        amax = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for ki in tl.static_range(A_ITERS):
+            kk = ki * BLOCK_K + offs_k
+            mask = m_ok[:, None] & (kk < K)[None, :]
+            v = tl.load(x_rows + kk.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0)
+            bits = v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            amax = tl.maximum(amax, tl.max(bits, axis=1))
     elif MODE == 1:
         amax = tl.zeros([BLOCK_M], dtype=tl.int32)
         for ki in range(A_ITERS):
@@ -317,6 +340,8 @@ def fp8_scaled_linear_kernel(
     return _launch(x, weight, weight_scale, bias, recipe, interpret)
 
 
+_UNROLL_MAX = 128
+"""The amax pass's loads are unrolled (all in flight at once) up to this many tiles."""
 _SPLIT_MAX_M = 4
 """Split K (``TILES[recipe]["split_k"]``) for at most this many rows (any for blockwise): each
 split re-reads all of ``x`` for the tensorwise/rowwise amax."""
@@ -399,7 +424,7 @@ def _launch(
             mode, e5m2, bias is not None, fp8_max("float8_e4m3fn"), FLOAT32_MAX,
             fp8_weight._TINY_BITS, convert, min(tiles.get("imprecise_k", _IMPRECISE_K), block_k),
             _BLOCK_M, block_n, block_k, -(-m // _BLOCK_M) if mode == _X_TENSOR else 1,
-            -(-steps // split), steps, split,
+            -(-steps // split), steps, split, _UNROLL_MAX,
         )  # fmt: skip
         options = {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
         aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:7])
