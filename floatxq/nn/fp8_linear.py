@@ -34,7 +34,8 @@ not), for ``x`` of shape ``(*, in_features)`` and any floating dtype, output in 
     rows (decode), and Triton imports: :func:`floatxq.kernels.fp8_scaled_linear_kernel`, one
     launch that quantizes ``x`` with that route's recipe inside the GEMM (same ``x`` codes,
     FP32 accumulation of exact products, the same direct scales and epilogue bias). Eager
-    decode is bound by host time, and one launch instead of two makes it 1.4-1.9x faster. While
+    decode is bound by host time: back to back, one launch instead of two is 1.0-2.4x faster
+    on an H200 (N = K = 8192, ``benchmarks/RESULTS.md``). While
     a CUDA graph is being captured (launches then cost nothing) only rowwise layers keep it,
     where it is also the faster GPU code; tensorwise and blockwise layers capture cuBLAS's
     ``scaled_mm`` (see ``benchmarks/RESULTS.md``). The result equals the ``scaled_mm`` route's
@@ -116,7 +117,8 @@ SMALL_M = 16
 _SMALL_M_IN_GRAPHS = frozenset({"scaled_mm_rowwise"})
 """Routes whose small-M calls still take ``fp8_small_m`` while a CUDA graph is captured: there
 launch costs vanish, and only for rowwise scales is the fused kernel also the faster GPU code
-(an H200 at N = K = 8192: 33 vs 43 us; tensorwise 32 vs 22, blockwise 50 vs 29)."""
+(graph replays on an H200, N = K = 8192, M = 1: rowwise 33 vs 41 us; tensorwise 28 vs 22,
+blockwise 37 vs 29)."""
 _METHOD_RECIPE = {"tensor": "tensorwise", "row": "rowwise", "block": "blockwise"}
 
 _METHOD_ROUTE = {
