@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-GPU_ONLY = {"fp8_linear.py", "lifecycle.py"}
+GPU_ONLY = {"fp8_linear.py", "fp8_linear_host.py", "lifecycle.py"}
 CPU_ARGS = {"gptq.py": ["--small"], "recipes.py": ["--size", "2048"]}
 
 

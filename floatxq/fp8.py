@@ -550,9 +550,31 @@ def fp8_scaled_linear(
       [[200704.0, -224.0]]
     """
     where = "fp8_scaled_linear"
+    _require_floating(x, name="x", where=where)
+    _scaled_linear_arguments(
+        x, weight, weight_scale_inv, bias, recipe=recipe, scale_name="weight_scale_inv", where=where
+    )
+    xq = _quantize_x(x, weight, recipe)
+    sw = torch.ones_like(weight_scale_inv) / weight_scale_inv
+    out = _scaled_sum(xq.qweight, weight, torch.ones_like(xq.scale_inv) / xq.scale_inv, sw, recipe)
+    if bias is not None:
+        out = out + bias.to(x.dtype).double()
+    return out.float().to(x.dtype)
+
+
+def _scaled_linear_arguments(
+    x: Tensor,
+    weight: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    *,
+    recipe: str,
+    scale_name: str,
+    where: str,
+) -> None:
+    """The checks :func:`fp8_scaled_linear` and its Triton twin share (recipe, formats, shapes)."""
     if recipe not in _RECIPE_X:
         raise ValueError(f"{where}: recipe must be one of {FP8_SCALED_RECIPES}, got {recipe!r}")
-    _require_floating(x, name="x", where=where)
     if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"{where}: x (m, k) and weight (n, k) must share k, got {tuple(x.shape)} and "
@@ -564,33 +586,45 @@ def fp8_scaled_linear(
         raise TypeError(
             f"{where}: the {recipe} recipe takes {' or '.join(allowed)} codes, got {name}"
         )
-    (m, k), n = x.shape, weight.shape[0]
-    expected = {"tensorwise": (), "rowwise": (n,), "blockwise": (-(-n // 128), -(-k // 128))}
+    k, n = x.shape[1], weight.shape[0]
     if recipe == "blockwise" and (n % 128 or k % 128):
         raise ValueError(f"{where}: blockwise needs n and k divisible by 128, got ({n}, {k})")
-    if tuple(weight_scale_inv.shape) != expected[recipe] or weight_scale_inv.dtype != torch.float32:
+    expected = {"tensorwise": (), "rowwise": (n,), "blockwise": (n // 128, k // 128)}[recipe]
+    if tuple(scale.shape) != expected or scale.dtype != torch.float32:
         raise ValueError(
-            f"{where}: the {recipe} recipe takes float32 weight_scale_inv of shape "
-            f"{expected[recipe]}, got {weight_scale_inv.dtype} {tuple(weight_scale_inv.shape)}"
+            f"{where}: the {recipe} recipe takes float32 {scale_name} of shape {expected}, got "
+            f"{scale.dtype} {tuple(scale.shape)}"
         )
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"{where}: bias must have shape ({n},), got {tuple(bias.shape)}")
+
+
+def _quantize_x(x: Tensor, weight: Tensor, recipe: str) -> FP8Weight:
+    """``x``'s codes and inverse scales as the recipe quantizes it (the weight formula)."""
     method, block = _RECIPE_X[recipe]
-    x_format = name if recipe == "tensorwise" else "float8_e4m3fn"
-    xq = quantize_fp8_weight(
-        x, format=x_format, weight_scale_method=method, weight_block_size=block
+    x_format = str(weight.dtype).removeprefix("torch.") if recipe == "tensorwise" else None
+    return quantize_fp8_weight(
+        x, format=x_format or "float8_e4m3fn", weight_scale_method=method, weight_block_size=block
     )
-    sx = (torch.ones_like(xq.scale_inv) / xq.scale_inv).double()
-    sw = (torch.ones_like(weight_scale_inv) / weight_scale_inv).double()
-    cx, cw = xq.qweight.float().double(), weight.float().double()
+
+
+def _scaled_sum(
+    x_codes: Tensor, w_codes: Tensor, sx: Tensor, sw: Tensor, recipe: str, *, absolute: bool = False
+) -> Tensor:
+    """``Σ_k code_x · code_w · sx · sw`` in float64 (``absolute``: of the terms' magnitudes).
+
+    ``sx``/``sw`` are the direct scales in the recipe's layouts; blockwise scales each 128-wide
+    K block's partial sum by its own pair.
+    """
+    cx, cw = x_codes.float().double(), w_codes.float().double()
+    sx, sw = sx.double(), sw.double()
+    if absolute:
+        cx, cw, sx, sw = cx.abs(), cw.abs(), sx.abs(), sw.abs()
     if recipe == "blockwise":
+        (m, k), n = cx.shape, cw.shape[0]
         kb = k // 128
         parts = torch.einsum("mbk,nbk->mnb", cx.reshape(m, kb, 128), cw.reshape(n, kb, 128))
-        out = (parts * sx[:, None, :] * sw.repeat_interleave(128, dim=0)[None, :, :]).sum(-1)
-    elif recipe == "rowwise":
-        out = (cx @ cw.T) * sx[:, None] * sw[None, :]
-    else:
-        out = (cx @ cw.T) * (sx * sw)
-    if bias is not None:
-        out = out + bias.to(x.dtype).double()
-    return out.float().to(x.dtype)
+        return (parts * sx[:, None, :] * sw.repeat_interleave(128, dim=0)[None, :, :]).sum(-1)
+    if recipe == "rowwise":
+        return (cx @ cw.T) * sx[:, None] * sw[None, :]
+    return (cx @ cw.T) * (sx * sw)

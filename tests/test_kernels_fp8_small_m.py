@@ -7,18 +7,13 @@ the compiled kernel; without CUDA, ``test_interpreter_suite`` reruns the ``inter
 a child process under ``TRITON_INTERPRET=1`` on small shapes. Argument checks need neither.
 """
 
-import importlib.util
-import os
-import re
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import floatxq as fq
-from floatxq.kernels import fp8_scaled_linear_kernel, fp8_small_m, triton_available
+from floatxq.kernels import fp8_scaled_linear_kernel, fp8_small_m
 from floatxq.testing import assert_fp8_linear_close, unchecked
+from floatxq.testing.interpreter import can_interpret, needs_interpreter, run_interpreted_tests
 
 RECIPES = [
     ("tensorwise", "tensor", None, "float8_e4m3fn"),
@@ -159,25 +154,10 @@ def test_nan_inputs_give_nan_rows():
 # CPU: the interpreter (small shapes) and the argument checks
 # ----------------------------------------------------------------------------------------------
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETING or torch.cuda.is_available() or not triton_available(),
-    reason="runs in the child process test_interpreter_suite starts (TRITON_INTERPRET=1, no CUDA)",
-)
 
-
-@pytest.mark.skipif(
-    INTERPRETING or torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
-    reason="needs Triton and no CUDA (with CUDA the compiled kernel is tested instead)",
-)
+@pytest.mark.skipif(not can_interpret(), reason="needs Triton and no CUDA")
 def test_interpreter_suite():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", __file__, "-k", "interpreted"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    log = done.stdout[-4000:] + done.stderr[-2000:]
-    assert done.returncode == 0, log
-    passed = re.search(r"(\d+) passed", done.stdout)
-    assert passed is not None and int(passed[1]) == 4, log  # every interpreted test ran
+    run_interpreted_tests(__file__, expected=4)  # every interpreted test below ran
 
 
 @needs_interpreter
@@ -221,7 +201,8 @@ def _bad(**changes):
             r"shape \(128,\)",
         ),
         (_bad(weight_scale=torch.ones(128, dtype=torch.float16)), ValueError, "float32"),
-        (_bad(bias=torch.zeros(127)), ValueError, "bias must be"),
+        (_bad(bias=torch.zeros(127)), ValueError, "bias must have shape"),
+        (_bad(bias=torch.zeros(128, dtype=torch.float16)), ValueError, "bias must be in"),
         (_bad(recipe="blockwise", weight_scale=torch.ones(2, 1)), ValueError, r"shape \(1, 2\)"),
         (
             _bad(weight=torch.zeros(100, 256, dtype=torch.float8_e4m3fn), recipe="blockwise"),

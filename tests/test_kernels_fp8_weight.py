@@ -6,11 +6,6 @@ GPU tests run the compiled kernel (both conversions: PTX and the integer encoder
 variable must be set before that), on small shapes. The argument checks need neither.
 """
 
-import importlib.util
-import os
-import re
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -26,6 +21,7 @@ from floatxq.kernels import (
     triton_unavailable_reason,
 )
 from floatxq.testing import assert_bitwise_equal, unchecked
+from floatxq.testing.interpreter import can_interpret, needs_interpreter, run_interpreted_tests
 
 ENCODABLE = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
 PTX_FORMATS = ["float8_e4m3fn", "float8_e5m2"]
@@ -270,25 +266,10 @@ def test_input_quantization_codes_and_direct_scales(method, block, scale_shape, 
 # CPU: the interpreter (small shapes) and the argument checks
 # ----------------------------------------------------------------------------------------------
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETING or torch.cuda.is_available() or not triton_available(),
-    reason="runs in the child process test_interpreter_suite starts (TRITON_INTERPRET=1, no CUDA)",
-)
 
-
-@pytest.mark.skipif(
-    INTERPRETING or torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
-    reason="needs Triton and no CUDA (with CUDA the compiled kernel is tested instead)",
-)
+@pytest.mark.skipif(not can_interpret(), reason="needs Triton and no CUDA")
 def test_interpreter_suite():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", __file__, "-k", "interpreted"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    log = done.stdout[-4000:] + done.stderr[-2000:]
-    assert done.returncode == 0, log
-    passed = re.search(r"(\d+) passed", done.stdout)
-    assert passed is not None and int(passed[1]) == 9, log  # every interpreted test ran
+    run_interpreted_tests(__file__, expected=9)  # every interpreted test below ran
 
 
 INTERPRETER_CASES = [

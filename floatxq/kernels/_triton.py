@@ -5,6 +5,7 @@ without Triton or CUDA. Kernels ask :func:`import_triton` for the modules when t
 launched; dispatchers ask :func:`triton_unavailable_reason` which fast path a tensor may take.
 """
 
+import contextlib
 import functools
 import os
 from types import ModuleType
@@ -15,6 +16,7 @@ import torch
 __all__ = [
     "CachedLauncher",
     "import_triton",
+    "launch_device",
     "triton_available",
     "triton_interpret_enabled",
     "triton_unavailable_reason",
@@ -161,3 +163,18 @@ class CachedLauncher:
 def _hooked(hook: Any) -> bool:
     """Whether a Triton launch hook (a ``HookChain``, a function or None) would call anything."""
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def launch_device(device: torch.device) -> tuple[contextlib.AbstractContextManager[Any], int]:
+    """``(context, index)`` to launch a kernel on ``device``'s tensors: the CUDA device made
+    current when it is not already (and its index), or a no-op and -1 for CPU tensors (the
+    interpreter).
+
+    Numerics: none.
+    """
+    if device.type != "cuda":
+        return contextlib.nullcontext(), -1
+    index = torch.cuda.current_device()
+    if device.index is None or device.index == index:
+        return contextlib.nullcontext(), index
+    return torch.cuda.device(device), device.index

@@ -20,7 +20,6 @@ The result equals the reference up to FP32 summation order and the FP32 rounding
 products (bounded per element in the tests). Triton is imported on the first launch.
 """
 
-import contextlib
 import inspect
 from typing import Any
 
@@ -28,9 +27,14 @@ import torch
 
 from floatxq._typing import Float, Float32, FP8Dtype, Tensor
 from floatxq.formats import FLOAT32_MAX, fp8_max
-from floatxq.fp8 import FP8_SCALED_RECIPES
+from floatxq.fp8 import _scaled_linear_arguments
 from floatxq.kernels import fp8_weight
-from floatxq.kernels._triton import CachedLauncher, import_triton, triton_interpret_enabled
+from floatxq.kernels._triton import (
+    CachedLauncher,
+    import_triton,
+    launch_device,
+    triton_interpret_enabled,
+)
 
 __all__ = ["fp8_scaled_linear_kernel"]
 
@@ -307,35 +311,16 @@ def fp8_scaled_linear_kernel(
       torch.Size([1, 256])
     """
     where = "fp8_scaled_linear_kernel"
-    if recipe not in _RECIPE_MODE:
-        raise ValueError(f"{where}: recipe must be one of {FP8_SCALED_RECIPES}, got {recipe!r}")
     for label, t in (("x", x), ("weight", weight), ("weight_scale", weight_scale)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {label} must be a tensor, got {type(t).__name__}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"{where}: x must be float16/bfloat16/float32, got {x.dtype}")
-    name = str(weight.dtype).removeprefix("torch.")
-    allowed = ("float8_e4m3fn", "float8_e5m2") if recipe == "rowwise" else ("float8_e4m3fn",)
-    if name not in allowed:
-        raise TypeError(f"{where}: the {recipe} recipe takes {' or '.join(allowed)}, got {name}")
-    if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"{where}: x (m, k) and weight (n, k) must share k, got {tuple(x.shape)} and "
-            f"{tuple(weight.shape)}"
-        )
-    k, n = x.shape[1], weight.shape[0]
-    if recipe == "blockwise" and (n % _BLOCK_K_GROUP or k % _BLOCK_K_GROUP):
-        raise ValueError(f"{where}: blockwise needs n and k divisible by 128, got ({n}, {k})")
-    expected = {"tensorwise": (), "rowwise": (n,), "blockwise": (n // 128, k // 128)}[recipe]
-    if tuple(weight_scale.shape) != expected or weight_scale.dtype != torch.float32:
-        raise ValueError(
-            f"{where}: the {recipe} recipe takes float32 weight_scale of shape {expected}, got "
-            f"{weight_scale.dtype} {tuple(weight_scale.shape)}"
-        )
-    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype):
-        raise ValueError(
-            f"{where}: bias must be ({n},) in {x.dtype}, got {bias.dtype} {tuple(bias.shape)}"
-        )
+    _scaled_linear_arguments(
+        x, weight, weight_scale, bias, recipe=recipe, scale_name="weight_scale", where=where
+    )
+    if bias is not None and bias.dtype != x.dtype:
+        raise ValueError(f"{where}: bias must be in {x.dtype} (x's dtype), got {bias.dtype}")
     devices = {t.device for t in (x, weight, weight_scale) + ((bias,) if bias is not None else ())}
     interpret = triton_interpret_enabled()
     if len(devices) != 1 or (x.device.type != "cuda" and not interpret):
@@ -408,12 +393,7 @@ def _launch(
     split = tiles.get("split_k", 1) if m <= _SPLIT_MAX_M or mode == _X_BLOCK else 1
     split = max(1, min(split, steps))
     grid = (-(-m // _BLOCK_M), -(-n // block_n), split)
-    guard: Any = contextlib.nullcontext()
-    index = -1
-    if device.type == "cuda":
-        index = torch.cuda.current_device()
-        if device.index != index:
-            guard, index = torch.cuda.device(device), device.index  # type: ignore[assignment]
+    guard, index = launch_device(device)
     with guard:
         if split > 1:
             part, counts = _workspace(device, index, split * m * n, grid[0] * grid[1])

@@ -31,7 +31,6 @@ torch first, because the interpreter's own widening flushes subnormals.
 Triton is imported on the first launch; importing this module needs neither Triton nor CUDA.
 """
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -58,6 +57,7 @@ from floatxq.fp8 import (
 from floatxq.kernels._triton import (
     CachedLauncher,
     import_triton,
+    launch_device,
     triton_available,
     triton_interpret_enabled,
     triton_unavailable_reason,
@@ -599,12 +599,7 @@ def _launch(
     launcher = _launcher(interpret)
     head = (w, codes.view(torch.int8), scale_out)
     aligned = (w.data_ptr() % 16 == 0, scale_out.data_ptr() % 16 == 0)
-    guard: Any = contextlib.nullcontext()
-    index = -1
-    if device.type == "cuda":
-        index = torch.cuda.current_device()
-        if device.index != index:
-            guard, index = torch.cuda.device(device), device.index  # type: ignore[assignment]
+    guard, index = launch_device(device)
     with guard:
         for i, (grid, tail, options, aux) in enumerate(plan.steps):
             _LAST_COMPILED[0] = launcher(

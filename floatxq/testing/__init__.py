@@ -2,8 +2,10 @@
 
 ``floatxq.testing.assertions`` (bitwise, NaN- and signed-zero-aware comparisons) needs only torch.
 ``floatxq.testing.reference`` (independent numpy/ml_dtypes oracles) needs ``ml_dtypes`` and
-``floatxq.testing.strategies`` needs ``hypothesis``: both come with the ``test`` extra and are
-imported only when those modules are.
+``floatxq.testing.strategies`` needs ``hypothesis``, ``floatxq.testing.interpreter`` (Triton
+kernels under ``TRITON_INTERPRET=1`` in a child pytest) needs ``pytest``: they come with the
+``test`` extra and are imported only when those modules are. ``assert_fp8_linear_close`` is the
+per-element bound every FP8 GEMM path is held to against ``floatxq.fp8_scaled_linear``.
 """
 
 from floatxq.testing.assertions import (

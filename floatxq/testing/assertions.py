@@ -90,7 +90,7 @@ def assert_fp8_linear_close(
 
     Numerics: the reference and ``S`` in float64 on ``actual``'s device.
     """
-    from floatxq.fp8 import _RECIPE_X, fp8_scaled_linear, quantize_fp8_weight
+    from floatxq.fp8 import _quantize_x, _scaled_sum, fp8_scaled_linear
 
     prefix = f"{msg}: " if msg else ""
     reference = fp8_scaled_linear(x, weight, weight_scale_inv, bias, recipe=recipe)
@@ -99,25 +99,14 @@ def assert_fp8_linear_close(
             f"{prefix}{actual.dtype} {tuple(actual.shape)} != expected {reference.dtype} "
             f"{tuple(reference.shape)}"
         )
-    method, block = _RECIPE_X[recipe]
-    x_format = str(weight.dtype).removeprefix("torch.") if recipe == "tensorwise" else None
-    xq = quantize_fp8_weight(
-        x, format=x_format or "float8_e4m3fn", weight_scale_method=method, weight_block_size=block
-    )
-    sx = (torch.ones_like(xq.scale_inv) / xq.scale_inv).double()
-    sw = (torch.ones_like(weight_scale_inv) / weight_scale_inv).double()
-    cx, cw = xq.qweight.float().double().abs(), weight.float().double().abs()
-    (m, k), n = x.shape, weight.shape[0]
-    if recipe == "blockwise":
-        kb = k // 128
-        parts = torch.einsum("mbk,nbk->mnb", cx.reshape(m, kb, 128), cw.reshape(n, kb, 128))
-        total = (parts * sx[:, None, :] * sw.repeat_interleave(128, dim=0)[None, :, :]).sum(-1)
-    elif recipe == "rowwise":
-        total = (cx @ cw.T) * sx[:, None] * sw[None, :]
-    else:
-        total = (cx @ cw.T) * (sx * sw)
+    xq = _quantize_x(x, weight, recipe)
+    sx = torch.ones_like(xq.scale_inv) / xq.scale_inv
+    sw = torch.ones_like(weight_scale_inv) / weight_scale_inv
+    total = _scaled_sum(xq.qweight, weight, sx, sw, recipe, absolute=True)
     if bias is not None:
         total = total + bias.to(x.dtype).double().abs()
+    n = weight.shape[0]
+    k = x.shape[1]
     ref = reference.double()
     magnitude = ref.abs().clamp_min(torch.finfo(reference.dtype).tiny)
     ulp = torch.exp2(torch.floor(torch.log2(magnitude)) - _MANTISSA_BITS[reference.dtype])
