@@ -485,8 +485,13 @@ def small_m_sweep(tile_sweep: bool = False) -> None:
                 for st in (4, 5)
                 for imp in sorted({32, bk})
             ]
-        else:  # split-K over the shipped tiles (splits apply to M <= 4, or any M for blockwise)
-            configs = [dict(fp8_small_m.TILES[recipe], split_k=sk) for sk in (1, 2, 4, 8)]
+        else:  # split-K (M <= 4, or any M for blockwise) and the one-row GEMV, shipped tiles
+            configs = [
+                dict(fp8_small_m.TILES[recipe], split_k=sk, gemv=gemv, BLOCK_N=bn)
+                for sk in (1, 2, 4)
+                for gemv, bn in ((False, fp8_small_m.TILES[recipe]["BLOCK_N"]), (True, 32),
+                                 (True, 64), (True, 128))
+            ]  # fmt: skip
         for tiles in configs:
             fp8_small_m.TILES[recipe] = tiles
             try:

@@ -95,12 +95,14 @@ def _fits(recipe, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize(("recipe", "method", "block", "name"), RECIPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize(("split", "gemv"), [(1, False), (3, False), (1, True), (2, True)])
 def test_kernel_matches_the_reference_on_fuzzed_shapes(
-    recipe, method, block, name, dtype, split, monkeypatch
+    recipe, method, block, name, dtype, split, gemv, monkeypatch
 ):
-    # split 3: K split over three programs per tile (uneven steps; the last one reduces)
+    # split 3: K split over three programs per tile (uneven steps; the last one reduces);
+    # gemv: one-row inputs on the CUDA cores
     monkeypatch.setitem(fp8_small_m.TILES[recipe], "split_k", split)
+    monkeypatch.setitem(fp8_small_m.TILES[recipe], "gemv", gemv)
     for seed, (m, n, k) in enumerate(GPU_SHAPES):
         if _fits(recipe, n, k):
             _check(seed, m, n, k, recipe, method, block, name, dtype, "cuda")
@@ -163,8 +165,10 @@ def test_interpreter_suite():
 @needs_interpreter
 @pytest.mark.parametrize(("recipe", "method", "block", "name"), RECIPES)
 def test_interpreted_kernel_matches_the_reference(recipe, method, block, name, monkeypatch):
-    for split, unroll in ((1, 128), (3, 128), (2, 1)):  # unroll 1: the rolled amax loops
+    # unroll 1: the rolled amax loops; gemv: one-row inputs on the CUDA cores
+    for split, unroll, gemv in ((1, 128, False), (3, 128, False), (2, 1, False), (2, 128, True)):
         monkeypatch.setitem(fp8_small_m.TILES[recipe], "split_k", split)
+        monkeypatch.setitem(fp8_small_m.TILES[recipe], "gemv", gemv)
         monkeypatch.setattr(fp8_small_m, "_UNROLL_MAX", unroll)
         for seed, (m, n, k) in enumerate(INTERPRETER_SHAPES):
             if _fits(recipe, n, k):

@@ -64,9 +64,10 @@ benchmarks/RESULTS.md; ``benchmarks/fp8_linear.py --sweep`` reruns it). Blockwis
 BLOCK_K = 128 (one weight scale per K step). ``split_k`` splits K over that many programs per
 output tile (rows <= 4, or any rows for blockwise): it paid only for blockwise, whose K loop has
 no amax pass in front (M = 1: 58 -> 42 us); for tensorwise and rowwise each split re-reads x
-and 1 is fastest. An optional ``imprecise_k`` sets how many FP8 products the tensor core adds
-before FP32 promotion (default 32: promotion after every MMA; the sweep found no measurable gain
-in promoting less often)."""
+and 1 is fastest. ``gemv`` (off until it is measured on a GPU) runs one-row inputs on the CUDA
+cores instead of a 16-row MMA tile. An optional ``imprecise_k`` sets how many FP8 products the
+tensor core adds before FP32 promotion (default 32: promotion after every MMA; the sweep found
+no measurable gain in promoting less often)."""
 
 
 def _fp8_small_m_kernel(
@@ -103,6 +104,7 @@ def _fp8_small_m_kernel(
     A_ITERS: constexpr,
     SPLIT: constexpr,
     UNROLL_MAX: constexpr,
+    GEMV: constexpr,
 ):
     """``out[m-tile, n-tile]`` of :func:`floatxq.fp8_scaled_linear` (see the module docstring).
 
@@ -113,6 +115,9 @@ def _fp8_small_m_kernel(
     Loop trip counts are compile-time constants (``M_ITERS = cdiv(M, BLOCK_M)`` rows and
     ``A_ITERS = cdiv(K, BLOCK_K)`` steps for the amax, ``K_ITERS = cdiv(A_ITERS, SPLIT)`` steps
     per split): one compiled kernel per layer width, and loops the compiler can pipeline.
+
+    GEMV (BLOCK_M == 1, a single row of x): the products run on the CUDA cores in FP32 (exact
+    for FP8 operands) and are summed along K, no MMA tile to fill.
 
     SPLIT > 1 splits K over ``program_id(2)`` (K_ITERS steps each): every split stores its FP32
     partial tile at ``part_ptr[split, m, n]``, then bumps the tile's counter; the program that
@@ -209,7 +214,9 @@ def _fp8_small_m_kernel(
             mask=n_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        if W_E5M2:  # E4M3 x E5M2: both decoded exactly to FP16 (no mixed-format MMA needed)
+        if GEMV:  # one row (BLOCK_M == 1): exact FP32 products on the CUDA cores, tree sums
+            part = tl.sum(w.to(tl.float32) * xq.to(tl.float32), axis=1)[:, None]
+        elif W_E5M2:  # E4M3 x E5M2: both decoded exactly to FP16 (no mixed-format MMA needed)
             part = tl.dot(w.to(tl.float16), tl.trans(xq.to(tl.float16)), out_dtype=tl.float32)
         else:
             part = tl.dot(w, tl.trans(xq), out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
@@ -392,7 +399,9 @@ def _launch(
     # blockwise, which needs no amax pass).
     split = tiles.get("split_k", 1) if m <= _SPLIT_MAX_M or mode == _X_BLOCK else 1
     split = max(1, min(split, steps))
-    grid = (-(-m // _BLOCK_M), -(-n // block_n), split)
+    gemv = m == 1 and bool(tiles.get("gemv", False))
+    block_m = 1 if gemv else _BLOCK_M
+    grid = (-(-m // block_m), -(-n // block_n), split)
     guard, index = launch_device(device)
     with guard:
         if split > 1:
@@ -406,8 +415,8 @@ def _launch(
             *scale_strides, out.stride(0),
             mode, e5m2, bias is not None, fp8_max("float8_e4m3fn"), FLOAT32_MAX,
             fp8_weight._TINY_BITS, convert, min(tiles.get("imprecise_k", _IMPRECISE_K), block_k),
-            _BLOCK_M, block_n, block_k, -(-m // _BLOCK_M) if mode == _X_TENSOR else 1,
-            -(-steps // split), steps, split, _UNROLL_MAX,
+            block_m, block_n, block_k, -(-m // block_m) if mode == _X_TENSOR else 1,
+            -(-steps // split), steps, split, _UNROLL_MAX, gemv,
         )  # fmt: skip
         options = {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
         aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:7])
