@@ -16,8 +16,11 @@ rows, where ``quantize x`` + ``torch._scaled_mm`` costs two launches and their h
 3. the epilogue multiplies by the direct scales ``sx · sw`` (per 128-wide K block inside the
    loop for ``blockwise``), adds the bias and rounds once to the output dtype.
 
-The result equals the reference up to FP32 summation order and the FP32 rounding of the scale
-products (bounded per element in the tests). Triton is imported on the first launch.
+Optionally (``TILES``) K is split over several programs per output tile, the last to finish
+summing the FP32 partials in a fixed order (deterministic; per-stream workspaces), and a single
+row runs as a GEMV on the CUDA cores. The result equals the reference up to summation order and
+the FP32 rounding of the scale products (bounded per element in the tests: 24 bits for FP32
+sums, 22 for Hopper's FP8 MMA). Triton is imported on the first launch.
 """
 
 import inspect
