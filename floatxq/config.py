@@ -638,20 +638,8 @@ class FP8Config:
                 raise ValueError(f"{key}: FP8Config only reads 'fp8' payloads; got {value!r}")
         data = normalize_fp8_kwargs(raw)
         data.pop("quant_method", None)
-        if "checkpoint_format" in data:
-            checkpoint_format = data.pop("checkpoint_format")
-            try:
-                same = normalize_fp8_format(checkpoint_format) == data["format"]
-            except (TypeError, ValueError):
-                same = False
-            if not same:
-                raise ValueError(
-                    f"checkpoint_format: must name the same dtype as format={data['format']!r}; "
-                    f"got {checkpoint_format!r}"
-                )
-        pack_dtype = data.pop("pack_dtype", "int32")
-        if pack_dtype not in ("int32", "torch.int32") and pack_dtype is not torch.int32:
-            raise ValueError(f"pack_dtype: FP8 payloads use 'int32'; got {pack_dtype!r}")
+        _pop_checkpoint_format(data, normalize_fp8_format, noun="dtype")
+        _pop_pack_dtype(data, family="FP8")
         smooth = data.pop("smooth", None)
         if smooth is not None:
             if data.get("smoother") is None:
@@ -1068,25 +1056,10 @@ class GPTQConfig:
             value = data.pop(key, METHOD.GPTQ.value)
             if not isinstance(value, str) or str.lower(str.strip(value)) != METHOD.GPTQ.value:
                 raise ValueError(f"{key}: GPTQConfig only reads 'gptq' payloads; got {value!r}")
-        if "checkpoint_format" in data:
-            checkpoint_format = data.pop("checkpoint_format")
-            if "format" not in data:
-                data["format"] = checkpoint_format
-            else:
-                try:
-                    same = _gptq_format(checkpoint_format, where="checkpoint_format") == (
-                        _gptq_format(data["format"], where="format")
-                    )
-                except (TypeError, ValueError):
-                    same = False
-                if not same:
-                    raise ValueError(
-                        f"checkpoint_format: must name the same format as "
-                        f"format={data['format']!r}; got {checkpoint_format!r}"
-                    )
-        pack_dtype = data.pop("pack_dtype", "int32")
-        if pack_dtype not in ("int32", "torch.int32") and pack_dtype is not torch.int32:
-            raise ValueError(f"pack_dtype: GPTQ payloads use 'int32'; got {pack_dtype!r}")
+        _pop_checkpoint_format(
+            data, lambda name: _gptq_format(name, where="checkpoint_format"), noun="format"
+        )
+        _pop_pack_dtype(data, family="GPTQ")
         meta = data.pop("meta", None)
         if meta is not None:
             if not isinstance(meta, Mapping):
@@ -1106,3 +1079,32 @@ class GPTQConfig:
                 data[name] = value
             data["meta"] = meta
         return cls(**data)
+
+
+def _pop_checkpoint_format(
+    data: dict[str, Any], canonical: Callable[[Any], Any], *, noun: str
+) -> None:
+    """Remove a payload's ``checkpoint_format``: it must name the same ``noun`` as ``format``
+    (and stands in for ``format`` when that is absent)."""
+    if "checkpoint_format" not in data:
+        return
+    checkpoint_format = data.pop("checkpoint_format")
+    if "format" not in data:
+        data["format"] = checkpoint_format
+        return
+    try:
+        same = canonical(checkpoint_format) == canonical(data["format"])
+    except (TypeError, ValueError):
+        same = False
+    if not same:
+        raise ValueError(
+            f"checkpoint_format: must name the same {noun} as format={data['format']!r}; "
+            f"got {checkpoint_format!r}"
+        )
+
+
+def _pop_pack_dtype(data: dict[str, Any], *, family: str) -> None:
+    """Remove a payload's ``pack_dtype``: FP8 and GPTQ payloads both store int32 words."""
+    pack_dtype = data.pop("pack_dtype", "int32")
+    if pack_dtype not in ("int32", "torch.int32") and pack_dtype is not torch.int32:
+        raise ValueError(f"pack_dtype: {family} payloads use 'int32'; got {pack_dtype!r}")

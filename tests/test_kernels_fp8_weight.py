@@ -267,7 +267,10 @@ def test_input_quantization_codes_and_direct_scales(method, block, scale_shape, 
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not can_interpret(), reason="needs Triton and no CUDA")
+@pytest.mark.skipif(
+    not can_interpret(),
+    reason="needs Triton installed and no CUDA device (with CUDA the compiled kernel is tested)",
+)
 def test_interpreter_suite():
     run_interpreted_tests(__file__, expected=9)  # every interpreted test below ran
 

@@ -370,6 +370,42 @@ def _workspace(
     return held
 
 
+def _plan(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, has_bias: bool, recipe: str
+) -> tuple[tuple[int, int, int], int, tuple[Any, ...], dict[str, int]]:
+    """``(grid, split, arguments after the seven tensors, launch options)`` of one launch."""
+    (m, k), n = x.shape, weight.shape[0]
+    mode = _RECIPE_MODE[recipe]
+    tiles = TILES[recipe]
+    block_n, block_k = tiles["BLOCK_N"], tiles["BLOCK_K"]
+    if mode == _X_BLOCK:
+        block_k = _BLOCK_K_GROUP
+        block_n = min(block_n, 128)
+    steps = -(-k // block_k)
+    # Split K only where every split reading all of x for its amax stays cheap (few rows, or
+    # blockwise, which needs no amax pass).
+    split = tiles.get("split_k", 1) if m <= _SPLIT_MAX_M or mode == _X_BLOCK else 1
+    split = max(1, min(split, steps))
+    gemv = m == 1 and bool(tiles.get("gemv", False))
+    block_m = 1 if gemv else _BLOCK_M
+    grid = (-(-m // block_m), -(-n // block_n), split)
+    tail = (
+        m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        *(*weight_scale.stride(), 0, 0)[:2], n,
+        mode, weight.dtype == torch.float8_e5m2, has_bias, fp8_max("float8_e4m3fn"),
+        FLOAT32_MAX, fp8_weight._TINY_BITS,
+        fp8_weight._conversion("float8_e4m3fn", x.device, None),
+        min(tiles.get("imprecise_k", _IMPRECISE_K), block_k),
+        block_m, block_n, block_k, -(-m // block_m) if mode == _X_TENSOR else 1,
+        -(-steps // split), steps, split, _UNROLL_MAX, gemv,
+    )  # fmt: skip
+    return grid, split, tail, {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
+
+
+_PLANS: dict[Any, tuple[tuple[int, int, int], int, tuple[Any, ...], dict[str, int]]] = {}
+"""Launch plans by shapes, strides, dtypes, recipe, tiles and device (computed once each)."""
+
+
 def _launch(
     x: Tensor,
     weight: Tensor,
@@ -386,25 +422,17 @@ def _launch(
         return out
     if k == 0:
         return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
-    mode = _RECIPE_MODE[recipe]
-    tiles = TILES[recipe]
-    block_n, block_k = tiles["BLOCK_N"], tiles["BLOCK_K"]
-    if mode == _X_BLOCK:
-        block_k = _BLOCK_K_GROUP
-        block_n = min(block_n, 128)
     if interpret:
         x = x.float()  # (the interpreter's own widening flushes subnormals)
-    e5m2 = weight.dtype == torch.float8_e5m2
-    scale_strides = (*weight_scale.stride(), 0, 0)[:2]
-    convert = fp8_weight._conversion("float8_e4m3fn", device, None)
-    steps = -(-k // block_k)
-    # Split K only where every split reading all of x for its amax stays cheap (few rows, or
-    # blockwise, which needs no amax pass).
-    split = tiles.get("split_k", 1) if m <= _SPLIT_MAX_M or mode == _X_BLOCK else 1
-    split = max(1, min(split, steps))
-    gemv = m == 1 and bool(tiles.get("gemv", False))
-    block_m = 1 if gemv else _BLOCK_M
-    grid = (-(-m // block_m), -(-n // block_n), split)
+    key = (
+        x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype,
+        weight_scale.stride(), None if bias is None else bias.dtype, recipe, device, interpret,
+        tuple(TILES[recipe].items()), _UNROLL_MAX,
+    )  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(x, weight, weight_scale, bias is not None, recipe)
+    grid, split, tail, options = plan
     guard, index = launch_device(device)
     with guard:
         if split > 1:
@@ -413,19 +441,8 @@ def _launch(
             part = counts = out  # unused
         args = (
             x, weight, weight_scale, bias if bias is not None else weight_scale, out, part,
-            counts,
-            m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            *scale_strides, out.stride(0),
-            mode, e5m2, bias is not None, fp8_max("float8_e4m3fn"), FLOAT32_MAX,
-            fp8_weight._TINY_BITS, convert, min(tiles.get("imprecise_k", _IMPRECISE_K), block_k),
-            block_m, block_n, block_k, -(-m // block_m) if mode == _X_TENSOR else 1,
-            -(-steps // split), steps, split, _UNROLL_MAX, gemv,
+            counts, *tail,
         )  # fmt: skip
-        options = {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
         aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:7])
-        key = (
-            x.dtype, weight.dtype, bias is not None and bias.dtype, args[7:], aligned,
-            tuple(options.items()), device, interpret,
-        )  # fmt: skip
-        _launcher(interpret)(key, grid, args, options, index)
+        _launcher(interpret)((key, aligned), grid, args, options, index)
     return out
