@@ -73,6 +73,62 @@ tensor core adds before FP32 promotion (default 32: promotion after every MMA; t
 no measurable gain in promoting less often)."""
 
 
+def _inv_of_amax(amax, FMAX: constexpr, FLT_MAX: constexpr, TINY_BITS: constexpr, ROWS: constexpr):
+    """``scale_inv = fmax / max(amax, FLT_MIN)`` (IEEE division), capped at FLT_MAX, 1 for an
+    amax of 0; ``amax`` holds the bit patterns of ``|x|`` maxima (``(ROWS,)`` int32)."""
+    den = tl.maximum(amax, TINY_BITS).to(tl.float32, bitcast=True)
+    inv = tl.math.div_rn(tl.full([ROWS], FMAX, tl.float32), den)
+    inv = tl.where(inv > FLT_MAX, FLT_MAX, inv)
+    return tl.where(amax > 0, inv, 1.0)
+
+
+def _x_scale_inv(
+    x_ptr,
+    pid_m,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    MODE: constexpr,
+    FMAX: constexpr,
+    FLT_MAX: constexpr,
+    TINY_BITS: constexpr,
+    BLOCK_M: constexpr,
+    AMAX_M: constexpr,
+    AMAX_K: constexpr,
+    AMAX_UNROLL: constexpr,
+    M_ITERS: constexpr,
+    A_CHUNKS: constexpr,
+):
+    """``(BLOCK_M,)`` scale_inv of x per tensor (MODE 0) or of this program's rows (MODE 1).
+
+    The amax runs on bit patterns (subnormals exact) in tiles of ``AMAX_M`` rows (1 for a
+    one-row x, so no lanes idle on masked rows) by ``AMAX_K`` columns, ``AMAX_UNROLL`` loads in
+    flight at once (a rolled loop of loads that feed only a max is not pipelined: one memory
+    round trip per tile); chunks of them run in a rolled loop (bounded code and registers).
+    """
+    amax_m = tl.zeros([AMAX_M], dtype=tl.int32)
+    offs_ak = tl.arange(0, AMAX_K)
+    for mi in range(M_ITERS):  # MODE 0: every row tile of x; MODE 1: this program's rows
+        if MODE == 0:
+            rows = mi * AMAX_M + tl.arange(0, AMAX_M)
+        else:
+            rows = pid_m * BLOCK_M + tl.arange(0, AMAX_M)
+        base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+        for c in range(A_CHUNKS):
+            for u in tl.static_range(AMAX_UNROLL):
+                kk = (c * AMAX_UNROLL + u) * AMAX_K + offs_ak
+                mask = (rows < M)[:, None] & (kk < K)[None, :]
+                v = tl.load(base + kk.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0)
+                bits = v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+                amax_m = tl.maximum(amax_m, tl.max(bits, axis=1))
+    if MODE == 0 or AMAX_M != BLOCK_M:  # one value for every row (MODE 1: a one-row x)
+        amax = tl.zeros([BLOCK_M], dtype=tl.int32) + tl.max(amax_m, axis=0)
+    else:
+        amax = amax_m
+    return _inv_of_amax(amax, FMAX, FLT_MAX, TINY_BITS, BLOCK_M)
+
+
 def _fp8_small_m_kernel(
     x_ptr,
     w_ptr,
@@ -102,12 +158,16 @@ def _fp8_small_m_kernel(
     BLOCK_M: constexpr,
     BLOCK_N: constexpr,
     BLOCK_K: constexpr,
+    AMAX_M: constexpr,
+    AMAX_K: constexpr,
+    AMAX_UNROLL: constexpr,
     M_ITERS: constexpr,
+    A_CHUNKS: constexpr,
     K_ITERS: constexpr,
-    A_ITERS: constexpr,
     SPLIT: constexpr,
-    UNROLL_MAX: constexpr,
     GEMV: constexpr,
+    PREFETCH: constexpr,
+    AMAX_IN_LOOP: constexpr,
 ):
     """``out[m-tile, n-tile]`` of :func:`floatxq.fp8_scaled_linear` (see the module docstring).
 
@@ -115,9 +175,10 @@ def _fp8_small_m_kernel(
     2 blockwise (per 1×128 block, BLOCK_K == 128, the weight scale grid is (N/128, K/128)).
     ``ws_ptr`` holds DIRECT weight scales (``1 / weight_scale_inv``). E4M3 weights meet the
     E4M3 ``x`` codes in an FP8 MMA; E5M2 weights and ``x`` are decoded exactly to FP16 first.
-    Loop trip counts are compile-time constants (``M_ITERS = cdiv(M, BLOCK_M)`` rows and
-    ``A_ITERS = cdiv(K, BLOCK_K)`` steps for the amax, ``K_ITERS = cdiv(A_ITERS, SPLIT)`` steps
-    per split): one compiled kernel per layer width, and loops the compiler can pipeline.
+    Loop trip counts are compile-time constants (the amax's ``M_ITERS`` row tiles of ``AMAX_M``
+    rows and ``A_CHUNKS`` chunks of ``AMAX_UNROLL`` tiles ``AMAX_K`` wide; ``K_ITERS`` steps of
+    ``BLOCK_K`` per split): one compiled kernel per layer width, and loops the compiler can
+    pipeline.
 
     GEMV (BLOCK_M == 1, a single row of x): the products run on the CUDA cores in FP32 (exact
     for FP8 operands) and are summed along K, no MMA tile to fill.
@@ -138,89 +199,92 @@ def _fp8_small_m_kernel(
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
 
-    # 1. x's amax on bit patterns (subnormals exact): per row, or over every row of x. The
-    # loops are unrolled so every load is in flight at once (a rolled loop of loads feeding
-    # only a max is not pipelined, and was a chain of dependent memory round trips).
-    if MODE == 0 and M_ITERS * A_ITERS <= UNROLL_MAX:
-        amax = tl.zeros([BLOCK_M], dtype=tl.int32)
-        for mi in tl.static_range(M_ITERS):
-            rows = mi * BLOCK_M + tl.arange(0, BLOCK_M)
-            base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-            for ki in tl.static_range(A_ITERS):
-                kk = ki * BLOCK_K + offs_k
-                mask = (rows < M)[:, None] & (kk < K)[None, :]
-                v = tl.load(base + kk.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0)
-                bits = v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-                amax = tl.maximum(amax, tl.max(bits, axis=1))
-        amax = tl.zeros([BLOCK_M], dtype=tl.int32) + tl.max(amax, axis=0)
-    elif MODE == 0:  # many rows: the same loop, rolled (bounded code size)
-        amax = tl.zeros([BLOCK_M], dtype=tl.int32)
-        for mi in range(M_ITERS):
-            rows = mi * BLOCK_M + tl.arange(0, BLOCK_M)
-            base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-            for ki in range(A_ITERS):
-                kk = ki * BLOCK_K + offs_k
-                mask = (rows < M)[:, None] & (kk < K)[None, :]
-                v = tl.load(base + kk.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0)
-                bits = v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-                amax = tl.maximum(amax, tl.max(bits, axis=1))
-        amax = tl.zeros([BLOCK_M], dtype=tl.int32) + tl.max(amax, axis=0)
-    elif MODE == 1 and A_ITERS <= UNROLL_MAX:
-        amax = tl.zeros([BLOCK_M], dtype=tl.int32)
-        for ki in tl.static_range(A_ITERS):
-            kk = ki * BLOCK_K + offs_k
-            mask = m_ok[:, None] & (kk < K)[None, :]
-            v = tl.load(x_rows + kk.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0)
-            bits = v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            amax = tl.maximum(amax, tl.max(bits, axis=1))
-    elif MODE == 1:
-        amax = tl.zeros([BLOCK_M], dtype=tl.int32)
-        for ki in range(A_ITERS):
-            kk = ki * BLOCK_K + offs_k
-            mask = m_ok[:, None] & (kk < K)[None, :]
-            v = tl.load(x_rows + kk.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0)
-            bits = v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            amax = tl.maximum(amax, tl.max(bits, axis=1))
-    if MODE != 2:
-        # scale_inv = fmax / max(amax, FLT_MIN) (IEEE division), capped, 1 for amax 0.
-        den = tl.maximum(amax, TINY_BITS).to(tl.float32, bitcast=True)
-        inv = tl.math.div_rn(tl.full([BLOCK_M], FMAX, tl.float32), den)
-        inv = tl.where(inv > FLT_MAX, FLT_MAX, inv)
-        inv = tl.where(amax > 0, inv, 1.0)
-        sx = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), inv)
+    # 1. x's scale (tensorwise/rowwise): before the K loop, or (AMAX_IN_LOOP) inside its first
+    # step, after the pipelined loop has issued its first weight loads (their memory latency
+    # then overlaps the amax pass). Blockwise scales are per step.
+    if MODE != 2 and not AMAX_IN_LOOP:
+        inv = _x_scale_inv(
+            x_ptr, pid_m, M, K, stride_xm, stride_xk, MODE, FMAX, FLT_MAX, TINY_BITS,
+            BLOCK_M, AMAX_M, AMAX_K, AMAX_UNROLL, M_ITERS, A_CHUNKS,
+        )  # fmt: skip
+    else:
+        inv = tl.full([BLOCK_M], 1.0, tl.float32)
 
     # 2. K loop: quantize x's tile to E4M3 codes in registers, then one tensor-core product
     # out.T[n, m] += W[n, k] · xq.T[k, m] ("swap AB": the weight tile is the MMA's tall operand,
     # so 16 rows of x do not waste a 64-row MMA tile), FP32 accumulation promoted every
     # IMPRECISE_K products (Hopper's FP8 MMA adds with fewer bits than FP32 otherwise).
+    # PREFETCH loads the next x tile (and, for the GEMV, the next weight tile, which no MMA
+    # pipeline stages) one step ahead into registers, so its memory latency overlaps this step.
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if GEMV and MODE != 2:  # per-lane FP32 sums, reduced across K once after the loop
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    k_first = pid_k * K_ITERS * BLOCK_K
+    if PREFETCH:
+        kk = k_first + offs_k
+        xv_next = tl.load(
+            x_rows + kk.to(tl.int64)[None, :] * stride_xk,
+            mask=m_ok[:, None] & (kk < K)[None, :],
+            other=0.0,
+        )
+        if GEMV:
+            w_next = tl.load(
+                w_rows + kk.to(tl.int64)[None, :] * stride_wk,
+                mask=n_ok[:, None] & (kk < K)[None, :],
+                other=0.0,
+            )
     for ki in range(K_ITERS):
-        k0 = (pid_k * K_ITERS + ki) * BLOCK_K
+        k0 = k_first + ki * BLOCK_K
         kk = k0 + offs_k
         k_ok = kk < K
-        xv = tl.load(
-            x_rows + kk.to(tl.int64)[None, :] * stride_xk,
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        if PREFETCH:
+            xv = xv_next.to(tl.float32)
+            kn = kk + BLOCK_K
+            next_ok = (kn < K) & (ki + 1 < K_ITERS)
+            xv_next = tl.load(
+                x_rows + kn.to(tl.int64)[None, :] * stride_xk,
+                mask=m_ok[:, None] & next_ok[None, :],
+                other=0.0,
+            )
+            if GEMV:
+                w = w_next
+                w_next = tl.load(
+                    w_rows + kn.to(tl.int64)[None, :] * stride_wk,
+                    mask=n_ok[:, None] & next_ok[None, :],
+                    other=0.0,
+                )
+        else:
+            xv = tl.load(
+                x_rows + kk.to(tl.int64)[None, :] * stride_xk,
+                mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+        if not (PREFETCH and GEMV):
+            w = tl.load(
+                w_rows + kk.to(tl.int64)[None, :] * stride_wk,
+                mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
         if MODE == 2:
             amax = tl.max(xv.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-            den = tl.maximum(amax, TINY_BITS).to(tl.float32, bitcast=True)
-            inv = tl.math.div_rn(tl.full([BLOCK_M], FMAX, tl.float32), den)
-            inv = tl.where(inv > FLT_MAX, FLT_MAX, inv)
-            inv = tl.where(amax > 0, inv, 1.0)
+            inv = _inv_of_amax(amax, FMAX, FLT_MAX, TINY_BITS, BLOCK_M)
+        elif AMAX_IN_LOOP:
+            if ki == 0:
+                inv = _x_scale_inv(
+                    x_ptr, pid_m, M, K, stride_xm, stride_xk, MODE, FMAX, FLT_MAX, TINY_BITS,
+                    BLOCK_M, AMAX_M, AMAX_K, AMAX_UNROLL, M_ITERS, A_CHUNKS,
+                )  # fmt: skip
         y = xv * inv[:, None]
         y = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
         xq = _fp8_encode(y, CONVERT, 3, 7, False).to(tl.float8e4nv, bitcast=True)
-        w = tl.load(
-            w_rows + kk.to(tl.int64)[None, :] * stride_wk,
-            mask=n_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        if GEMV:  # one row (BLOCK_M == 1): exact FP32 products on the CUDA cores, tree sums
+        if GEMV and MODE != 2:  # one row: exact FP32 products on the CUDA cores
+            acc2 += w.to(tl.float32) * xq.to(tl.float32)
+        elif GEMV:
             part = tl.sum(w.to(tl.float32) * xq.to(tl.float32), axis=1)[:, None]
-        elif W_E5M2:  # E4M3 x E5M2: both decoded exactly to FP16 (no mixed-format MMA needed)
-            part = tl.dot(w.to(tl.float16), tl.trans(xq.to(tl.float16)), out_dtype=tl.float32)
+        elif W_E5M2 and MODE != 2:  # E4M3 x E5M2: both decoded exactly to FP16
+            acc = tl.dot(w.to(tl.float16), tl.trans(xq.to(tl.float16)), acc)
+        elif MODE != 2:  # accumulating in the dot lets Triton pipeline the weight loads
+            acc = tl.dot(w, tl.trans(xq), acc, max_num_imprecise_acc=IMPRECISE_K)
         else:
             part = tl.dot(w, tl.trans(xq), out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
         if MODE == 2:
@@ -231,8 +295,8 @@ def _fp8_small_m_kernel(
                 other=0.0,
             )
             acc += part * (sw_block[:, None] * sx_block[None, :])
-        else:
-            acc += part
+    if GEMV and MODE != 2:
+        acc = tl.sum(acc2, axis=1)[:, None]
 
     # 3. Split-K: the last split of this tile to arrive reduces the partials in split order.
     last = True
@@ -254,6 +318,8 @@ def _fp8_small_m_kernel(
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     # 4. Epilogue: direct scales, bias (already in the output dtype), one rounding.
+    if MODE != 2:
+        sx = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), inv)
     if MODE == 2:
         out = acc
     elif MODE == 0:
@@ -269,6 +335,8 @@ def _fp8_small_m_kernel(
 
 
 _BUILT: dict[bool, CachedLauncher] = {}
+_INV_SOURCE, _SCALE_SOURCE = _inv_of_amax, _x_scale_inv
+_JITTED: dict[tuple[str, bool], Any] = {}
 
 
 def _launcher(interpret: bool) -> CachedLauncher:
@@ -276,8 +344,12 @@ def _launcher(interpret: bool) -> CachedLauncher:
     if launcher is None:
         triton, encode = fp8_weight.bind_triton("fp8_scaled_linear_kernel")
         _, language = import_triton(where="fp8_scaled_linear_kernel")
-        global tl, constexpr, _fp8_encode
+        global tl, constexpr, _fp8_encode, _inv_of_amax, _x_scale_inv
         tl, constexpr, _fp8_encode = language, language.constexpr, encode
+        _inv_of_amax, _x_scale_inv = (
+            _JITTED.setdefault((name, interpret), triton.jit(inspect.unwrap(fn)))
+            for name, fn in (("inv", _INV_SOURCE), ("scale", _SCALE_SOURCE))
+        )
         launcher = CachedLauncher(triton.jit(inspect.unwrap(_fp8_small_m_kernel)))
         _BUILT[interpret] = launcher
     return launcher
@@ -338,8 +410,11 @@ def fp8_scaled_linear_kernel(
     return _launch(x, weight, weight_scale, bias, recipe, interpret)
 
 
-_UNROLL_MAX = 128
-"""The amax pass's loads are unrolled (all in flight at once) up to this many tiles."""
+AMAX_TILE = 4096
+"""Elements of ``x`` per load of the amax pass (``AMAX_M`` rows by ``AMAX_K`` columns)."""
+AMAX_UNROLL = 8
+"""Loads of the amax pass in flight at once (one chunk; chunks run one after another)."""
+_DEFAULT_AMAX_TILE, _DEFAULT_AMAX_UNROLL = AMAX_TILE, AMAX_UNROLL
 _SPLIT_MAX_M = 4
 """Split K (``TILES[recipe]["split_k"]``) for at most this many rows (any for blockwise): each
 split re-reads all of ``x`` for the tensorwise/rowwise amax."""
@@ -389,6 +464,11 @@ def _plan(
     gemv = m == 1 and bool(tiles.get("gemv", False))
     block_m = 1 if gemv else _BLOCK_M
     grid = (-(-m // block_m), -(-n // block_n), split)
+    # the amax pass: one-row tiles for a one-row x, else this program's BLOCK_M rows
+    amax_m = 1 if m == 1 else block_m
+    amax_k = min(_pow2_at_least(k), max(16, AMAX_TILE // amax_m))
+    amax_tiles = -(-k // amax_k)
+    unroll = min(AMAX_UNROLL, amax_tiles)
     tail = (
         m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         *(*weight_scale.stride(), 0, 0)[:2], n,
@@ -396,10 +476,16 @@ def _plan(
         FLOAT32_MAX, fp8_weight._TINY_BITS,
         fp8_weight._conversion("float8_e4m3fn", x.device, None),
         min(tiles.get("imprecise_k", _IMPRECISE_K), block_k),
-        block_m, block_n, block_k, -(-m // block_m) if mode == _X_TENSOR else 1,
-        -(-steps // split), steps, split, _UNROLL_MAX, gemv,
+        block_m, block_n, block_k, amax_m, amax_k, unroll,
+        -(-m // amax_m) if mode == _X_TENSOR else 1, -(-amax_tiles // unroll),
+        -(-steps // split), split, gemv, bool(tiles.get("prefetch", False)),
+        mode != _X_BLOCK and bool(tiles.get("amax_in_loop", False)),
     )  # fmt: skip
     return grid, split, tail, {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 _PLANS: dict[Any, tuple[tuple[int, int, int], int, tuple[Any, ...], dict[str, int]]] = {}
@@ -427,7 +513,7 @@ def _launch(
     key = (
         x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype,
         weight_scale.stride(), None if bias is None else bias.dtype, recipe, device, interpret,
-        tuple(TILES[recipe].items()), _UNROLL_MAX,
+        tuple(TILES[recipe].items()), AMAX_TILE, AMAX_UNROLL,
     )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:

@@ -1,0 +1,271 @@
+"""Sweep ``fp8_small_m``'s launch configurations at decode sizes against cuBLAS in the same run.
+
+Usage (GPU): ``python3 benchmarks/fp8_small_m_sweep.py [--quick | --refine] [--recipes ...]``
+
+For each recipe (tensorwise, rowwise, blockwise; N = K = 8192, bf16 ``x``) and M in {1, 16} it
+times every configuration of the tensor-core kernel (BLOCK_N, BLOCK_K, warps, pipeline stages,
+split-K, register prefetch) and, for M = 1, of the one-row GEMV on the CUDA cores, then prints
+the best ones next to the raw ``torch._scaled_mm`` of the same recipe on inputs already in FP8
+(the anchor of the forward goal) and the ``TILES`` / ``GEMV_TILES`` it would ship. Kernels are
+compiled first in parallel worker processes (Triton's on-disk cache), so the timing loop only
+loads them.
+
+Times: GPU microseconds per call, median of CUDA-graph replays of 20 back-to-back calls ("gr",
+no launch gaps: what a decode loop under graphs sees) and, for the leaders, CUDA events with
+the L2 flushed before each call ("ev", ``triton.testing.do_bench``). Every leader is also
+checked against the 22-bit accumulation bound the GPU tests use.
+"""
+
+import argparse
+import functools
+import itertools
+import multiprocessing
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+N = K = 8192
+RECIPES = (("tensorwise", "tensor", None), ("rowwise", "row", None), ("blockwise", "block", 128))
+
+
+def configs(recipe: str, quick: bool) -> list[dict]:
+    """Candidate tiles: tensor-core ones (any M) and GEMV ones (``gemv=True``, M = 1 only).
+
+    ``quick`` keeps the neighbourhood of the shipped defaults (8 warps, 64/128-wide tiles)."""
+    out = []
+    block_ks = (128,) if recipe == "blockwise" else (128, 256)
+    splits = (1, 2, 4) if recipe == "blockwise" or quick else (1, 2)
+    stages = (3, 4, 5) if quick else (3, 4, 6)
+    for bn, bk, st, warps, split, prefetch in itertools.product(
+        (64, 128) if quick else (32, 64, 128),
+        block_ks,
+        stages,
+        (8,) if quick else (4, 8),
+        splits,
+        (False,) if quick else (False, True),
+    ):
+        out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=st,
+                        split_k=split, gemv=False, prefetch=prefetch))  # fmt: skip
+    gemv_ks = (128,) if recipe == "blockwise" else (512, 1024) if quick else (256, 512, 1024)
+    for bn, bk, warps, prefetch, split in itertools.product(
+        (16, 32, 64) if quick else (8, 16, 32, 64),
+        gemv_ks,
+        (4, 8),
+        (True,) if quick else (False, True),
+        (1, 2),
+    ):
+        out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1,
+                        split_k=split, gemv=True, prefetch=prefetch))  # fmt: skip
+    return out
+
+
+REFINE_BASE = {
+    "tensorwise": dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=4, split_k=2),
+    "rowwise": dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=4, split_k=2),
+    "blockwise": dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, split_k=4),
+}
+
+
+def refine_configs(recipe: str) -> list[dict]:
+    """The neighbourhood of the best tiles: the amax pass's placement (before the K loop or in
+    its first step), its load width and loads in flight (module globals ``AMAX_TILE`` and
+    ``AMAX_UNROLL``), FP32 promotion of the FP8 MMA sums, stages and splits."""
+    base = REFINE_BASE[recipe]
+    out = []
+    amax = (
+        ((False, 4096, 8),)
+        if recipe == "blockwise"
+        else tuple(itertools.product((False, True), (4096, 8192), (8, 16)))
+    )
+    for (in_loop, tile, unroll), imprecise, stages, split in itertools.product(
+        amax, (32, base["BLOCK_K"]), (3, 4), (1, 2, 4)
+    ):
+        amax_keys = dict(amax_in_loop=in_loop, AMAX_TILE=tile, AMAX_UNROLL=unroll)
+        out.append(dict(base, **amax_keys, imprecise_k=imprecise, num_stages=stages,
+                        split_k=split, gemv=False))  # fmt: skip
+    return out
+
+
+def _apply(recipe: str, tiles: dict) -> None:
+    """``TILES[recipe]`` = ``tiles`` less the keys that name module globals (``AMAX_*``)."""
+    from floatxq.kernels import fp8_small_m
+
+    for key in ("AMAX_TILE", "AMAX_UNROLL"):
+        setattr(fp8_small_m, key, tiles.get(key, getattr(fp8_small_m, f"_DEFAULT_{key}")))
+    fp8_small_m.TILES[recipe] = {k: v for k, v in tiles.items() if not k.startswith("AMAX_")}
+
+
+def candidates(recipe: str, mode: str) -> list[dict]:
+    return refine_configs(recipe) if mode == "refine" else configs(recipe, mode == "quick")
+
+
+def _operands(recipe: str, method: str, block):
+    import floatxq as fq
+
+    torch.manual_seed(0)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    q = fq.quantize_fp8_weight(
+        w, weight_scale_method=method, weight_block_size=(block, block) if block else None
+    )
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    xs = {m: torch.randn(m, K, device="cuda", dtype=torch.bfloat16) for m in (1, 16)}
+    return q, 1 / q.scale_inv, bias, xs
+
+
+def _ms(tiles: dict) -> tuple[int, ...]:
+    return (1,) if tiles["gemv"] else (1, 16)
+
+
+def _compile(job: tuple[int, int, str, tuple[str, ...]]) -> list[str]:
+    """Worker: compile (and launch once) every ``index % workers == worker`` configuration."""
+    worker, workers, mode, names = job
+    from floatxq.kernels import fp8_small_m
+
+    errors = []
+    for recipe, method, block in RECIPES:
+        if recipe not in names:
+            continue
+        q, scale, bias, xs = _operands(recipe, method, block)
+        for i, tiles in enumerate(candidates(recipe, mode)):
+            if i % workers != worker:
+                continue
+            _apply(recipe, tiles)
+            for m in _ms(tiles):
+                try:
+                    fp8_small_m._launch(xs[m], q.qweight, scale, bias, recipe, False)
+                except Exception as exc:  # out of shared memory etc.: reported, not a candidate
+                    errors.append(f"{recipe} {tiles} M={m}: {type(exc).__name__}")
+    torch.cuda.synchronize()
+    return errors
+
+
+def graph_us(fn, calls: int = 20, replays: int = 7) -> float:
+    """Median GPU microseconds per call over CUDA-graph replays of ``calls`` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def raw_anchor(recipe: str, q, m: int):
+    import torch.nn.functional as F
+
+    x = torch.randn(m, K, device="cuda").to(torch.float8_e4m3fn)
+    wt = q.qweight.t()
+    bf16 = torch.bfloat16
+    if recipe == "tensorwise":
+        one = torch.ones((), device="cuda")
+        return lambda: torch._scaled_mm(x, wt, one, one, out_dtype=bf16)
+    if recipe == "rowwise":
+        sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, N, device="cuda")
+        return lambda: torch._scaled_mm(x, wt, sa, sb, out_dtype=bf16)
+    recipes = F.ScalingType
+    r1 = getattr(recipes, "BlockWise1x128", None) or getattr(recipes, "Blockwise_1x128", None)
+    r128 = getattr(recipes, "BlockWise128x128", None) or getattr(recipes, "Blockwise_128x128", None)
+    m16 = -(-m // 16) * 16
+    x16 = torch.randn(m16, K, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.ones(K // 128, m16, device="cuda").t()
+    sb = torch.ones(N // 128, K // 128, device="cuda").t()
+    return lambda: F.scaled_mm(x16, wt, sa, r1, sb, r128, output_dtype=bf16)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer configurations")
+    parser.add_argument("--refine", action="store_true", help="around the best tiles")
+    parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--top", type=int, default=6)
+    parser.add_argument("--recipes", default="tensorwise,rowwise,blockwise")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/fp8_small_m_sweep.py needs a CUDA device")
+
+    from triton.testing import do_bench
+
+    from floatxq.kernels import fp8_small_m
+    from floatxq.testing import assert_fp8_linear_close
+
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(args.workers) as pool:
+        names = tuple(args.recipes.split(","))
+        mode = "refine" if args.refine else "quick" if args.quick else "full"
+        jobs = [(w, args.workers, mode, names) for w in range(args.workers)]
+        failures = sorted({e for errs in pool.map(_compile, jobs) for e in errs})
+    for line in failures:
+        print(f"  not a candidate: {line}")
+
+    props = torch.cuda.get_device_properties(0)
+    print(f"== fp8_small_m sweep on {props.name}, N = K = {N}, bf16 x; gr = graph replay us")
+    shipped = {}
+    for recipe, method, block in RECIPES:
+        if recipe not in names:
+            continue
+        q, scale, bias, xs = _operands(recipe, method, block)
+        anchors = {m: graph_us(raw_anchor(recipe, q, m)) for m in (1, 16)}
+        anchors_ev = {
+            m: do_bench(raw_anchor(recipe, q, m), warmup=10, rep=50, return_mode="median") * 1e3
+            for m in (1, 16)
+        }
+        rows = {1: [], 16: []}
+        for tiles in candidates(recipe, mode):
+            _apply(recipe, tiles)
+            for m in _ms(tiles):
+                fn = functools.partial(
+                    fp8_small_m._launch, xs[m], q.qweight, scale, bias, recipe, False
+                )
+                try:
+                    rows[m].append((graph_us(fn), tiles))
+                except Exception:
+                    continue
+        for m in (1, 16):
+            rows[m].sort(key=lambda r: r[0])
+            print(
+                f"-- {recipe} M={m}: raw scaled_mm gr {anchors[m]:.1f} us, "
+                f"ev {anchors_ev[m]:.1f} us ({len(rows[m])} configurations)"
+            )
+            for us, tiles in rows[m][: args.top]:
+                _apply(recipe, tiles)
+                x = xs[m]
+                fn = functools.partial(
+                    fp8_small_m._launch, x, q.qweight, scale, bias, recipe, False
+                )
+                ev = do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+                try:
+                    assert_fp8_linear_close(
+                        fn(), x, q.qweight, q.scale_inv, bias, recipe=recipe, accumulator_bits=22
+                    )
+                    ok = "in bound"
+                except AssertionError as exc:
+                    ok = f"OUTSIDE the bound: {str(exc)[:60]}"
+                print(
+                    f"   gr {us:6.1f} ({anchors[m] / us:.3f}x raw)  ev {ev:6.1f} "
+                    f"({anchors_ev[m] / ev:.3f}x raw)  {ok}  {tiles}"
+                )
+            best = rows[m][0][1] if rows[m] else None
+            shipped[(recipe, m)] = best
+    print("best per (recipe, M):")
+    for key, tiles in shipped.items():
+        print(f"  {key}: {tiles}")
+
+
+if __name__ == "__main__":
+    main()
