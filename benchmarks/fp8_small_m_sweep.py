@@ -1,14 +1,15 @@
 """Sweep ``fp8_small_m``'s launch configurations at decode sizes against cuBLAS in the same run.
 
-Usage (GPU): ``python3 benchmarks/fp8_small_m_sweep.py [--quick | --refine] [--recipes ...]``
+Usage (GPU): ``python3 benchmarks/fp8_small_m_sweep.py [--quick | --refine | --crossover]``
 
 For each recipe (tensorwise, rowwise, blockwise; N = K = 8192, bf16 ``x``) and M in {1, 16} it
-times every configuration of the tensor-core kernel (BLOCK_N, BLOCK_K, warps, pipeline stages,
-split-K, register prefetch) and, for M = 1, of the one-row GEMV on the CUDA cores, then prints
-the best ones next to the raw ``torch._scaled_mm`` of the same recipe on inputs already in FP8
-(the anchor of the forward goal) and the ``TILES`` / ``GEMV_TILES`` it would ship. Kernels are
-compiled first in parallel worker processes (Triton's on-disk cache), so the timing loop only
-loads them.
+times every configuration of the kernel (BLOCK_N, BLOCK_K, warps, pipeline stages, split-K; with
+``--refine``: the amax pass's load widths and loads in flight, and the FP32 promotion interval,
+around the shipped tiles), then prints the best ones next to the raw ``torch._scaled_mm`` of the
+same recipe on inputs already in FP8 (the anchor of the forward goal). Kernels are compiled first
+in parallel worker processes (Triton's on-disk cache), so the timing loop only loads them.
+``--crossover`` instead times the shipped kernel against ``TorchFP8Linear``'s two-launch
+``scaled_mm`` route for M from 1 to 32 (where ``SMALL_M`` should sit).
 
 Times: GPU microseconds per call, median of CUDA-graph replays of 20 back-to-back calls ("gr",
 no launch gaps: what a decode loop under graphs sees) and, for the leaders, CUDA events with
@@ -27,74 +28,52 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from floatxq.kernels import fp8_small_m
+
+AMAX_DEFAULTS = {k: getattr(fp8_small_m, k) for k in ("AMAX_TILE", "AMAX_ROW_TILE", "AMAX_UNROLL")}
+
 N = K = 8192
 RECIPES = (("tensorwise", "tensor", None), ("rowwise", "row", None), ("blockwise", "block", 128))
 
 
 def configs(recipe: str, quick: bool) -> list[dict]:
-    """Candidate tiles: tensor-core ones (any M) and GEMV ones (``gemv=True``, M = 1 only).
-
-    ``quick`` keeps the neighbourhood of the shipped defaults (8 warps, 64/128-wide tiles)."""
-    out = []
+    """Candidate tiles; ``quick`` keeps the neighbourhood of the shipped ones (8 warps, 64- and
+    128-wide tiles)."""
     block_ks = (128,) if recipe == "blockwise" else (128, 256)
-    splits = (1, 2, 4) if recipe == "blockwise" or quick else (1, 2)
-    stages = (3, 4, 5) if quick else (3, 4, 6)
-    for bn, bk, st, warps, split, prefetch in itertools.product(
-        (64, 128) if quick else (32, 64, 128),
-        block_ks,
-        stages,
-        (8,) if quick else (4, 8),
-        splits,
-        (False,) if quick else (False, True),
-    ):
-        out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=st,
-                        split_k=split, gemv=False, prefetch=prefetch))  # fmt: skip
-    gemv_ks = (128,) if recipe == "blockwise" else (512, 1024) if quick else (256, 512, 1024)
-    for bn, bk, warps, prefetch, split in itertools.product(
-        (16, 32, 64) if quick else (8, 16, 32, 64),
-        gemv_ks,
-        (4, 8),
-        (True,) if quick else (False, True),
-        (1, 2),
-    ):
-        out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1,
-                        split_k=split, gemv=True, prefetch=prefetch))  # fmt: skip
-    return out
-
-
-REFINE_BASE = {
-    "tensorwise": dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=4, split_k=2),
-    "rowwise": dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=4, split_k=2),
-    "blockwise": dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, split_k=4),
-}
+    return [
+        dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=st, split_k=split)
+        for bn, bk, st, warps, split in itertools.product(
+            (64, 128) if quick else (32, 64, 128),
+            block_ks,
+            (3, 4, 5) if quick else (3, 4, 6),
+            (8,) if quick else (4, 8),
+            (1, 2, 4),
+        )
+    ]
 
 
 def refine_configs(recipe: str) -> list[dict]:
-    """The neighbourhood of the best tiles: the amax pass's placement (before the K loop or in
-    its first step), its load width and loads in flight (module globals ``AMAX_TILE`` and
-    ``AMAX_UNROLL``), FP32 promotion of the FP8 MMA sums, stages and splits."""
-    base = REFINE_BASE[recipe]
-    out = []
+    """The neighbourhood of the shipped tiles: the amax pass's load width and loads in flight
+    (module globals ``AMAX_*``), FP32 promotion of the FP8 MMA sums, stages and splits."""
+    base = dict(fp8_small_m.TILES[recipe])
     amax = (
-        ((False, 4096, 8),)
+        ((4096, 8192, 16),)
         if recipe == "blockwise"
-        else tuple(itertools.product((False, True), (4096, 8192), (8, 16)))
+        else tuple(itertools.product((4096, 8192), (4096, 8192), (8, 16)))
     )
-    for (in_loop, tile, unroll), imprecise, stages, split in itertools.product(
-        amax, (32, base["BLOCK_K"]), (3, 4), (1, 2, 4)
+    out = []
+    for (tile, row_tile, unroll), imprecise, stages, split in itertools.product(
+        amax, (32, 128, base["BLOCK_K"]), (3, 4), (1, 2, 4)
     ):
-        amax_keys = dict(amax_in_loop=in_loop, AMAX_TILE=tile, AMAX_UNROLL=unroll)
-        out.append(dict(base, **amax_keys, imprecise_k=imprecise, num_stages=stages,
-                        split_k=split, gemv=False))  # fmt: skip
-    return out
+        keys = dict(AMAX_TILE=tile, AMAX_ROW_TILE=row_tile, AMAX_UNROLL=unroll)
+        out.append(dict(base, **keys, imprecise_k=imprecise, num_stages=stages, split_k=split))
+    return list({str(sorted(c.items())): c for c in out}.values())
 
 
 def _apply(recipe: str, tiles: dict) -> None:
     """``TILES[recipe]`` = ``tiles`` less the keys that name module globals (``AMAX_*``)."""
-    from floatxq.kernels import fp8_small_m
-
-    for key in ("AMAX_TILE", "AMAX_UNROLL"):
-        setattr(fp8_small_m, key, tiles.get(key, getattr(fp8_small_m, f"_DEFAULT_{key}")))
+    for key, default in AMAX_DEFAULTS.items():
+        setattr(fp8_small_m, key, tiles.get(key, default))
     fp8_small_m.TILES[recipe] = {k: v for k, v in tiles.items() if not k.startswith("AMAX_")}
 
 
@@ -116,14 +95,12 @@ def _operands(recipe: str, method: str, block):
 
 
 def _ms(tiles: dict) -> tuple[int, ...]:
-    return (1,) if tiles["gemv"] else (1, 16)
+    return (1, 16)
 
 
 def _compile(job: tuple[int, int, str, tuple[str, ...]]) -> list[str]:
     """Worker: compile (and launch once) every ``index % workers == worker`` configuration."""
     worker, workers, mode, names = job
-    from floatxq.kernels import fp8_small_m
-
     errors = []
     for recipe, method, block in RECIPES:
         if recipe not in names:
@@ -188,6 +165,37 @@ def raw_anchor(recipe: str, q, m: int):
     return lambda: F.scaled_mm(x16, wt, sa, r1, sb, r128, output_dtype=bf16)
 
 
+def crossover(ms: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> None:
+    """Fused kernel (shipped tiles) against the module's two-launch ``scaled_mm`` route (input
+    quantization kernel + cuBLAS) and the raw cuBLAS call, over M: where ``SMALL_M`` and the
+    graph-capture policy of ``TorchFP8Linear`` should switch. GPU time (graph replays)."""
+    from floatxq.nn import TorchFP8Linear
+
+    print("== crossover: fused fp8_small_m vs the scaled_mm route (gr us, N = K = 8192, bf16)")
+    print("recipe      M     fused  route    raw   route/fused  raw/fused")
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(K, N, bias=True, device="cuda", dtype=torch.bfloat16)
+    for recipe, method, block in RECIPES:
+        layer = TorchFP8Linear.from_linear(
+            dense, weight_scale_method=method, weight_block_size=(block, block) if block else None
+        )
+        for dtype in (torch.bfloat16, torch.float16):
+            layer._runtime.disabled[("fp8_small_m", dtype)] = "off: the route is timed"
+        scale, bias = layer._direct_weight_scale(), layer._bias_as(torch.bfloat16)
+        for m in ms:
+            x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+            fused = graph_us(
+                functools.partial(fp8_small_m._launch, x, layer.weight, scale, bias, recipe, False)
+            )
+            route = graph_us(functools.partial(layer, x))
+            q = type("Q", (), {"qweight": layer.weight})
+            raw = graph_us(raw_anchor(recipe, q, m))
+            print(
+                f"{recipe:10s} {m:3d}  {fused:7.1f} {route:6.1f} {raw:6.1f}   "
+                f"{route / fused:9.3f}  {raw / fused:9.3f}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer configurations")
@@ -195,13 +203,16 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--top", type=int, default=6)
     parser.add_argument("--recipes", default="tensorwise,rowwise,blockwise")
+    parser.add_argument("--crossover", action="store_true", help="only the fused/route crossover")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fp8_small_m_sweep.py needs a CUDA device")
+    if args.crossover:
+        crossover()
+        return
 
     from triton.testing import do_bench
 
-    from floatxq.kernels import fp8_small_m
     from floatxq.testing import assert_fp8_linear_close
 
     context = multiprocessing.get_context("spawn")

@@ -95,27 +95,18 @@ def _fits(recipe, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize(("recipe", "method", "block", "name"), RECIPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    ("split", "gemv", "prefetch", "in_loop"),
-    [
-        (1, False, False, False),
-        (1, False, True, True),
-        (3, False, True, False),
-        (2, False, False, True),
-        (1, True, True, False),
-        (2, True, False, True),
-    ],
-)
+@pytest.mark.parametrize(("split", "unroll", "imprecise"), [(1, 16, 128), (3, 3, 32), (2, 16, 256)])
 def test_kernel_matches_the_reference_on_fuzzed_shapes(
-    recipe, method, block, name, dtype, split, gemv, prefetch, in_loop, monkeypatch
+    recipe, method, block, name, dtype, split, unroll, imprecise, monkeypatch
 ):
     # split 3: K split over three programs per tile (uneven steps; the last one reduces);
-    # gemv: one-row inputs on the CUDA cores; prefetch: next tiles loaded a step ahead;
-    # in_loop: x's amax pass inside the K loop's first step
+    # unroll 3 with 256-element amax tiles: several chunks of amax loads, the last part masked;
+    # imprecise: FP8 products added in the tensor core before each FP32 promotion
     monkeypatch.setitem(fp8_small_m.TILES[recipe], "split_k", split)
-    monkeypatch.setitem(fp8_small_m.TILES[recipe], "gemv", gemv)
-    monkeypatch.setitem(fp8_small_m.TILES[recipe], "prefetch", prefetch)
-    monkeypatch.setitem(fp8_small_m.TILES[recipe], "amax_in_loop", in_loop)
+    monkeypatch.setitem(fp8_small_m.TILES[recipe], "imprecise_k", imprecise)
+    monkeypatch.setattr(fp8_small_m, "AMAX_UNROLL", unroll)
+    monkeypatch.setattr(fp8_small_m, "AMAX_TILE", 256 if unroll == 3 else 4096)
+    monkeypatch.setattr(fp8_small_m, "AMAX_ROW_TILE", 256 if unroll == 3 else 8192)
     for seed, (m, n, k) in enumerate(GPU_SHAPES):
         if _fits(recipe, n, k):
             _check(seed, m, n, k, recipe, method, block, name, dtype, "cuda")
@@ -181,22 +172,12 @@ def test_interpreter_suite():
 @needs_interpreter
 @pytest.mark.parametrize(("recipe", "method", "block", "name"), RECIPES)
 def test_interpreted_kernel_matches_the_reference(recipe, method, block, name, monkeypatch):
-    # unroll 3 with 256-element amax tiles: several chunks of loads, the last one part masked;
-    # gemv: one-row inputs on the CUDA cores; prefetch: the next tiles loaded one step ahead
-    # in_loop: x's amax pass inside the K loop's first step
-    for split, unroll, gemv, prefetch, in_loop in (
-        (1, 8, False, False, False),
-        (3, 8, False, True, True),
-        (2, 3, False, False, True),
-        (2, 8, True, True, False),
-        (1, 8, True, False, True),
-    ):
-        monkeypatch.setitem(fp8_small_m.TILES[recipe], "amax_in_loop", in_loop)
+    # unroll 3 with 256-element amax tiles: several chunks of loads, the last one part masked
+    for split, unroll in ((1, 16), (3, 16), (2, 3)):
         monkeypatch.setitem(fp8_small_m.TILES[recipe], "split_k", split)
-        monkeypatch.setitem(fp8_small_m.TILES[recipe], "gemv", gemv)
-        monkeypatch.setitem(fp8_small_m.TILES[recipe], "prefetch", prefetch)
         monkeypatch.setattr(fp8_small_m, "AMAX_UNROLL", unroll)
         monkeypatch.setattr(fp8_small_m, "AMAX_TILE", 256 if unroll == 3 else 4096)
+        monkeypatch.setattr(fp8_small_m, "AMAX_ROW_TILE", 256 if unroll == 3 else 8192)
         for seed, (m, n, k) in enumerate(INTERPRETER_SHAPES):
             if _fits(recipe, n, k):
                 dtype = (torch.bfloat16, torch.float16)[seed % 2]

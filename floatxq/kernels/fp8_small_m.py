@@ -5,22 +5,23 @@ rows, where ``quantize x`` + ``torch._scaled_mm`` costs two launches and their h
 (:class:`floatxq.nn.TorchFP8Linear` routes ``M <= 16`` here on CUDA). A program owns
 ``BLOCK_N`` output columns of every row:
 
-1. ``tensorwise``/``rowwise``: it reads all of ``x`` once for the amax (per tensor or per row);
-   ``blockwise`` takes each 1×128 block's amax where the main loop reads it;
+1. ``tensorwise``/``rowwise``: it reads all of ``x`` once for the amax (per tensor or per row),
+   many loads in flight at once; ``blockwise`` takes each 1×128 block's amax where the main
+   loop reads it;
 2. the K loop quantizes its ``x`` tile with the weight formula and the same encoder as
    :func:`floatxq.kernels.quantize_fp8_weight_kernel` (so the codes are exactly those of
    :func:`floatxq.quantize_fp8_weight`) and multiplies the codes on the tensor cores with the
    weight tile as the tall operand (``out.T = W · xq.T``): E4M3 × E4M3 as an FP8 MMA whose sums
-   are promoted to FP32 every 32 products, E5M2 weights through exact FP16 decodes; products
+   are promoted to FP32 every 128 products, E5M2 weights through exact FP16 decodes; products
    are exact;
 3. the epilogue multiplies by the direct scales ``sx · sw`` (per 128-wide K block inside the
    loop for ``blockwise``), adds the bias and rounds once to the output dtype.
 
 Optionally (``TILES``) K is split over several programs per output tile, the last to finish
-summing the FP32 partials in a fixed order (deterministic; per-stream workspaces), and a single
-row runs as a GEMV on the CUDA cores. The result equals the reference up to summation order and
-the FP32 rounding of the scale products (bounded per element in the tests: 24 bits for FP32
-sums, 22 for Hopper's FP8 MMA). Triton is imported on the first launch.
+summing the FP32 partials in a fixed order (deterministic; per-stream workspaces). The result
+equals the reference up to summation order and the FP32 rounding of the scale products
+(bounded per element in the tests: 24 bits for FP32 sums, 22 for Hopper's FP8 MMA).
+Triton is imported on the first launch.
 """
 
 import inspect
@@ -55,22 +56,21 @@ _X_TENSOR, _X_ROW, _X_BLOCK = 0, 1, 2
 _RECIPE_MODE = {"tensorwise": _X_TENSOR, "rowwise": _X_ROW, "blockwise": _X_BLOCK}
 _BLOCK_K_GROUP = 128
 _BLOCK_M = 16
-_IMPRECISE_K = 32
-"""FP8 products added inside the tensor core before FP32 promotion (one Hopper MMA's K)."""
+_IMPRECISE_K = 128
+"""FP8 products the tensor core adds before each FP32 promotion: four Hopper MMAs of K = 32, the
+interval CUTLASS's (non-fast-accumulation) FP8 GEMMs promote at by default (Hopper's FP8 MMA
+adds with fewer bits than FP32)."""
 TILES: dict[str, dict[str, int]] = {
-    "tensorwise": {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "num_stages": 5, "split_k": 1},
-    "rowwise": {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "num_stages": 5, "split_k": 1},
-    "blockwise": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 5, "split_k": 2},
+    "tensorwise": {"BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 8, "num_stages": 4, "split_k": 2},
+    "rowwise": {"BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 8, "num_stages": 4, "split_k": 2},
+    "blockwise": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "split_k": 4},
 }
-"""Tiles per recipe (swept on the H200 for M = 1 and 16, N = K = 8192: see
-benchmarks/RESULTS.md; ``benchmarks/fp8_linear.py --sweep`` reruns it). Blockwise always takes
-BLOCK_K = 128 (one weight scale per K step). ``split_k`` splits K over that many programs per
-output tile (rows <= 4, or any rows for blockwise): it paid only for blockwise, whose K loop has
-no amax pass in front (M = 1: 58 -> 42 us); for tensorwise and rowwise each split re-reads x
-and 1 is fastest. ``gemv`` (off until it is measured on a GPU) runs one-row inputs on the CUDA
-cores instead of a 16-row MMA tile. An optional ``imprecise_k`` sets how many FP8 products the
-tensor core adds before FP32 promotion (default 32: promotion after every MMA; the sweep found
-no measurable gain in promoting less often)."""
+"""Tiles per recipe, swept on the H200 at M = 1 and 16, N = K = 8192
+(``benchmarks/fp8_small_m_sweep.py``; figures in benchmarks/RESULTS.md). Blockwise always
+takes BLOCK_K = 128 (one weight scale per K step). ``split_k`` splits K over that many programs
+per output tile (rows <= 4, or any rows for blockwise); the last to finish reduces. An optional
+``imprecise_k`` sets how many FP8 products the tensor core adds before FP32 promotion (default
+128; 32 promotes after every MMA and cost up to 0.7 us at M = 1)."""
 
 
 def _inv_of_amax(amax, FMAX: constexpr, FLT_MAX: constexpr, TINY_BITS: constexpr, ROWS: constexpr):
@@ -165,9 +165,6 @@ def _fp8_small_m_kernel(
     A_CHUNKS: constexpr,
     K_ITERS: constexpr,
     SPLIT: constexpr,
-    GEMV: constexpr,
-    PREFETCH: constexpr,
-    AMAX_IN_LOOP: constexpr,
 ):
     """``out[m-tile, n-tile]`` of :func:`floatxq.fp8_scaled_linear` (see the module docstring).
 
@@ -179,9 +176,6 @@ def _fp8_small_m_kernel(
     rows and ``A_CHUNKS`` chunks of ``AMAX_UNROLL`` tiles ``AMAX_K`` wide; ``K_ITERS`` steps of
     ``BLOCK_K`` per split): one compiled kernel per layer width, and loops the compiler can
     pipeline.
-
-    GEMV (BLOCK_M == 1, a single row of x): the products run on the CUDA cores in FP32 (exact
-    for FP8 operands) and are summed along K, no MMA tile to fill.
 
     SPLIT > 1 splits K over ``program_id(2)`` (K_ITERS steps each): every split stores its FP32
     partial tile at ``part_ptr[split, m, n]``, then bumps the tile's counter; the program that
@@ -199,95 +193,47 @@ def _fp8_small_m_kernel(
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
 
-    # 1. x's scale (tensorwise/rowwise): before the K loop, or (AMAX_IN_LOOP) inside its first
-    # step, after the pipelined loop has issued its first weight loads (their memory latency
-    # then overlaps the amax pass). Blockwise scales are per step.
-    if MODE != 2 and not AMAX_IN_LOOP:
+    # 1. x's scale (tensorwise/rowwise; blockwise scales are taken per step in the K loop).
+    if MODE != 2:
         inv = _x_scale_inv(
             x_ptr, pid_m, M, K, stride_xm, stride_xk, MODE, FMAX, FLT_MAX, TINY_BITS,
             BLOCK_M, AMAX_M, AMAX_K, AMAX_UNROLL, M_ITERS, A_CHUNKS,
         )  # fmt: skip
-    else:
-        inv = tl.full([BLOCK_M], 1.0, tl.float32)
 
     # 2. K loop: quantize x's tile to E4M3 codes in registers, then one tensor-core product
     # out.T[n, m] += W[n, k] · xq.T[k, m] ("swap AB": the weight tile is the MMA's tall operand,
     # so 16 rows of x do not waste a 64-row MMA tile), FP32 accumulation promoted every
     # IMPRECISE_K products (Hopper's FP8 MMA adds with fewer bits than FP32 otherwise).
-    # PREFETCH loads the next x tile (and, for the GEMV, the next weight tile, which no MMA
-    # pipeline stages) one step ahead into registers, so its memory latency overlaps this step.
+    # Accumulating inside the dot (tensorwise/rowwise) lets Triton pipeline the weight loads.
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if GEMV and MODE != 2:  # per-lane FP32 sums, reduced across K once after the loop
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    k_first = pid_k * K_ITERS * BLOCK_K
-    if PREFETCH:
-        kk = k_first + offs_k
-        xv_next = tl.load(
-            x_rows + kk.to(tl.int64)[None, :] * stride_xk,
-            mask=m_ok[:, None] & (kk < K)[None, :],
-            other=0.0,
-        )
-        if GEMV:
-            w_next = tl.load(
-                w_rows + kk.to(tl.int64)[None, :] * stride_wk,
-                mask=n_ok[:, None] & (kk < K)[None, :],
-                other=0.0,
-            )
     for ki in range(K_ITERS):
-        k0 = k_first + ki * BLOCK_K
+        k0 = (pid_k * K_ITERS + ki) * BLOCK_K
         kk = k0 + offs_k
         k_ok = kk < K
-        if PREFETCH:
-            xv = xv_next.to(tl.float32)
-            kn = kk + BLOCK_K
-            next_ok = (kn < K) & (ki + 1 < K_ITERS)
-            xv_next = tl.load(
-                x_rows + kn.to(tl.int64)[None, :] * stride_xk,
-                mask=m_ok[:, None] & next_ok[None, :],
-                other=0.0,
-            )
-            if GEMV:
-                w = w_next
-                w_next = tl.load(
-                    w_rows + kn.to(tl.int64)[None, :] * stride_wk,
-                    mask=n_ok[:, None] & next_ok[None, :],
-                    other=0.0,
-                )
-        else:
-            xv = tl.load(
-                x_rows + kk.to(tl.int64)[None, :] * stride_xk,
-                mask=m_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-        if not (PREFETCH and GEMV):
-            w = tl.load(
-                w_rows + kk.to(tl.int64)[None, :] * stride_wk,
-                mask=n_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
+        xv = tl.load(
+            x_rows + kk.to(tl.int64)[None, :] * stride_xk,
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        w = tl.load(
+            w_rows + kk.to(tl.int64)[None, :] * stride_wk,
+            mask=n_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         if MODE == 2:
-            amax = tl.max(xv.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-            inv = _inv_of_amax(amax, FMAX, FLT_MAX, TINY_BITS, BLOCK_M)
-        elif AMAX_IN_LOOP:
-            if ki == 0:
-                inv = _x_scale_inv(
-                    x_ptr, pid_m, M, K, stride_xm, stride_xk, MODE, FMAX, FLT_MAX, TINY_BITS,
-                    BLOCK_M, AMAX_M, AMAX_K, AMAX_UNROLL, M_ITERS, A_CHUNKS,
-                )  # fmt: skip
+            inv = _inv_of_amax(
+                tl.max(xv.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1),
+                FMAX, FLT_MAX, TINY_BITS, BLOCK_M,
+            )  # fmt: skip
         y = xv * inv[:, None]
         y = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
         xq = _fp8_encode(y, CONVERT, 3, 7, False).to(tl.float8e4nv, bitcast=True)
-        if GEMV and MODE != 2:  # one row: exact FP32 products on the CUDA cores
-            acc2 += w.to(tl.float32) * xq.to(tl.float32)
-        elif GEMV:
-            part = tl.sum(w.to(tl.float32) * xq.to(tl.float32), axis=1)[:, None]
-        elif W_E5M2 and MODE != 2:  # E4M3 x E5M2: both decoded exactly to FP16
+        if W_E5M2:  # E4M3 x E5M2 (rowwise only): both decoded exactly to FP16
             acc = tl.dot(w.to(tl.float16), tl.trans(xq.to(tl.float16)), acc)
-        elif MODE != 2:  # accumulating in the dot lets Triton pipeline the weight loads
+        elif MODE != 2:
             acc = tl.dot(w, tl.trans(xq), acc, max_num_imprecise_acc=IMPRECISE_K)
-        else:
+        else:  # blockwise: this step's sums times its x block's and weight block's scales
             part = tl.dot(w, tl.trans(xq), out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
-        if MODE == 2:
             sx_block = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), inv)
             sw_block = tl.load(
                 ws_ptr + (offs_n // 128).to(tl.int64) * stride_s0 + (k0 // 128) * stride_s1,
@@ -295,8 +241,6 @@ def _fp8_small_m_kernel(
                 other=0.0,
             )
             acc += part * (sw_block[:, None] * sx_block[None, :])
-    if GEMV and MODE != 2:
-        acc = tl.sum(acc2, axis=1)[:, None]
 
     # 3. Split-K: the last split of this tile to arrive reduces the partials in split order.
     last = True
@@ -411,10 +355,11 @@ def fp8_scaled_linear_kernel(
 
 
 AMAX_TILE = 4096
-"""Elements of ``x`` per load of the amax pass (``AMAX_M`` rows by ``AMAX_K`` columns)."""
-AMAX_UNROLL = 8
+"""Elements of ``x`` per load of the amax pass over 16-row tiles (16 by ``AMAX_TILE / 16``)."""
+AMAX_ROW_TILE = 8192
+"""Columns per load of the amax pass over a one-row ``x``."""
+AMAX_UNROLL = 16
 """Loads of the amax pass in flight at once (one chunk; chunks run one after another)."""
-_DEFAULT_AMAX_TILE, _DEFAULT_AMAX_UNROLL = AMAX_TILE, AMAX_UNROLL
 _SPLIT_MAX_M = 4
 """Split K (``TILES[recipe]["split_k"]``) for at most this many rows (any for blockwise): each
 split re-reads all of ``x`` for the tensorwise/rowwise amax."""
@@ -461,12 +406,12 @@ def _plan(
     # blockwise, which needs no amax pass).
     split = tiles.get("split_k", 1) if m <= _SPLIT_MAX_M or mode == _X_BLOCK else 1
     split = max(1, min(split, steps))
-    gemv = m == 1 and bool(tiles.get("gemv", False))
-    block_m = 1 if gemv else _BLOCK_M
+    block_m = _BLOCK_M
     grid = (-(-m // block_m), -(-n // block_n), split)
     # the amax pass: one-row tiles for a one-row x, else this program's BLOCK_M rows
     amax_m = 1 if m == 1 else block_m
-    amax_k = min(_pow2_at_least(k), max(16, AMAX_TILE // amax_m))
+    width = AMAX_ROW_TILE if m == 1 else AMAX_TILE // amax_m
+    amax_k = min(_pow2_at_least(k), max(16, width))
     amax_tiles = -(-k // amax_k)
     unroll = min(AMAX_UNROLL, amax_tiles)
     tail = (
@@ -478,8 +423,7 @@ def _plan(
         min(tiles.get("imprecise_k", _IMPRECISE_K), block_k),
         block_m, block_n, block_k, amax_m, amax_k, unroll,
         -(-m // amax_m) if mode == _X_TENSOR else 1, -(-amax_tiles // unroll),
-        -(-steps // split), split, gemv, bool(tiles.get("prefetch", False)),
-        mode != _X_BLOCK and bool(tiles.get("amax_in_loop", False)),
+        -(-steps // split), split,
     )  # fmt: skip
     return grid, split, tail, {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
 
@@ -513,7 +457,7 @@ def _launch(
     key = (
         x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype,
         weight_scale.stride(), None if bias is None else bias.dtype, recipe, device, interpret,
-        tuple(TILES[recipe].items()), AMAX_TILE, AMAX_UNROLL,
+        tuple(TILES[recipe].items()), AMAX_TILE, AMAX_ROW_TILE, AMAX_UNROLL,
     )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
