@@ -37,7 +37,6 @@ from floatxq.kernels import fp8_small_m, quantize_fp8_weight_kernel
 from floatxq.kernels import fp8_weight as kernel_module
 from floatxq.nn import TorchFP8Linear
 from floatxq.nn.fp8_linear import SMALL_M
-from floatxq.testing import assert_fp8_linear_close
 
 MS = (1, 16, 4096)
 N = K = 8192
@@ -455,86 +454,9 @@ def weight_quantize() -> None:
         print(_line(f"  codes equal to pure ({method})", "yes" if same else "NO", widths=(48, 10)))
 
 
-def small_m_sweep(tile_sweep: bool = False) -> None:
-    """Tiles of the fp8_small_m kernel at M = 1 and 16 (N = K = 8192, bf16), per recipe; the best
-    (least time summed over both M) is applied to ``fp8_small_m.TILES`` for the rest of the run
-    (the defaults in floatxq/kernels/fp8_small_m.py come from this table)."""
-    from triton.testing import do_bench
-
-    print("== fp8_small_m tile sweep: median us (CUDA events, L2 flushed), N = K = 8192, bf16")
-    torch.manual_seed(0)
-    dense = torch.nn.Linear(K, N, bias=True, device="cuda", dtype=torch.bfloat16)
-    xs = {m: torch.randn(m, K, device="cuda", dtype=torch.bfloat16) for m in (1, 16)}
-    bias = dense.bias.detach()
-    for method, block, recipe in (
-        ("tensor", None, "tensorwise"),
-        ("row", None, "rowwise"),
-        ("block", (128, 128), "blockwise"),
-    ):
-        q = fq.quantize_fp8_weight(
-            dense.weight.detach(), weight_scale_method=method, weight_block_size=block
-        )
-        codes, scale = q.qweight, 1 / q.scale_inv
-        results = []
-        if tile_sweep:
-            configs = [
-                dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, imprecise_k=imp)
-                for bn in (32, 64)
-                for bk in ((128,) if recipe == "blockwise" else (128, 256))
-                for w in (4, 8)
-                for st in (4, 5)
-                for imp in sorted({32, bk})
-            ]
-        else:  # split-K (M <= 4, or any M for blockwise) and the one-row GEMV, shipped tiles
-            configs = [
-                dict(fp8_small_m.TILES[recipe], split_k=sk, gemv=gemv, BLOCK_N=bn)
-                for sk in (1, 2, 4)
-                for gemv, bn in ((False, fp8_small_m.TILES[recipe]["BLOCK_N"]), (True, 32),
-                                 (True, 64), (True, 128))
-            ]  # fmt: skip
-        for tiles in configs:
-            fp8_small_m.TILES[recipe] = tiles
-            try:
-                us = [
-                    do_bench(
-                        lambda x=x, c=codes, sc=scale, r=recipe: fp8_small_m._launch(
-                            x, c, sc, bias, r, False
-                        ),
-                        warmup=5,
-                        rep=30,
-                        return_mode="median",
-                    )
-                    * 1e3
-                    for x in xs.values()
-                ]
-            except Exception as exc:  # out of resources: not a candidate
-                print(f"  {recipe} {tiles}: {type(exc).__name__}")
-                continue
-            # the bound the tests hold the GPU routes to (22-bit accumulation)
-            try:
-                for x in xs.values():
-                    got = fp8_small_m._launch(x, codes, scale, bias, recipe, False)
-                    assert_fp8_linear_close(
-                        got, x, codes, q.scale_inv, bias, recipe=recipe,
-                        accumulator_bits=22,
-                    )  # fmt: skip
-            except AssertionError as exc:
-                print(f"  {recipe} {tiles}: outside the bound: {str(exc)[:120]}")
-                continue
-            results.append((sum(us), us, tiles))
-        results.sort(key=lambda r: r[1][0] if not tile_sweep else r[0])  # splits: by M = 1
-        for _, us, tiles in results[:4]:
-            cells = (f"M=1 {us[0]:.1f}", f"M=16 {us[1]:.1f}", str(tiles))
-            print(_line(recipe, *cells, widths=(12, 12, 12, 80)))
-        fp8_small_m.TILES[recipe] = results[0][2]
-    print(f"applied: {fp8_small_m.TILES}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probe-only", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="sweep fp8_small_m's split-K first")
-    parser.add_argument("--tile-sweep", action="store_true", help="sweep fp8_small_m's tiles")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fp8_linear.py needs a CUDA device")
@@ -542,8 +464,6 @@ def main() -> None:
     probe()
     if args.probe_only:
         return
-    if args.sweep or args.tile_sweep:
-        small_m_sweep(tile_sweep=args.tile_sweep)
     forward()
     weight_quantize()
 

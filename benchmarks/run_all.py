@@ -11,8 +11,9 @@ import sys
 
 import torch
 
-GPU_ONLY = {"fp8_linear.py", "fp8_linear_host.py", "lifecycle.py"}
+GPU_ONLY = {"fp8_linear.py", "fp8_linear_host.py", "fp8_small_m_sweep.py", "lifecycle.py"}
 CPU_ARGS = {"gptq.py": ["--small"], "recipes.py": ["--size", "2048"]}
+GPU_ARGS = {"fp8_small_m_sweep.py": ["--quick"]}
 
 
 def main() -> int:
@@ -24,7 +25,7 @@ def main() -> int:
         if not cuda and script.name in GPU_ONLY:
             print(f"== {script.name}: skipped (needs a CUDA device)", flush=True)
             continue
-        args = [] if cuda else CPU_ARGS.get(script.name, [])
+        args = GPU_ARGS.get(script.name, []) if cuda else CPU_ARGS.get(script.name, [])
         print(f"== {script.name} {' '.join(args)}".rstrip(), flush=True)
         failed += subprocess.call([sys.executable, str(script), *args]) != 0
     return 1 if failed else 0

@@ -628,30 +628,32 @@ def test_a_failing_scaled_mm_disables_the_route_for_that_dtype(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("method", "block", "captured"),
+    ("method", "block", "rows", "captured"),
     [
-        ("tensor", None, "scaled_mm_tensorwise"),
-        ("row", None, "fp8_small_m"),
-        ("block", (128, 128), "scaled_mm_blockwise"),
+        ("tensor", None, 1, "fp8_small_m"),
+        ("tensor", None, 4, "scaled_mm_tensorwise"),
+        ("row", None, 4, "fp8_small_m"),
+        ("block", (128, 128), 4, "fp8_small_m"),
+        ("block", (128, 128), 4 * SMALL_M, "scaled_mm_blockwise"),
     ],
 )
-def test_graph_capture_takes_the_faster_gpu_route(method, block, captured):
-    # Eager small-M calls take the one-launch kernel; inside a CUDA graph capture tensorwise and
-    # blockwise layers take cuBLAS (faster GPU code once launches are free), rowwise keeps it.
+def test_graph_capture_takes_the_faster_gpu_route(method, block, rows, captured):
+    # Eager small-M calls take the one-launch kernel; inside a CUDA graph capture only calls
+    # where it is also the faster GPU code keep it (tensorwise: one row), the others cuBLAS.
     _, layer = _route_layer(method, block, seed=3)
-    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up as torch's CUDA-graph notes ask (eager, side stream)
         layer(x)
     torch.cuda.current_stream().wait_stream(side)
-    assert layer.last_route == "fp8_small_m"
+    assert layer.last_route == ("fp8_small_m" if rows <= SMALL_M else captured)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = layer(x)
     assert layer.last_route == captured, layer.last_fallback_reason
     for seed in range(2):  # replays read x's storage: new values, new result
-        x.copy_(torch.randn(4, 512, generator=torch.Generator().manual_seed(seed)))
+        x.copy_(torch.randn(rows, 512, generator=torch.Generator().manual_seed(seed)))
         graph.replay()
         torch.cuda.synchronize()
         assert_fp8_linear_close(

@@ -36,10 +36,11 @@ not), for ``x`` of shape ``(*, in_features)`` and any floating dtype, output in 
     FP32 accumulation of exact products, the same direct scales and epilogue bias). Eager
     decode is bound by host time: back to back, one launch instead of two is 1.0-2.4x faster
     on an H200 (N = K = 8192, ``benchmarks/RESULTS.md``). While
-    a CUDA graph is being captured (launches then cost nothing) only rowwise layers keep it,
-    where it is also the faster GPU code; tensorwise and blockwise layers capture cuBLAS's
-    ``scaled_mm`` (see ``benchmarks/RESULTS.md``). The result equals the ``scaled_mm`` route's
-    up to summation order (both are checked against :func:`floatxq.fp8_scaled_linear`).
+    a CUDA graph is being captured (launches then cost nothing) it is kept where it is also the
+    faster GPU code: rowwise and blockwise layers up to 16 rows, tensorwise layers for one row;
+    other calls capture cuBLAS's ``scaled_mm`` (see ``benchmarks/RESULTS.md``). The result
+    equals the ``scaled_mm`` route's up to summation order (both are checked against
+    :func:`floatxq.fp8_scaled_linear`).
 ``dequant_matmul``
     Everywhere else: the weight is decoded for this call only (``dequantize_fp8_weight`` in
     ``x.dtype``) and multiplied; no dense weight is kept between calls.
@@ -114,11 +115,12 @@ _BLOCKWISE_MAJOR = 9
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 SMALL_M = 16
 """Inputs of at most this many rows (after flattening) take the ``fp8_small_m`` kernel."""
-_SMALL_M_IN_GRAPHS = frozenset({"scaled_mm_rowwise"})
-"""Routes whose small-M calls still take ``fp8_small_m`` while a CUDA graph is captured: there
-launch costs vanish, and only for rowwise scales is the fused kernel also the faster GPU code
-(graph replays on an H200, N = K = 8192, M = 1: rowwise 33 vs 41 us; tensorwise 28 vs 22,
-blockwise 37 vs 29)."""
+_SMALL_M_IN_GRAPHS = {"scaled_mm_tensorwise": 1, "scaled_mm_rowwise": 16, "scaled_mm_blockwise": 16}
+"""Most rows a route's calls send to ``fp8_small_m`` while a CUDA graph is captured (launch costs
+then vanish, so only GPU time counts): where the fused kernel is the faster GPU code. Graph
+replays on an H200, N = K = 8192 (``benchmarks/fp8_small_m_sweep.py --crossover``): rowwise
+1.2-2.0x faster than quantize + cuBLAS up to 32 rows, blockwise 1.2-1.26x up to 16, tensorwise
+1.05x at one row but 0.92-0.74x from 2 to 16 rows (its amax pass reads all of x per program)."""
 _METHOD_RECIPE = {"tensor": "tensorwise", "row": "rowwise", "block": "blockwise"}
 
 _METHOD_ROUTE = {
@@ -627,7 +629,10 @@ class TorchFP8Linear(nn.Module):
         if (
             route in _SCALED_ROUTES
             and x.shape[0] <= SMALL_M
-            and (route in _SMALL_M_IN_GRAPHS or not torch.cuda.is_current_stream_capturing())
+            and (
+                x.shape[0] <= _SMALL_M_IN_GRAPHS[route]
+                or not torch.cuda.is_current_stream_capturing()
+            )
         ):
             small = self._small_m_runner(x.dtype)
             if small is not None:
