@@ -172,7 +172,7 @@ def crossover(ms: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> None:
     from floatxq.nn import TorchFP8Linear
 
     print("== crossover: fused fp8_small_m vs the scaled_mm route (gr us, N = K = 8192, bf16)")
-    print("recipe      M     fused  route    raw   route/fused  raw/fused")
+    print("recipe      M     fused  16-row  route    raw   route/fused  raw/fused")
     torch.manual_seed(0)
     dense = torch.nn.Linear(K, N, bias=True, device="cuda", dtype=torch.bfloat16)
     for recipe, method, block in RECIPES:
@@ -184,14 +184,18 @@ def crossover(ms: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> None:
         scale, bias = layer._direct_weight_scale(), layer._bias_as(torch.bfloat16)
         for m in ms:
             x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
-            fused = graph_us(
-                functools.partial(fp8_small_m._launch, x, layer.weight, scale, bias, recipe, False)
+            launch = functools.partial(
+                fp8_small_m._launch, x, layer.weight, scale, bias, recipe, False
             )
+            fused = graph_us(launch)
+            few, fp8_small_m._BLOCK_M_FEW = fp8_small_m._BLOCK_M_FEW, 0
+            sixteen = graph_us(launch)  # the same call with 16-row programs
+            fp8_small_m._BLOCK_M_FEW = few
             route = graph_us(functools.partial(layer, x))
             q = type("Q", (), {"qweight": layer.weight})
             raw = graph_us(raw_anchor(recipe, q, m))
             print(
-                f"{recipe:10s} {m:3d}  {fused:7.1f} {route:6.1f} {raw:6.1f}   "
+                f"{recipe:10s} {m:3d}  {fused:7.1f} {sixteen:6.1f}  {route:6.1f} {raw:6.1f}   "
                 f"{route / fused:9.3f}  {raw / fused:9.3f}"
             )
 

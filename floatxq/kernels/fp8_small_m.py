@@ -56,6 +56,9 @@ _X_TENSOR, _X_ROW, _X_BLOCK = 0, 1, 2
 _RECIPE_MODE = {"tensorwise": _X_TENSOR, "rowwise": _X_ROW, "blockwise": _X_BLOCK}
 _BLOCK_K_GROUP = 128
 _BLOCK_M = 16
+_BLOCK_M_FEW = 8
+"""Rows per program for inputs of at most this many rows (the MMA's narrowest N): half the x
+tile of a 16-row program, so less shared memory and less quantization work per step."""
 _IMPRECISE_K = 32
 """FP8 products the tensor core adds before each FP32 promotion: one Hopper MMA's K (its FP8
 sums keep fewer bits than FP32; at 256 they left the tests' 22-bit bound, up to 2% off)."""
@@ -355,7 +358,8 @@ def fp8_scaled_linear_kernel(
 
 
 AMAX_TILE = 4096
-"""Elements of ``x`` per load of the amax pass over 16-row tiles (16 by ``AMAX_TILE / 16``)."""
+"""Elements of ``x`` per load of the amax pass over a program's rows (BLOCK_M by
+``AMAX_TILE / BLOCK_M``)."""
 AMAX_ROW_TILE = 8192
 """Columns per load of the amax pass over a one-row ``x``."""
 AMAX_UNROLL = 16
@@ -406,7 +410,7 @@ def _plan(
     # blockwise, which needs no amax pass).
     split = tiles.get("split_k", 1) if m <= _SPLIT_MAX_M or mode == _X_BLOCK else 1
     split = max(1, min(split, steps))
-    block_m = _BLOCK_M
+    block_m = _BLOCK_M_FEW if m <= _BLOCK_M_FEW else _BLOCK_M
     grid = (-(-m // block_m), -(-n // block_n), split)
     # the amax pass: one-row tiles for a one-row x, else this program's BLOCK_M rows
     amax_m = 1 if m == 1 else block_m
@@ -457,7 +461,7 @@ def _launch(
     key = (
         x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype,
         weight_scale.stride(), None if bias is None else bias.dtype, recipe, device, interpret,
-        tuple(TILES[recipe].items()), AMAX_TILE, AMAX_ROW_TILE, AMAX_UNROLL,
+        tuple(TILES[recipe].items()), AMAX_TILE, AMAX_ROW_TILE, AMAX_UNROLL, _BLOCK_M_FEW,
     )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
