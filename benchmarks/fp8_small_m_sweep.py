@@ -37,16 +37,16 @@ RECIPES = (("tensorwise", "tensor", None), ("rowwise", "row", None), ("blockwise
 
 
 def configs(recipe: str, quick: bool) -> list[dict]:
-    """Candidate tiles; ``quick`` keeps the neighbourhood of the shipped ones (8 warps, 64- and
-    128-wide tiles)."""
+    """Candidate tiles; ``quick`` keeps the neighbourhood of the shipped ones (64- and 128-wide
+    tiles)."""
     block_ks = (128,) if recipe == "blockwise" else (128, 256)
     return [
         dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=st, split_k=split)
         for bn, bk, st, warps, split in itertools.product(
             (64, 128) if quick else (32, 64, 128),
             block_ks,
-            (3, 4, 5) if quick else (3, 4, 6),
-            (8,) if quick else (4, 8),
+            (3, 4, 5, 6),
+            (4, 8),
             (1, 2, 4),
         )
     ]
@@ -188,9 +188,9 @@ def crossover(ms: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> None:
                 fp8_small_m._launch, x, layer.weight, scale, bias, recipe, False
             )
             fused = graph_us(launch)
-            few, fp8_small_m._BLOCK_M_FEW = fp8_small_m._BLOCK_M_FEW, 0
+            one, fp8_small_m._BLOCK_M_ONE_ROW = fp8_small_m._BLOCK_M_ONE_ROW, 16
             sixteen = graph_us(launch)  # the same call with 16-row programs
-            fp8_small_m._BLOCK_M_FEW = few
+            fp8_small_m._BLOCK_M_ONE_ROW = one
             route = graph_us(functools.partial(layer, x))
             q = type("Q", (), {"qweight": layer.weight})
             raw = graph_us(raw_anchor(recipe, q, m))
