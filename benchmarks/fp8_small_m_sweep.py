@@ -71,10 +71,12 @@ def refine_configs(recipe: str) -> list[dict]:
 
 
 def _apply(recipe: str, tiles: dict) -> None:
-    """``TILES[recipe]`` = ``tiles`` less the keys that name module globals (``AMAX_*``)."""
+    """``TILES[recipe]`` and ``ONE_ROW_TILES[recipe]`` = ``tiles`` less the keys that name module
+    globals (``AMAX_*``)."""
     for key, default in AMAX_DEFAULTS.items():
         setattr(fp8_small_m, key, tiles.get(key, default))
-    fp8_small_m.TILES[recipe] = {k: v for k, v in tiles.items() if not k.startswith("AMAX_")}
+    shipped = {k: v for k, v in tiles.items() if not k.startswith("AMAX_")}
+    fp8_small_m.TILES[recipe] = fp8_small_m.ONE_ROW_TILES[recipe] = shipped
 
 
 def candidates(recipe: str, mode: str) -> list[dict]:
@@ -277,7 +279,7 @@ def main() -> None:
                 )
             best = rows[m][0][1] if rows[m] else None
             shipped[(recipe, m)] = best
-    print("best per (recipe, M):")
+    print("best per (recipe, M) (M = 1: ONE_ROW_TILES, M = 16: TILES):")
     for key, tiles in shipped.items():
         print(f"  {key}: {tiles}")
 

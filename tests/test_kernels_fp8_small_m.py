@@ -102,8 +102,9 @@ def test_kernel_matches_the_reference_on_fuzzed_shapes(
     # split 3: K split over three programs per tile (uneven steps; the last one reduces);
     # unroll 3 with 256-element amax tiles: several chunks of amax loads, the last part masked;
     # imprecise: FP8 products added in the tensor core before each FP32 promotion
-    monkeypatch.setitem(fp8_small_m.TILES[recipe], "split_k", split)
-    monkeypatch.setitem(fp8_small_m.TILES[recipe], "imprecise_k", imprecise)
+    for table in (fp8_small_m.TILES, fp8_small_m.ONE_ROW_TILES):
+        monkeypatch.setitem(table[recipe], "split_k", split)
+        monkeypatch.setitem(table[recipe], "imprecise_k", imprecise)
     monkeypatch.setattr(fp8_small_m, "AMAX_UNROLL", unroll)
     monkeypatch.setattr(fp8_small_m, "AMAX_TILE", 256 if unroll == 3 else 4096)
     monkeypatch.setattr(fp8_small_m, "AMAX_ROW_TILE", 256 if unroll == 3 else 8192)
@@ -174,7 +175,8 @@ def test_interpreter_suite():
 def test_interpreted_kernel_matches_the_reference(recipe, method, block, name, monkeypatch):
     # unroll 3 with 256-element amax tiles: several chunks of loads, the last one part masked
     for split, unroll in ((1, 16), (3, 16), (2, 3)):
-        monkeypatch.setitem(fp8_small_m.TILES[recipe], "split_k", split)
+        for table in (fp8_small_m.TILES, fp8_small_m.ONE_ROW_TILES):
+            monkeypatch.setitem(table[recipe], "split_k", split)
         monkeypatch.setattr(fp8_small_m, "AMAX_UNROLL", unroll)
         monkeypatch.setattr(fp8_small_m, "AMAX_TILE", 256 if unroll == 3 else 4096)
         monkeypatch.setattr(fp8_small_m, "AMAX_ROW_TILE", 256 if unroll == 3 else 8192)

@@ -68,13 +68,19 @@ TILES: dict[str, dict[str, int]] = {
     "rowwise": {"BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 8, "num_stages": 4, "split_k": 2},
     "blockwise": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "split_k": 4},
 }
-"""Tiles per recipe, swept on the H200 at M = 1 and 16, N = K = 8192
+"""Tiles per recipe for inputs of two rows or more, swept on the H200 at M = 16, N = K = 8192
 (``benchmarks/fp8_small_m_sweep.py``; figures in benchmarks/RESULTS.md). Blockwise always
 takes BLOCK_K = 128 (one weight scale per K step). ``split_k`` splits K over that many programs
 per output tile (rows <= 4, or any rows for blockwise); the last to finish reduces. An optional
 ``imprecise_k`` sets how many FP8 products the tensor core adds before FP32 promotion (default
 32, after every MMA: 128 was no faster, 256 up to 0.7 us faster at M = 1 but outside the
 accuracy bound)."""
+ONE_ROW_TILES: dict[str, dict[str, int]] = {
+    "tensorwise": {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 6, "split_k": 1},
+    "rowwise": {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 6, "split_k": 1},
+    "blockwise": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "split_k": 4},
+}
+"""Tiles for a one-row ``x`` (8-row programs leave room for deeper pipelines), swept at M = 1."""
 
 
 def _inv_of_amax(amax, FMAX: constexpr, FLT_MAX: constexpr, TINY_BITS: constexpr, ROWS: constexpr):
@@ -401,7 +407,7 @@ def _plan(
     """``(grid, split, arguments after the seven tensors, launch options)`` of one launch."""
     (m, k), n = x.shape, weight.shape[0]
     mode = _RECIPE_MODE[recipe]
-    tiles = TILES[recipe]
+    tiles = ONE_ROW_TILES[recipe] if m == 1 else TILES[recipe]
     block_n, block_k = tiles["BLOCK_N"], tiles["BLOCK_K"]
     if mode == _X_BLOCK:
         block_k = _BLOCK_K_GROUP
@@ -462,7 +468,8 @@ def _launch(
     key = (
         x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype,
         weight_scale.stride(), None if bias is None else bias.dtype, recipe, device, interpret,
-        tuple(TILES[recipe].items()), AMAX_TILE, AMAX_ROW_TILE, AMAX_UNROLL, _BLOCK_M_ONE_ROW,
+        tuple((ONE_ROW_TILES if m == 1 else TILES)[recipe].items()),
+        AMAX_TILE, AMAX_ROW_TILE, AMAX_UNROLL, _BLOCK_M_ONE_ROW,
     )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
