@@ -290,7 +290,7 @@ def _fp8_small_m_kernel(
 
 _BUILT: dict[bool, CachedLauncher] = {}
 _INV_SOURCE, _SCALE_SOURCE = _inv_of_amax, _x_scale_inv
-_JITTED: dict[tuple[str, bool], Any] = {}
+"""The helpers' plain sources (their module globals become the jitted helpers on a launch)."""
 
 
 def _launcher(interpret: bool) -> CachedLauncher:
@@ -301,8 +301,7 @@ def _launcher(interpret: bool) -> CachedLauncher:
         global tl, constexpr, _fp8_encode, _inv_of_amax, _x_scale_inv
         tl, constexpr, _fp8_encode = language, language.constexpr, encode
         _inv_of_amax, _x_scale_inv = (
-            _JITTED.setdefault((name, interpret), triton.jit(inspect.unwrap(fn)))
-            for name, fn in (("inv", _INV_SOURCE), ("scale", _SCALE_SOURCE))
+            triton.jit(inspect.unwrap(fn)) for fn in (_INV_SOURCE, _SCALE_SOURCE)
         )
         launcher = CachedLauncher(triton.jit(inspect.unwrap(_fp8_small_m_kernel)))
         _BUILT[interpret] = launcher
@@ -422,7 +421,7 @@ def _plan(
     # the amax pass: one-row tiles for a one-row x, else this program's BLOCK_M rows
     amax_m = 1 if m == 1 else block_m
     width = AMAX_ROW_TILE if m == 1 else AMAX_TILE // amax_m
-    amax_k = min(_pow2_at_least(k), max(16, width))
+    amax_k = min(fp8_weight._next_pow2(k), max(16, width))
     amax_tiles = -(-k // amax_k)
     unroll = min(AMAX_UNROLL, amax_tiles)
     tail = (
@@ -437,10 +436,6 @@ def _plan(
         -(-steps // split), split,
     )  # fmt: skip
     return grid, split, tail, {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 _PLANS: dict[Any, tuple[tuple[int, int, int], int, tuple[Any, ...], dict[str, int]]] = {}
