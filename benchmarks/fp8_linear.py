@@ -13,7 +13,10 @@ Sections, each printed as a table:
    ``cvt.rn.satfinite``, no ``.ftz`` multiply).
 3. Forward: median time (``triton.testing.do_bench``, L2 flushed before each call, CUDA events) of
    each module route and of the raw kernels, with the ratio of each route to raw tensorwise
-   ``torch._scaled_mm`` (inputs already FP8), to its own raw recipe, and to bf16 ``F.linear``.
+   ``torch._scaled_mm`` (inputs already FP8: ``x`` cast, no bias), to its own raw recipe, and to
+   bf16 ``F.linear``. For tensorwise and rowwise, "own" is the raw call on the very operands the
+   route gives cuBLAS (its FP8 codes of ``x``, both scales, the layer's bias): what the module
+   adds over the same GEMM. Blockwise's own anchor has no bias.
    A second column times CUDA-graph replays (``do_bench_cudagraph``: no launch gaps).
 4. Weight quantize: the Triton kernel on an 8192 x 8192 bf16 weight per layout, as effective
    bandwidth (bytes the contract must move: read the weight once, write codes and scales) over
@@ -272,6 +275,29 @@ def _bench(fn) -> tuple[float, float]:
     return events, graph
 
 
+def _same_operands(x, layers) -> dict:
+    """Raw ``_scaled_mm`` on exactly what the tensorwise and rowwise routes hand cuBLAS for this
+    ``x`` (their FP8 codes of x, both scales, the layer's bias): the same GEMM without the
+    module's input quantization. (cuBLAS's time depends on the bias epilogue and on the codes.)"""
+    from floatxq.kernels import quantize_fp8_input
+
+    out = {}
+    for method, recipe in (("tensor", "tensorwise"), ("row", "rowwise")):
+        layer = layers[method]
+        shape = () if method == "tensor" else (x.shape[0], 1)
+        sa = torch.empty(shape, dtype=torch.float32, device=x.device)
+        xq = quantize_fp8_input(x, format="float8_e4m3fn", method=method, block=None, scale_out=sa)
+        sb = layer._direct_weight_scale()
+        sb = sb if method == "tensor" else sb.reshape(1, -1).contiguous()
+        bias, wt = layer._bias_as(x.dtype), layer.weight.t()
+        out[f"raw _scaled_mm {recipe}, same operands + bias"] = (
+            lambda xq=xq, wt=wt, sa=sa, sb=sb, bias=bias: torch._scaled_mm(
+                xq, wt, sa, sb, bias, None, x.dtype
+            )
+        )
+    return out
+
+
 def _raw_anchors(x, weight, dense, r1, r128) -> dict:
     """The raw kernels each route wraps, on inputs already in FP8 (no input quantization)."""
     m, dev = x.shape[0], x.device
@@ -332,6 +358,7 @@ def forward() -> None:
     for m in MS:
         x = torch.randn(m, K, device=dev, dtype=torch.bfloat16)
         raw = _raw_anchors(x, wt.weight, dense, r1, r128)
+        raw.update(_same_operands(x, layers))
         times, owns = {}, {}
         for name, fn in raw.items():
             try:
@@ -342,12 +369,18 @@ def forward() -> None:
         if m <= SMALL_M:
             # the module as shipped: eager calls take fp8_small_m, graph captures follow the
             # capture policy (tensorwise/blockwise: scaled_mm; rowwise: fp8_small_m)
-            routes["module default (tensor)"] = (layers["tensor"], "raw _scaled_mm tensorwise")
-            routes["module default (row)"] = (layers["row"], "raw _scaled_mm rowwise")
+            routes["module default (tensor)"] = (
+                layers["tensor"],
+                "raw _scaled_mm tensorwise, same operands + bias",
+            )
+            routes["module default (row)"] = (
+                layers["row"],
+                "raw _scaled_mm rowwise, same operands + bias",
+            )
             routes["module default (block)"] = (layers["block"], "raw scaled_mm blockwise")
             for method, recipe, own in (
-                ("tensor", "tensorwise", "raw _scaled_mm tensorwise"),
-                ("row", "rowwise", "raw _scaled_mm rowwise"),
+                ("tensor", "tensorwise", "raw _scaled_mm tensorwise, same operands + bias"),
+                ("row", "rowwise", "raw _scaled_mm rowwise, same operands + bias"),
                 ("block", "blockwise", "raw scaled_mm blockwise"),
             ):
                 layer = layers[method]
@@ -359,8 +392,14 @@ def forward() -> None:
                 name = f"kernel fp8_small_m ({method})"
                 times[name] = (*_bench(fn), _loop_us(fn))
                 owns[name] = times.get(own, nan3)
-        routes["route scaled_mm_tensorwise"] = (cublas["tensor"], "raw _scaled_mm tensorwise")
-        routes["route scaled_mm_rowwise"] = (cublas["row"], "raw _scaled_mm rowwise")
+        routes["route scaled_mm_tensorwise"] = (
+            cublas["tensor"],
+            "raw _scaled_mm tensorwise, same operands + bias",
+        )
+        routes["route scaled_mm_rowwise"] = (
+            cublas["row"],
+            "raw _scaled_mm rowwise, same operands + bias",
+        )
         routes["route scaled_mm_blockwise"] = (cublas["block"], "raw scaled_mm blockwise")
         routes["route dequant_matmul (row)"] = (forced, "bf16 F.linear")
         for name, (layer, own) in routes.items():

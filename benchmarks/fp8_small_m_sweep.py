@@ -30,7 +30,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from floatxq.kernels import fp8_small_m
 
-AMAX_DEFAULTS = {k: getattr(fp8_small_m, k) for k in ("AMAX_TILE", "AMAX_ROW_TILE", "AMAX_UNROLL")}
+GLOBALS = ("AMAX_TILE", "AMAX_ROW_TILE", "AMAX_UNROLL", "COOP_MIN_ROWS", "COOP_MAX_PIECE")
+DEFAULTS = {k: getattr(fp8_small_m, k) for k in GLOBALS}
 
 N = K = 8192
 RECIPES = (("tensorwise", "tensor", None), ("rowwise", "row", None), ("blockwise", "block", 128))
@@ -70,17 +71,38 @@ def refine_configs(recipe: str) -> list[dict]:
     return list({str(sorted(c.items())): c for c in out}.values())
 
 
+def coop_configs(recipe: str) -> list[dict]:
+    """Tiles whose grid fits one program per SM at N = 8192 (the shared amax's cooperative
+    launch), x's amax reduced together from one row on; the shipped tiles without it."""
+    out = [dict(fp8_small_m.TILES[recipe], COOP_MIN_ROWS=1 << 30)]
+    for bn, bk, st, warps, split in itertools.product(
+        (64, 128), (128, 256), (3, 4, 5, 6), (4, 8), (1, 2)
+    ):
+        if (N // bn) * split <= 132:
+            out.append(
+                dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=st, split_k=split,
+                     COOP_MIN_ROWS=1)
+            )  # fmt: skip
+    return out
+
+
 def _apply(recipe: str, tiles: dict) -> None:
     """``TILES[recipe]`` and ``ONE_ROW_TILES[recipe]`` = ``tiles`` less the keys that name module
-    globals (``AMAX_*``)."""
-    for key, default in AMAX_DEFAULTS.items():
+    globals (``GLOBALS``)."""
+    for key, default in DEFAULTS.items():
         setattr(fp8_small_m, key, tiles.get(key, default))
-    shipped = {k: v for k, v in tiles.items() if not k.startswith("AMAX_")}
+    shipped = {k: v for k, v in tiles.items() if k not in GLOBALS}
     fp8_small_m.TILES[recipe] = fp8_small_m.ONE_ROW_TILES[recipe] = shipped
 
 
 def candidates(recipe: str, mode: str) -> list[dict]:
+    if mode == "coop":
+        return coop_configs(recipe)
     return refine_configs(recipe) if mode == "refine" else configs(recipe, mode == "quick")
+
+
+def rows_of(mode: str) -> tuple[int, ...]:
+    return (1, 2, 4, 8, 16) if mode == "coop" else (1, 16)
 
 
 def _operands(recipe: str, method: str, block):
@@ -92,7 +114,7 @@ def _operands(recipe: str, method: str, block):
         w, weight_scale_method=method, weight_block_size=(block, block) if block else None
     )
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-    xs = {m: torch.randn(m, K, device="cuda", dtype=torch.bfloat16) for m in (1, 16)}
+    xs = {m: torch.randn(m, K, device="cuda", dtype=torch.bfloat16) for m in (1, 2, 4, 8, 16)}
     return q, 1 / q.scale_inv, bias, xs
 
 
@@ -108,7 +130,7 @@ def _compile(job: tuple[int, int, str, tuple[str, ...]]) -> list[str]:
             if i % workers != worker:
                 continue
             _apply(recipe, tiles)
-            for m in (1, 16):
+            for m in rows_of(mode):
                 try:
                     fp8_small_m._launch(xs[m], q.qweight, scale, bias, recipe, False)
                 except Exception as exc:  # out of shared memory etc.: reported, not a candidate
@@ -206,6 +228,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=6)
     parser.add_argument("--recipes", default="tensorwise,rowwise,blockwise")
     parser.add_argument("--crossover", action="store_true", help="only the fused/route crossover")
+    parser.add_argument(
+        "--coop", action="store_true", help="x's amax reduced by all programs together, M 1-16"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fp8_small_m_sweep.py needs a CUDA device")
@@ -220,7 +245,9 @@ def main() -> None:
     context = multiprocessing.get_context("spawn")
     with context.Pool(args.workers) as pool:
         names = tuple(args.recipes.split(","))
-        mode = "refine" if args.refine else "quick" if args.quick else "full"
+        mode = (
+            "coop" if args.coop else "refine" if args.refine else "quick" if args.quick else "full"
+        )
         jobs = [(w, args.workers, mode, names) for w in range(args.workers)]
         failures = sorted({e for errs in pool.map(_compile, jobs) for e in errs})
     for line in failures:
@@ -233,28 +260,33 @@ def main() -> None:
         if recipe not in names:
             continue
         q, scale, bias, xs = _operands(recipe, method, block)
-        anchors = {m: graph_us(raw_anchor(recipe, q, m)) for m in (1, 16)}
+        ms = rows_of(mode)
+        anchors = {m: graph_us(raw_anchor(recipe, q, m)) for m in ms}
         anchors_ev = {
             m: do_bench(raw_anchor(recipe, q, m), warmup=10, rep=50, return_mode="median") * 1e3
-            for m in (1, 16)
+            for m in ms
         }
-        rows = {1: [], 16: []}
+        rows = {m: [] for m in ms}
         for tiles in candidates(recipe, mode):
             _apply(recipe, tiles)
-            for m in (1, 16):
+            for m in ms:
                 fn = functools.partial(
                     fp8_small_m._launch, xs[m], q.qweight, scale, bias, recipe, False
                 )
                 try:
                     rows[m].append((graph_us(fn), tiles))
-                except Exception:
+                except Exception as exc:
+                    print(f"  failed: {recipe} M={m} {tiles}: {type(exc).__name__}: {exc}"[:300])
                     continue
-        for m in (1, 16):
+        for m in ms:
             rows[m].sort(key=lambda r: r[0])
             print(
                 f"-- {recipe} M={m}: raw scaled_mm gr {anchors[m]:.1f} us, "
                 f"ev {anchors_ev[m]:.1f} us ({len(rows[m])} configurations)"
             )
+            for us, tiles in rows[m]:
+                if tiles.get("COOP_MIN_ROWS") == 1 << 30:
+                    print(f"   (shipped tiles, each program reading all of x: gr {us:6.1f})")
             for us, tiles in rows[m][: args.top]:
                 _apply(recipe, tiles)
                 x = xs[m]

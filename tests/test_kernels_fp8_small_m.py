@@ -95,16 +95,24 @@ def _fits(recipe, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize(("recipe", "method", "block", "name"), RECIPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("split", "unroll", "imprecise"), [(1, 16, 32), (3, 3, 32), (2, 16, 128)])
+@pytest.mark.parametrize(
+    ("split", "unroll", "imprecise", "together", "piece"),
+    [(1, 16, 32, 2, 4096), (3, 3, 32, 1, 16), (2, 16, 128, 1 << 30, 4096)],
+)
 def test_kernel_matches_the_reference_on_fuzzed_shapes(
-    recipe, method, block, name, dtype, split, unroll, imprecise, monkeypatch
+    recipe, method, block, name, dtype, split, unroll, imprecise, together, piece, monkeypatch
 ):
     # split 3: K split over three programs per tile (uneven steps; the last one reduces);
     # unroll 3 with 256-element amax tiles: several chunks of amax loads, the last part masked;
-    # imprecise: FP8 products added in the tensor core before each FP32 promotion
+    # imprecise: FP8 products added in the tensor core before each FP32 promotion;
+    # together: rows from which the programs reduce x's amax together (a grid barrier), with
+    # pieces of at most `piece` columns (16: many pieces per program, ragged row ends);
+    # 1 << 30: never (every program reads all of x)
     for table in (fp8_small_m.TILES, fp8_small_m.ONE_ROW_TILES):
         monkeypatch.setitem(table[recipe], "split_k", split)
         monkeypatch.setitem(table[recipe], "imprecise_k", imprecise)
+    monkeypatch.setattr(fp8_small_m, "COOP_MIN_ROWS", together)
+    monkeypatch.setattr(fp8_small_m, "COOP_MAX_PIECE", piece)
     monkeypatch.setattr(fp8_small_m, "AMAX_UNROLL", unroll)
     monkeypatch.setattr(fp8_small_m, "AMAX_TILE", 256 if unroll == 3 else 4096)
     monkeypatch.setattr(fp8_small_m, "AMAX_ROW_TILE", 256 if unroll == 3 else 8192)
@@ -128,6 +136,54 @@ def test_strided_inputs_and_repeated_launches():
             assert_fp8_linear_close(
                 got, x, codes, scale_inv, bias, recipe="rowwise", accumulator_bits=GPU_BITS
             )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("captured", [False, True])
+def test_shared_amax_across_launches_recipes_and_graphs(captured, monkeypatch):
+    """Launch after launch on one stream's shared amax words: tensorwise and rowwise, several
+    row counts, each ``x`` with a smaller amax than the one before (a bank left unreset would
+    keep the larger one and give wrong codes), eagerly and replayed from a CUDA graph."""
+    monkeypatch.setattr(fp8_small_m, "COOP_MIN_ROWS", 1)
+    cases = []
+    for i, (recipe, method, m) in enumerate(
+        [("tensorwise", "tensor", 16), ("rowwise", "row", 5), ("tensorwise", "tensor", 1),
+         ("rowwise", "row", 16), ("tensorwise", "tensor", 3)]
+    ):  # fmt: skip
+        x, codes, scale_inv, bias = _case(
+            10 + i, m, 256, 512, recipe, method, None, "float8_e4m3fn", torch.bfloat16, "cuda"
+        )
+        cases.append((recipe, x * 2.0 ** (8 - 3 * i), codes, scale_inv, bias))
+    _, first, codes, scale_inv, _ = cases[0]
+    sync_words = fp8_small_m._plan(first, codes, 1 / scale_inv, True, "tensorwise", False)[2]
+    assert sync_words > 0, "the programs reduce the amax together here"
+
+    def run_all():
+        return [
+            fp8_scaled_linear_kernel(x, codes, 1 / s, bias, recipe=recipe)
+            for recipe, x, codes, s, bias in cases
+        ]
+
+    for _ in range(2):
+        outs = run_all()
+    if captured:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = run_all()
+        for scale in (0.5, 64.0):  # new contents, new amaxes, replayed twice
+            for case in cases:
+                case[1].mul_(scale)
+            graph.replay()
+            graph.replay()
+            torch.cuda.synchronize()
+            for (recipe, x, codes, s, bias), got in zip(cases, outs, strict=True):
+                assert_fp8_linear_close(
+                    got, x, codes, s, bias, recipe=recipe, accumulator_bits=GPU_BITS
+                )
+    for (recipe, x, codes, s, bias), got in zip(cases, outs, strict=True):
+        assert_fp8_linear_close(got, x, codes, s, bias, recipe=recipe, accumulator_bits=GPU_BITS)
 
 
 @pytest.mark.gpu

@@ -5,9 +5,12 @@ rows, where ``quantize x`` + ``torch._scaled_mm`` costs two launches and their h
 (:class:`floatxq.nn.TorchFP8Linear` routes ``M <= 16`` here on CUDA). A program owns
 ``BLOCK_N`` output columns of every row:
 
-1. ``tensorwise``/``rowwise``: it reads all of ``x`` once for the amax (per tensor or per row),
-   many loads in flight at once; ``blockwise`` takes each 1×128 block's amax where the main
-   loop reads it;
+1. ``tensorwise``/``rowwise``: x's amax (per tensor or per row). From ``COOP_MIN_ROWS`` rows
+   on, when the grid fits one program per SM, the programs reduce it together: each reads a
+   slice of ``x``, folds its maximum into a per-stream word with an atomic and waits at a grid
+   barrier (a cooperative launch, so every program is resident). Otherwise (one row, or a grid
+   too large) every program reads all of ``x``, many loads in flight at once. ``blockwise``
+   takes each 1×128 block's amax where the main loop reads it;
 2. the K loop quantizes its ``x`` tile with the weight formula and the same encoder as
    :func:`floatxq.kernels.quantize_fp8_weight_kernel` (so the codes are exactly those of
    :func:`floatxq.quantize_fp8_weight`) and multiplies the codes on the tensor cores with the
@@ -139,6 +142,71 @@ def _x_scale_inv(
     return _inv_of_amax(amax, FMAX, FLT_MAX, TINY_BITS, BLOCK_M)
 
 
+def _x_amax_together(
+    x_ptr,
+    sync_ptr,
+    pid_m,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    MODE: constexpr,
+    BLOCK_M: constexpr,
+    COOP_K: constexpr,
+    COOP_ITERS: constexpr,
+    SLOTS: constexpr,
+):
+    """``(BLOCK_M,)`` amax bit patterns of x per tensor (MODE 0) or of this program's rows
+    (MODE 1), reduced by every program of the grid together: each reads its share of x
+    (``COOP_K``-wide pieces of one row, ``COOP_ITERS`` of them), folds it into a global
+    maximum with an atomic, and waits at a grid barrier (the launch is cooperative, so every
+    program is resident).
+
+    ``sync_ptr`` (int32, per stream) holds a generation, an arrival count and two banks of
+    ``SLOTS`` maxima (slot 0 for tensorwise, one per row for rowwise); this launch uses bank
+    ``generation % 2``, which is all zeros when it starts. The last program to arrive zeroes
+    the other bank for the next launch, resets the count and bumps the generation, which
+    releases the others.
+    """
+    n_prog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    p = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + pid_m
+    gen = tl.atomic_add(sync_ptr, 0, sem="relaxed", scope="gpu")
+    bank = sync_ptr + 2 + (gen & 1) * SLOTS
+    per_row = tl.cdiv(K, COOP_K)
+    offs = tl.arange(0, COOP_K)
+    for i in range(COOP_ITERS):  # (one piece per program at decode sizes)
+        piece = p + i * n_prog
+        row = piece // per_row
+        kk = (piece % per_row) * COOP_K + offs
+        v = tl.load(
+            x_ptr + row.to(tl.int64) * stride_xm + kk.to(tl.int64) * stride_xk,
+            mask=(kk < K) & (row < M),
+            other=0.0,
+        )
+        bits = tl.max(v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)
+        slot = row if MODE == 1 else 0
+        tl.atomic_max(bank + slot, bits, mask=row < M, sem="relaxed", scope="gpu")
+    arrived = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_prog - 1:
+        other = sync_ptr + 2 + ((gen + 1) & 1) * SLOTS + tl.arange(0, SLOTS)
+        tl.store(other, tl.zeros([SLOTS], dtype=tl.int32))  # read by the next launch only
+        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(sync_ptr, gen + 1, sem="release", scope="gpu")
+    else:
+        while tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") == gen:
+            pass
+    if MODE == 0:
+        amax = tl.zeros([BLOCK_M], dtype=tl.int32) + tl.atomic_max(
+            bank, 0, sem="relaxed", scope="gpu"
+        )
+    else:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        got = tl.atomic_max(bank + rows, tl.zeros([BLOCK_M], dtype=tl.int32), mask=rows < M,
+                            sem="relaxed", scope="gpu")  # fmt: skip
+        amax = tl.where(rows < M, got, 0)
+    return amax
+
+
 def _fp8_small_m_kernel(
     x_ptr,
     w_ptr,
@@ -147,6 +215,7 @@ def _fp8_small_m_kernel(
     out_ptr,
     part_ptr,
     count_ptr,
+    sync_ptr,
     M,
     N,
     K,
@@ -175,6 +244,10 @@ def _fp8_small_m_kernel(
     A_CHUNKS: constexpr,
     K_ITERS: constexpr,
     SPLIT: constexpr,
+    COOP: constexpr,
+    COOP_K: constexpr,
+    COOP_ITERS: constexpr,
+    SLOTS: constexpr,
 ):
     """``out[m-tile, n-tile]`` of :func:`floatxq.fp8_scaled_linear` (see the module docstring).
 
@@ -204,7 +277,15 @@ def _fp8_small_m_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
 
     # 1. x's scale (tensorwise/rowwise; blockwise scales are taken per step in the K loop).
-    if MODE != 2:
+    if MODE != 2 and COOP:
+        inv = _inv_of_amax(
+            _x_amax_together(
+                x_ptr, sync_ptr, pid_m, M, K, stride_xm, stride_xk, MODE, BLOCK_M, COOP_K,
+                COOP_ITERS, SLOTS,
+            ),
+            FMAX, FLT_MAX, TINY_BITS, BLOCK_M,
+        )  # fmt: skip
+    elif MODE != 2:
         inv = _x_scale_inv(
             x_ptr, pid_m, M, K, stride_xm, stride_xk, MODE, FMAX, FLT_MAX, TINY_BITS,
             BLOCK_M, AMAX_M, AMAX_K, AMAX_UNROLL, M_ITERS, A_CHUNKS,
@@ -289,7 +370,7 @@ def _fp8_small_m_kernel(
 
 
 _BUILT: dict[bool, CachedLauncher] = {}
-_INV_SOURCE, _SCALE_SOURCE = _inv_of_amax, _x_scale_inv
+_INV_SOURCE, _SCALE_SOURCE, _TOGETHER_SOURCE = _inv_of_amax, _x_scale_inv, _x_amax_together
 """The helpers' plain sources (their module globals become the jitted helpers on a launch)."""
 
 
@@ -298,10 +379,10 @@ def _launcher(interpret: bool) -> CachedLauncher:
     if launcher is None:
         triton, encode = fp8_weight.bind_triton("fp8_scaled_linear_kernel")
         _, language = import_triton(where="fp8_scaled_linear_kernel")
-        global tl, constexpr, _fp8_encode, _inv_of_amax, _x_scale_inv
+        global tl, constexpr, _fp8_encode, _inv_of_amax, _x_scale_inv, _x_amax_together
         tl, constexpr, _fp8_encode = language, language.constexpr, encode
-        _inv_of_amax, _x_scale_inv = (
-            triton.jit(inspect.unwrap(fn)) for fn in (_INV_SOURCE, _SCALE_SOURCE)
+        _inv_of_amax, _x_scale_inv, _x_amax_together = (
+            triton.jit(inspect.unwrap(fn)) for fn in (_INV_SOURCE, _SCALE_SOURCE, _TOGETHER_SOURCE)
         )
         launcher = CachedLauncher(triton.jit(inspect.unwrap(_fp8_small_m_kernel)))
         _BUILT[interpret] = launcher
@@ -373,37 +454,60 @@ AMAX_UNROLL = 16
 _SPLIT_MAX_M = 4
 """Split K (``TILES[recipe]["split_k"]``) for at most this many rows (any for blockwise): each
 split re-reads all of ``x`` for the tensorwise/rowwise amax."""
-_WORKSPACES: dict[Any, tuple[Tensor, Tensor]] = {}
-"""Split-K partials (FP32) and per-tile arrival counters by (device, stream): kernels on one
-stream run in order, so they can share them; counters are zero between launches (the last
-split of a tile resets its own). Buffers are only ever replaced by larger ones kept alongside,
-never freed, so a CUDA graph that captured one keeps valid memory."""
-_RETIRED: list[tuple[Tensor, Tensor]] = []
+COOP_MIN_ROWS = 2
+"""From this many rows on, tensorwise and rowwise programs reduce x's amax together (a grid
+barrier in a cooperative launch, when the grid fits one program per SM) instead of each
+reading all of x."""
+_COOP_BANK = 64
+"""Maxima per bank of the shared amax's words (one per row for rowwise, so rowwise reduces
+together for at most this many rows). Fixed, so launches of any recipe and row count can share
+the words: each launch starts on a bank of zeros."""
+COOP_MAX_PIECE = 4096
+"""Widest piece of a row one program reads for the shared amax (more pieces per program past
+that)."""
+_WORKSPACES: dict[Any, tuple[Tensor, Tensor, Tensor]] = {}
+"""Per (device, stream): split-K partials (FP32), per-tile arrival counters and the shared
+amax's words (generation, count, two banks of maxima; int32). Kernels on one stream run in
+order, so they can share them; counters are zero between launches (the last split of a tile
+resets its own; the last program at the amax barrier resets the count and the next bank).
+Buffers are only ever replaced by larger ones kept alongside, never freed, so a CUDA graph that
+captured one keeps valid memory. (Two CUDA graphs captured on one stream and replayed on two
+streams at once would share them: capture them on different streams.)"""
+_RETIRED: list[tuple[Tensor, Tensor, Tensor]] = []
 
 
 def _workspace(
-    device: torch.device, index: int, part_numel: int, tiles: int
-) -> tuple[Tensor, Tensor]:
+    device: torch.device, index: int, part_numel: int, tiles: int, sync_words: int
+) -> tuple[Tensor, Tensor, Tensor]:
     stream = torch._C._cuda_getCurrentRawStream(index) if device.type == "cuda" else 0
     key = (device, stream)
     held = _WORKSPACES.get(key)
-    if held is None or held[0].numel() < part_numel or held[1].numel() < tiles:
+    if (
+        held is None
+        or held[0].numel() < part_numel
+        or held[1].numel() < tiles
+        or held[2].numel() < sync_words
+    ):
         if held is not None:
             _RETIRED.append(held)
-        size = max(part_numel, held[0].numel() if held else 0)
-        count = max(tiles, held[1].numel() if held else 0)
+        sizes = (part_numel, tiles, sync_words)
+        part, count, sync = (
+            max(need, held[i].numel() if held else 1) for i, need in enumerate(sizes)
+        )
         held = (
-            torch.empty(size, dtype=torch.float32, device=device),
+            torch.empty(part, dtype=torch.float32, device=device),
             torch.zeros(count, dtype=torch.int32, device=device),
+            torch.zeros(sync, dtype=torch.int32, device=device),
         )
         _WORKSPACES[key] = held
     return held
 
 
 def _plan(
-    x: Tensor, weight: Tensor, weight_scale: Tensor, has_bias: bool, recipe: str
-) -> tuple[tuple[int, int, int], int, tuple[Any, ...], dict[str, int]]:
-    """``(grid, split, arguments after the seven tensors, launch options)`` of one launch."""
+    x: Tensor, weight: Tensor, weight_scale: Tensor, has_bias: bool, recipe: str, interpret: bool
+) -> tuple[tuple[int, int, int], int, int, tuple[Any, ...], dict[str, Any]]:
+    """``(grid, split, sync words, arguments after the eight tensors, launch options)`` of one
+    launch (``sync words`` is 0 unless the programs reduce x's amax together)."""
     (m, k), n = x.shape, weight.shape[0]
     mode = _RECIPE_MODE[recipe]
     tiles = ONE_ROW_TILES[recipe] if m == 1 else TILES[recipe]
@@ -412,12 +516,29 @@ def _plan(
         block_k = _BLOCK_K_GROUP
         block_n = min(block_n, 128)
     steps = -(-k // block_k)
-    # Split K only where every split reading all of x for its amax stays cheap (few rows, or
-    # blockwise, which needs no amax pass).
-    split = tiles.get("split_k", 1) if m <= _SPLIT_MAX_M or mode == _X_BLOCK else 1
-    split = max(1, min(split, steps))
     block_m = _BLOCK_M_ONE_ROW if m == 1 else _BLOCK_M
-    grid = (-(-m // block_m), -(-n // block_n), split)
+    tiles_n = -(-n // block_n)
+    split = max(1, min(tiles.get("split_k", 1), steps))
+    # x's amax: reduced by all programs together behind a grid barrier (a cooperative launch:
+    # at most one program per SM, so all are resident) from COOP_MIN_ROWS rows on, where each
+    # program reading all of x costs microseconds; otherwise every program reads all of x,
+    # so K is split only where that stays cheap (few rows; blockwise needs no amax pass).
+    programs = -(-m // block_m) * tiles_n * split
+    together = (
+        mode != _X_BLOCK
+        and m >= COOP_MIN_ROWS
+        and not interpret  # (the interpreter runs programs one after another: no barrier)
+        and programs <= _sm_count(x.device)
+        and (mode == _X_TENSOR or m <= _COOP_BANK)
+    )
+    if not together and m > _SPLIT_MAX_M and mode != _X_BLOCK:
+        split = 1
+    grid = (-(-m // block_m), tiles_n, split)
+    coop_k = coop_iters = 1
+    if together:
+        per_row = -(-grid[0] * grid[1] * grid[2] // m)  # pieces per row: about one per program
+        coop_k = min(max(16, fp8_weight._next_pow2(-(-k // per_row))), COOP_MAX_PIECE)
+        coop_iters = -(-m * -(-k // coop_k) // (grid[0] * grid[1] * grid[2]))
     # the amax pass: one-row tiles for a one-row x, else this program's BLOCK_M rows
     amax_m = 1 if m == 1 else block_m
     width = AMAX_ROW_TILE if m == 1 else AMAX_TILE // amax_m
@@ -433,12 +554,21 @@ def _plan(
         min(tiles.get("imprecise_k", _IMPRECISE_K), block_k),
         block_m, block_n, block_k, amax_m, amax_k, unroll,
         -(-m // amax_m) if mode == _X_TENSOR else 1, -(-amax_tiles // unroll),
-        -(-steps // split), split,
+        -(-steps // split), split, together, coop_k, coop_iters, _COOP_BANK,
     )  # fmt: skip
-    return grid, split, tail, {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
+    options: dict[str, Any] = {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
+    if together:
+        options["launch_cooperative_grid"] = True
+    return grid, split, 2 + 2 * _COOP_BANK if together else 0, tail, options
 
 
-_PLANS: dict[Any, tuple[tuple[int, int, int], int, tuple[Any, ...], dict[str, int]]] = {}
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return fp8_weight._sm_count(device.index if device.index is not None else 0)
+
+
+_PLANS: dict[Any, tuple[tuple[int, int, int], int, int, tuple[Any, ...], dict[str, Any]]] = {}
 """Launch plans by shapes, strides, dtypes, recipe, tiles and device (computed once each)."""
 
 
@@ -464,22 +594,21 @@ def _launch(
         x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype,
         weight_scale.stride(), None if bias is None else bias.dtype, recipe, device, interpret,
         tuple((ONE_ROW_TILES if m == 1 else TILES)[recipe].items()),
-        AMAX_TILE, AMAX_ROW_TILE, AMAX_UNROLL, _BLOCK_M_ONE_ROW,
+        AMAX_TILE, AMAX_ROW_TILE, AMAX_UNROLL, _BLOCK_M_ONE_ROW, COOP_MIN_ROWS, COOP_MAX_PIECE,
     )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _plan(x, weight, weight_scale, bias is not None, recipe)
-    grid, split, tail, options = plan
+        plan = _PLANS[key] = _plan(x, weight, weight_scale, bias is not None, recipe, interpret)
+    grid, split, sync_words, tail, options = plan
     guard, index = launch_device(device)
     with guard:
-        if split > 1:
-            part, counts = _workspace(device, index, split * m * n, grid[0] * grid[1])
-        else:
-            part = counts = out  # unused
+        part, counts, sync = _workspace(
+            device, index, split * m * n if split > 1 else 0, grid[0] * grid[1], sync_words
+        )
         args = (
             x, weight, weight_scale, bias if bias is not None else weight_scale, out, part,
-            counts, *tail,
+            counts, sync, *tail,
         )  # fmt: skip
-        aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:7])
+        aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:8])
         _launcher(interpret)((key, aligned), grid, args, options, index)
     return out

@@ -91,8 +91,9 @@ _TENSOR_ONE_PROGRAM = 1 << 16
 """Tensor-scaled inputs up to this many elements run as a single program (one launch)."""
 _IN_KERNEL_PARTIALS = 1024
 """Tensor scaling: at most this many amax programs (each quantize program reduces their maxima)."""
-_AMAX_PROGRAMS_PER_SM = 2
-"""Tensor scaling: amax-pass programs per SM (swept on the H200, see benchmarks/RESULTS.md)."""
+_AMAX_PROGRAMS_PER_SM = 4
+"""Tensor scaling: amax-pass programs per SM (swept on the H200, see benchmarks/RESULTS.md: 4 was
+1-2 us faster than 2 at 2048-16384 rows of 8192, 6 and 8 slower)."""
 _KERNEL_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _TINY_BITS = struct.unpack("<I", struct.pack("<f", FLOAT32_TINY))[0]

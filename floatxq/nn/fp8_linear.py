@@ -119,8 +119,9 @@ _SMALL_M_IN_GRAPHS = {"scaled_mm_tensorwise": 1, "scaled_mm_rowwise": 16, "scale
 """Most rows a route's calls send to ``fp8_small_m`` while a CUDA graph is captured (launch costs
 then vanish, so only GPU time counts): where the fused kernel is the faster GPU code. Graph
 replays on an H200, N = K = 8192 (``benchmarks/fp8_small_m_sweep.py --crossover``): rowwise
-1.2-2.0x faster than quantize + cuBLAS up to 32 rows, blockwise 1.2-1.26x up to 16, tensorwise
-1.05x at one row but 0.92-0.74x from 2 to 16 rows (its amax pass reads all of x per program)."""
+1.5-1.9x faster than quantize + cuBLAS up to 16 rows, blockwise 1.17-1.25x up to 16, tensorwise
+1.08x at one row but even from 2 to 16 rows (0.92-1.24x, programs reducing x's amax together),
+so tensorwise captures keep cuBLAS from 2 rows on."""
 _METHOD_RECIPE = {"tensor": "tensorwise", "row": "rowwise", "block": "blockwise"}
 
 _METHOD_ROUTE = {
