@@ -565,7 +565,8 @@ def _plan(
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
-    return fp8_weight._sm_count(device.index if device.index is not None else 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return fp8_weight._sm_count(index)
 
 
 _PLANS: dict[Any, tuple[tuple[int, int, int], int, int, tuple[Any, ...], dict[str, Any]]] = {}
@@ -602,9 +603,12 @@ def _launch(
     grid, split, sync_words, tail, options = plan
     guard, index = launch_device(device)
     with guard:
-        part, counts, sync = _workspace(
-            device, index, split * m * n if split > 1 else 0, grid[0] * grid[1], sync_words
-        )
+        if split > 1 or sync_words:
+            part, counts, sync = _workspace(
+                device, index, split * m * n if split > 1 else 0, grid[0] * grid[1], sync_words
+            )
+        else:  # neither split-K nor the shared amax: no workspace (nothing reads these)
+            part = counts = sync = out
         args = (
             x, weight, weight_scale, bias if bias is not None else weight_scale, out, part,
             counts, sync, *tail,
