@@ -83,6 +83,30 @@ def _check(seed, m, n, k, recipe, method, block, name, dtype, device, *, with_bi
     )  # fmt: skip
 
 
+def _check_steps_past_k(device, monkeypatch):
+    """Blockwise K split so that a split's last step lies past K (640 = 5 steps in splits of
+    2) or would leave a split empty (512 = 4 steps, 3 splits): the weight scale is a view whose
+    next columns hold NaN, so a step past K that read a scale there would give NaN."""
+    for k, split, used in ((640, 4, 3), (512, 3, 2)):
+        monkeypatch.setitem(fp8_small_m.TILES["blockwise"], "split_k", split)
+        monkeypatch.setitem(fp8_small_m.ONE_ROW_TILES["blockwise"], "split_k", split)
+        for m in (1, 3):
+            x, codes, scale_inv, bias = _case(
+                7, m, 256, k, "blockwise", "block", (128, 128), "float8_e4m3fn", torch.bfloat16,
+                device,
+            )  # fmt: skip
+            poisoned = torch.full((2, k // 128 + 2), float("nan"), device=device)
+            poisoned[:, : k // 128] = 1 / scale_inv
+            direct = poisoned[:, : k // 128]
+            plan = fp8_small_m._plan(x, codes, direct, True, "blockwise", not x.is_cuda)
+            assert plan[1] == used, "splits cover the steps with none left empty"
+            got = fp8_scaled_linear_kernel(x, codes, direct, bias, recipe="blockwise")
+            assert_fp8_linear_close(
+                got, x, codes, scale_inv, bias, recipe="blockwise",
+                accumulator_bits=GPU_BITS if x.is_cuda else 24,
+            )  # fmt: skip
+
+
 def _fits(recipe, n, k):
     return recipe != "blockwise" or (n % 128 == 0 and k % 128 == 0)
 
@@ -187,6 +211,11 @@ def test_shared_amax_across_launches_recipes_and_graphs(captured, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_blockwise_steps_past_k_read_no_weight_scale(monkeypatch):
+    _check_steps_past_k("cuda", monkeypatch)
+
+
+@pytest.mark.gpu
 def test_kernel_and_scaled_mm_agree_within_the_bound():
     """The same recipe through cuBLAS's scaled_mm: both inside the reference's bound."""
     x, codes, scale_inv, bias = _case(
@@ -223,7 +252,7 @@ def test_nan_inputs_give_nan_rows():
     reason="needs Triton installed and no CUDA device (with CUDA the compiled kernel is tested)",
 )
 def test_interpreter_suite():
-    run_interpreted_tests(__file__, expected=4)  # every interpreted test below ran
+    run_interpreted_tests(__file__, expected=5)  # every interpreted test below ran
 
 
 @needs_interpreter
@@ -241,6 +270,11 @@ def test_interpreted_kernel_matches_the_reference(recipe, method, block, name, m
                 dtype = (torch.bfloat16, torch.float16)[seed % 2]
                 _check(seed, m, n, k, recipe, method, block, name, dtype, "cpu")
                 _check(seed, m, n, k, recipe, method, block, name, dtype, "cpu")  # counters reset
+
+
+@needs_interpreter
+def test_interpreted_blockwise_steps_past_k_read_no_weight_scale(monkeypatch):
+    _check_steps_past_k("cpu", monkeypatch)
 
 
 def _bad(**changes):

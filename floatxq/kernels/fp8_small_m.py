@@ -328,7 +328,7 @@ def _fp8_small_m_kernel(
             sx_block = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), inv)
             sw_block = tl.load(
                 ws_ptr + (offs_n // 128).to(tl.int64) * stride_s0 + (k0 // 128) * stride_s1,
-                mask=n_ok,
+                mask=n_ok & (k0 < K),  # a split's last steps may lie past K: no scale there
                 other=0.0,
             )
             acc += part * (sw_block[:, None] * sx_block[None, :])
@@ -519,6 +519,7 @@ def _plan(
     block_m = _BLOCK_M_ONE_ROW if m == 1 else _BLOCK_M
     tiles_n = -(-n // block_n)
     split = max(1, min(tiles.get("split_k", 1), steps))
+    split = -(-steps // -(-steps // split))  # no split left without steps (4 steps, 3 -> 2)
     # x's amax: reduced by all programs together behind a grid barrier (a cooperative launch:
     # at most one program per SM, so all are resident) from COOP_MIN_ROWS rows on, where each
     # program reading all of x costs microseconds; otherwise every program reads all of x,
