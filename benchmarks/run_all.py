@@ -11,7 +11,13 @@ import sys
 
 import torch
 
-GPU_ONLY = {"fp8_linear.py", "fp8_linear_host.py", "fp8_small_m_sweep.py", "lifecycle.py"}
+GPU_ONLY = {
+    "fp8_limits.py",
+    "fp8_linear.py",
+    "fp8_linear_host.py",
+    "fp8_small_m_sweep.py",
+    "lifecycle.py",
+}
 CPU_ARGS = {"gptq.py": ["--small"], "recipes.py": ["--size", "2048"]}
 GPU_ARGS = {"fp8_small_m_sweep.py": ["--quick"]}
 
