@@ -12,16 +12,21 @@ $(PY):
 	python3 -m venv $(VENV)
 
 # Where torch is missing and no CUDA is present, take the CPU wheel (torch==2.13.0) instead of
-# letting the resolver pull a multi-GB CUDA build just to run the tests.
+# letting the resolver pull a multi-GB CUDA build just to run the tests, and on Linux Triton 3.6.0
+# beside it: its wheel runs the kernels' interpreter on CPU, so `make test` executes the Triton
+# kernels (small shapes, TRITON_INTERPRET=1 in a child pytest). A CUDA build of torch brings its
+# own Triton. The `triton` extra (Linux only) adds Triton where torch was already installed.
 $(STAMP): $(PY) pyproject.toml
 	@if ! $(PY) -c "import torch" >/dev/null 2>&1; then \
 	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 	    $(PIP) install "torch>=2.11"; \
+	  elif [ "$$(uname -s)" = Linux ]; then \
+	    $(PIP) install "torch==2.13.0" "triton==3.6.0"; \
 	  else \
 	    $(PIP) install "torch==2.13.0"; \
 	  fi; \
 	fi
-	$(PIP) install -e ".[test,plot]"
+	$(PIP) install -e ".[test,plot,triton]"
 	@touch $(STAMP)
 
 install: $(STAMP)

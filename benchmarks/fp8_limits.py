@@ -183,7 +183,7 @@ def sixteen_rows(q, bias) -> None:
     cost = barrier - plain
     print(f"   grid barrier for x's amax ({programs} programs, cooperative)   +{cost:5.2f} us")
     sw = 1 / q.scale_inv
-    shipped = graph_us(lambda: fp8_small_m._launch(x, q.qweight, sw, bias, "tensorwise", False))
+    shipped = graph_us(lambda: fp8_small_m._launch(x, q.qweight, sw, bias, "tensorwise"))
     print(
         f"   floor without amax + barrier = {floor + cost:.2f} us (raw / that "
         f"{raw / (floor + cost):.3f}); shipped fp8_small_m {shipped:.2f} us (raw / shipped "

@@ -1,7 +1,8 @@
 """Time every ``TorchFP8Linear`` route and the FP8 weight-quantize kernel against anchors measured
 in the same run.
 
-Usage (GPU): ``python3 benchmarks/fp8_linear.py`` (M in {1, 16, 4096}, N = K = 8192, bf16 input).
+Usage (GPU): ``python3 benchmarks/fp8_linear.py [--weight-only] [--sweep]`` (M in {1, 16, 4096},
+N = K = 8192, bf16 input).
 ``--probe-only`` prints the environment and the capability probe and stops.
 
 Sections, each printed as a table:
@@ -18,14 +19,21 @@ Sections, each printed as a table:
    route gives cuBLAS (its FP8 codes of ``x``, both scales, the layer's bias): what the module
    adds over the same GEMM. Blockwise's own anchor has no bias.
    A second column times CUDA-graph replays (``do_bench_cudagraph``: no launch gaps).
-4. Weight quantize: the Triton kernel on an 8192 x 8192 bf16 weight per layout, as effective
-   bandwidth (bytes the contract must move: read the weight once, write codes and scales) over
-   the bandwidth of a device-to-device copy of the same weight timed in the same run.
+4. Weight quantize: ``quantize_fp8_weight_kernel`` on an 8192 x 8192 bf16 weight per layout, as
+   effective bandwidth (bytes the contract must move: read the weight once, write codes and
+   scales) over the bandwidth of a device-to-device copy of the same weight timed in the same
+   run; beside it what the entry's time is made of (the kernel alone, with its finiteness flag,
+   plus the wait for the GPU that an entry raising on bad values must pay, and the alternatives
+   measured: a device flag read with ``.item()``, the previous scale check, a second pass).
+   ``--weight-only`` runs only this section (and the environment); ``--sweep`` adds a sweep of
+   the kernel's tuning records (``FP8WeightTuning``) per layout.
 """
 
 import argparse
+import dataclasses
 import datetime
 import functools
+import itertools
 import pathlib
 import sys
 import time
@@ -38,8 +46,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import floatxq as fq
 from floatxq.kernels import fp8_small_m, quantize_fp8_weight_kernel
 from floatxq.kernels import fp8_weight as kernel_module
-from floatxq.nn import TorchFP8Linear
-from floatxq.nn.fp8_linear import SMALL_M
 
 MS = (1, 16, 4096)
 N = K = 8192
@@ -236,7 +242,7 @@ def probe_triton() -> None:
     w = torch.randn(256, 512, device="cuda")
     for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"):
         quantize_fp8_weight_kernel(w, format=name, weight_scale_method="row")
-        ptx = kernel_module._LAST_COMPILED[0].asm["ptx"]
+        ptx = kernel_module.compiled_kernels()[-1].asm["ptx"]  # this format's (a new launch)
         found = {
             "div.rn.f32": "div.rn.f32" in ptx,
             "div.full/approx": "div.full" in ptx or "div.approx" in ptx,
@@ -326,6 +332,10 @@ def _raw_anchors(x, weight, dense, r1, r128) -> dict:
 
 
 def forward() -> None:
+    from floatxq.nn import TorchFP8Linear
+    from floatxq.nn.route_policy import FP8RouteTuning
+
+    small_m = FP8RouteTuning().small_m_rows
     print(f"== forward: N = K = {K}, x bfloat16, times in microseconds (median)")
     torch.manual_seed(0)
     dev = "cuda"
@@ -366,7 +376,7 @@ def forward() -> None:
             except Exception as exc:
                 print(_line(f"{name} M={m}", f"failed: {exc}"[:80]))
         routes = {}
-        if m <= SMALL_M:
+        if m <= small_m:
             # the module as shipped: eager calls take fp8_small_m, graph captures follow the
             # capture policy (tensorwise/blockwise: scaled_mm; rowwise: fp8_small_m)
             routes["module default (tensor)"] = (
@@ -386,9 +396,7 @@ def forward() -> None:
                 layer = layers[method]
                 scale = layer._direct_weight_scale()
                 bias = layer._bias_as(x.dtype)
-                fn = functools.partial(
-                    fp8_small_m._launch, x, layer.weight, scale, bias, recipe, False
-                )
+                fn = functools.partial(fp8_small_m._launch, x, layer.weight, scale, bias, recipe)
                 name = f"kernel fp8_small_m ({method})"
                 times[name] = (*_bench(fn), _loop_us(fn))
                 owns[name] = times.get(own, nan3)
@@ -433,78 +441,161 @@ def forward() -> None:
             print(_line(f"{name} M={m}", *cells, widths=widths))
 
 
-def weight_quantize() -> None:
+def _bytes_once(w: torch.Tensor, scales: int) -> int:
+    """Bytes the contract must move: read the weight once, write one code per element + scales."""
+    return w.numel() * (w.element_size() + 1) + scales * 4
+
+
+def _tunings(method: str) -> list:
+    """Tuning records swept per layout (the shipped default first)."""
+    from floatxq.kernels import FP8WeightTuning
+
+    base = kernel_module.DEFAULT_WEIGHT_TUNING
+    out = [base]
+    if method == "row":
+        for tile, per_warp in itertools.product((4096, 8192, 16384), (512, 1024, 2048)):
+            out.append(FP8WeightTuning(row_tile=tile, row_elements_per_warp=per_warp))
+    elif method == "block":
+        for tile, per_warp in itertools.product((4096, 8192, 16384), (256, 512, 1024, 2048)):
+            out.append(FP8WeightTuning(block_tile=tile, block_elements_per_warp=per_warp))
+    else:
+        for per_sm, tile in itertools.product((2, 4, 8), (4096, 8192)):
+            out.append(FP8WeightTuning(amax_programs_per_sm=per_sm, row_tile=tile))
+    return list(dict.fromkeys(out))
+
+
+def weight_quantize(sweep: bool) -> None:
+    """The public ``quantize_fp8_weight_kernel`` against a bf16 copy, and what its time is made
+    of: the kernel alone, the kernel with its finiteness flag, the wait for the GPU that any
+    entry point raising on bad values must pay, and the alternatives to the pinned host flag."""
+    from triton.testing import do_bench
+
+    from floatxq._checks import require_finite
+
     print(f"== weight quantize: {N} x {K} bfloat16 -> float8_e4m3fn")
     print(
-        "vs_copy = GB/s over copy GB/s, counting the bytes the contract must move once (read bf16, "
-        "write codes + scales); time/copy = copy ms / case ms (the same weight)"
+        "ms = do_bench median (L2 flushed before each call, CUDA events); vs_copy = GB/s over the "
+        "copy's GB/s, counting the bytes the contract must move once (read bf16, write codes + "
+        "scales); time/copy = copy ms / case ms; wall_us = back-to-back calls, wall clock"
     )
     torch.manual_seed(0)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(w)
-    from triton.testing import do_bench
+    copy = lambda: dst.copy_(w)
+    copy_ms = do_bench(copy, warmup=25, rep=200, return_mode="median")
+    copy_bw = 2 * w.numel() * w.element_size() / copy_ms / 1e6
+    widths = (58, 8, 8, 8, 10, 9)
+    print(_line("case", "ms", "GB/s", "vs_copy", "time/copy", "wall_us", widths=widths))
 
-    copy_ms = do_bench(lambda: dst.copy_(w), warmup=25, rep=200, return_mode="median")
-    copy_bytes = 2 * w.numel() * w.element_size()
-    copy_bw = copy_bytes / copy_ms / 1e6
-    widths = (48, 10, 10, 10, 10)
-    print(_line("case", "ms", "GB/s", "vs_copy", "time/copy", widths=widths))
-    print(_line("copy (read + write bf16)", f"{copy_ms:.3f}", f"{copy_bw:.0f}", "1.000", "1.000",
-                widths=widths))  # fmt: skip
-
-    def row(label: str, ms: float, moved: int) -> None:
+    def row(label: str, fn, moved: int, wall: bool = False) -> float:
+        try:
+            ms = do_bench(fn, warmup=10, rep=100, return_mode="median")
+        except Exception as exc:  # a refused configuration is a row, not the end of the run
+            print(_line(label, f"failed: {type(exc).__name__}: {exc}"[:120], widths=(58, 120)))
+            return float("nan")
         bw = moved / ms / 1e6
-        cells = (f"{ms:.3f}", f"{bw:.0f}", f"{bw / copy_bw:.3f}", f"{copy_ms / ms:.3f}")
-        print(_line(label, *cells, widths=widths))
+        cells = (f"{ms:.4f}", f"{bw:.0f}", f"{bw / copy_bw:.3f}", f"{copy_ms / ms:.3f}")
+        print(_line(label, *cells, f"{_loop_us(fn, 50):.1f}" if wall else "", widths=widths))
+        return bw / copy_bw
 
+    row("copy (read + write bf16; the anchor)", copy, 2 * w.numel() * w.element_size(), True)
+    stream = torch.cuda.current_stream()
     for method, block in (("row", None), ("block", (128, 128)), ("tensor", None)):
-        out_shape = {"row": (N,), "block": (N // 128, K // 128), "tensor": ()}[method]
-        scale = torch.empty(out_shape, device="cuda")
-        launch = lambda method=method, block=block, scale=scale: kernel_module._launch(
-            w, "float8_e4m3fn", method, block, scale_out=scale
-        )
+        shape = {"row": (N,), "block": (N // 128, K // 128), "tensor": ()}[method]
+        scale = torch.empty(shape, device="cuda")
+        once = _bytes_once(w, scale.numel())
+        pinned = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        kw = dict(scale_out=scale)
+
+        def launch(flag=None, tuning=kernel_module.DEFAULT_WEIGHT_TUNING, method=method,
+                   block=block, kw=kw):  # fmt: skip
+            return kernel_module._launch(w, "float8_e4m3fn", method, block, flag=flag,
+                                         tuning=tuning, **kw)  # fmt: skip
+
+        def synced(method=method, block=block, launch=launch):
+            launch()
+            stream.synchronize()
+
+        def device_flag(launch=launch):
+            flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+            launch(flag)
+            return flag.item()
+
+        def scale_amin(method=method, block=block):  # the entry before this session
+            _, s = kernel_module._launch(w, "float8_e4m3fn", method, block)
+            return float(s.amin()) > 0
+
+        def two_pass(launch=launch):  # validation reading the weight a second time
+            require_finite(w, name="weight", where="benchmark")
+            launch()
+
         public = lambda method=method, block=block: quantize_fp8_weight_kernel(
             w, weight_scale_method=method, weight_block_size=block
         )
         pure = lambda method=method, block=block: fq.quantize_fp8_weight(
             w, weight_scale_method=method, weight_block_size=block
         )
-        once = w.numel() * (w.element_size() + 1) + scale.numel() * 4
-        for label, fn in (
-            (f"kernel {method}", launch),
-            (f"quantize_fp8_weight_kernel {method} (+checks)", public),
-            (f"pure torch {method}", pure),
-        ):
-            row(label, do_bench(fn, warmup=10, rep=100, return_mode="median"), once)
+        print(f"-- {method} {block or ''}".rstrip())
+        row(f"kernel {method} (no check)", launch, once)
+        row("  + finiteness flag in the kernel (pinned host word, not read)",
+            lambda launch=launch, pinned=pinned: launch(pinned), once)  # fmt: skip
+        row("  + wait for the GPU (stream sync): floor of any raising entry", synced, once, True)
+        row("  + flag on the device: zero-fill launch + .item()", device_flag, once, True)
+        row("  before: scale amin launch + float() (previous entry's check)", scale_amin, once)
+        row("  before: isfinite pass over the weight + kernel", two_pass, once)
+        row(f"quantize_fp8_weight_kernel {method} (the entry, fused check)", public, once, True)
+        row(f"pure torch {method}", pure, once)
         if method == "tensor":
-            # a global amax must be known before the first code: the weight (larger than L2)
-            # is read twice; sweep the amax pass's programs per SM
+            # a global amax must be known before the first code: a weight larger than L2 is
+            # read twice
             twice = once + w.numel() * w.element_size()
-            default = kernel_module._AMAX_PROGRAMS_PER_SM
-            for per_sm in (1, 2, 4, 8):
-                kernel_module._AMAX_PROGRAMS_PER_SM = per_sm
-                kernel_module._PLANS.clear()
-                ms = do_bench(launch, warmup=10, rep=100, return_mode="median")
-                row(f"  kernel tensor, {per_sm} amax programs/SM", ms, once)
-                row("    (counting the two reads)", ms, twice)
-            kernel_module._AMAX_PROGRAMS_PER_SM = default
-            kernel_module._PLANS.clear()
-        same = torch.equal(launch()[0].view(torch.uint8), pure().qweight.view(torch.uint8))
-        print(_line(f"  codes equal to pure ({method})", "yes" if same else "NO", widths=(48, 10)))
+            row("  kernel tensor, counting its two reads", launch, twice)
+        if sweep:
+            for tuning in _tunings(method):
+                fn = lambda tuning=tuning, launch=launch: launch(tuning=tuning)
+                changed = {
+                    f.name: getattr(tuning, f.name)
+                    for f in dataclasses.fields(tuning)
+                    if getattr(tuning, f.name)
+                    != getattr(kernel_module.DEFAULT_WEIGHT_TUNING, f.name)
+                }
+                row(f"  sweep {changed or 'default'}", fn, once)
+        try:
+            got, want = public(), pure()
+            same = torch.equal(got.qweight.view(torch.uint8), want.qweight.view(torch.uint8))
+            same = "yes" if same and torch.equal(got.scale_inv, want.scale_inv) else "NO"
+        except Exception as exc:
+            same = f"failed: {type(exc).__name__}: {exc}"[:120]
+        print(_line(f"  codes and scales equal to pure ({method})", same, widths=(58, 120)))
+        bad = w.clone()
+        bad[N // 2, K // 3] = float("nan")
+        try:
+            quantize_fp8_weight_kernel(bad, weight_scale_method=method, weight_block_size=block)
+            raised = "NO"
+        except ValueError:
+            raised = "yes"
+        print(_line(f"  a NaN raises ValueError ({method})", raised, widths=(58, 8)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probe-only", action="store_true")
+    parser.add_argument(
+        "--weight-only", action="store_true", help="environment and the weight quantizer only"
+    )
+    parser.add_argument(
+        "--sweep", action="store_true", help="also sweep the weight quantizer's tuning records"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fp8_linear.py needs a CUDA device")
     environment()
-    probe()
-    if args.probe_only:
-        return
-    forward()
-    weight_quantize()
+    if not args.weight_only:
+        probe()
+        if args.probe_only:
+            return
+        forward()
+    weight_quantize(args.sweep)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ in parallel worker processes (Triton's on-disk cache), so the timing loop only l
 Times: GPU microseconds per call, median of CUDA-graph replays of 20 back-to-back calls ("gr",
 no launch gaps: what a decode loop under graphs sees) and, for the leaders, CUDA events with
 the L2 flushed before each call ("ev", ``triton.testing.do_bench``). Every leader is also
-checked against the 22-bit accumulation bound the GPU tests use.
+checked against the accumulation bound the GPU tests use (``HOPPER_FP8_ACCUMULATION``).
 """
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import multiprocessing
@@ -29,9 +30,16 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from floatxq.kernels import fp8_small_m
+from floatxq.kernels.fp8_small_m import DEFAULT_SMALL_M_TUNING, FP8SmallMTiles
 
-GLOBALS = ("AMAX_TILE", "AMAX_ROW_TILE", "AMAX_UNROLL", "COOP_MIN_ROWS", "COOP_MAX_PIECE")
-DEFAULTS = {k: getattr(fp8_small_m, k) for k in GLOBALS}
+GLOBALS = {
+    "AMAX_TILE": "amax_tile",
+    "AMAX_ROW_TILE": "amax_row_tile",
+    "AMAX_UNROLL": "amax_unroll",
+    "COOP_MIN_ROWS": "coop_min_rows",
+    "COOP_MAX_PIECE": "coop_max_piece",
+}
+"""Configuration keys that name ``FP8SmallMTuning`` fields outside the per-recipe tiles."""
 
 N = K = 8192
 RECIPES = (("tensorwise", "tensor", None), ("rowwise", "row", None), ("blockwise", "block", 128))
@@ -53,10 +61,19 @@ def configs(recipe: str, quick: bool) -> list[dict]:
     ]
 
 
+def _shipped(recipe: str) -> dict:
+    """The shipped multi-row tiles of ``recipe`` as a configuration."""
+    tiles = DEFAULT_SMALL_M_TUNING.tiles(recipe, 16)
+    return dict(
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, split_k=tiles.split_k,
+    )  # fmt: skip
+
+
 def refine_configs(recipe: str) -> list[dict]:
     """The neighbourhood of the shipped tiles: the amax pass's load width and loads in flight
-    (module globals ``AMAX_*``), FP32 promotion of the FP8 MMA sums, stages and splits."""
-    base = dict(fp8_small_m.TILES[recipe])
+    (``amax_*`` fields), FP32 promotion of the FP8 MMA sums, stages and splits."""
+    base = _shipped(recipe)
     amax = (
         ((4096, 8192, 16),)
         if recipe == "blockwise"
@@ -74,7 +91,7 @@ def refine_configs(recipe: str) -> list[dict]:
 def coop_configs(recipe: str) -> list[dict]:
     """Tiles whose grid fits one program per SM at N = 8192 (the shared amax's cooperative
     launch), x's amax reduced together from one row on; the shipped tiles without it."""
-    out = [dict(fp8_small_m.TILES[recipe], COOP_MIN_ROWS=1 << 30)]
+    out = [dict(_shipped(recipe), COOP_MIN_ROWS=1 << 30)]
     for bn, bk, st, warps, split in itertools.product(
         (64, 128), (128, 256), (3, 4, 5, 6), (4, 8), (1, 2)
     ):
@@ -86,13 +103,21 @@ def coop_configs(recipe: str) -> list[dict]:
     return out
 
 
-def _apply(recipe: str, tiles: dict) -> None:
-    """``TILES[recipe]`` and ``ONE_ROW_TILES[recipe]`` = ``tiles`` less the keys that name module
-    globals (``GLOBALS``)."""
-    for key, default in DEFAULTS.items():
-        setattr(fp8_small_m, key, tiles.get(key, default))
-    shipped = {k: v for k, v in tiles.items() if k not in GLOBALS}
-    fp8_small_m.TILES[recipe] = fp8_small_m.ONE_ROW_TILES[recipe] = shipped
+def _tuning(recipe: str, config: dict, **fields):
+    """The default ``FP8SmallMTuning`` with ``recipe``'s tiles (one-row and multi-row) and the
+    other fields a configuration names (``GLOBALS``) taken from ``config``."""
+    tiles = FP8SmallMTiles(
+        block_n=config["BLOCK_N"],
+        block_k=config["BLOCK_K"],
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+        split_k=config.get("split_k", 1),
+        imprecise_k=config.get("imprecise_k", 32),
+    )
+    named = {field: config[key] for key, field in GLOBALS.items() if key in config}
+    return dataclasses.replace(
+        DEFAULT_SMALL_M_TUNING, **{recipe: tiles, f"{recipe}_one_row": tiles}, **named, **fields
+    )
 
 
 def candidates(recipe: str, mode: str) -> list[dict]:
@@ -129,10 +154,10 @@ def _compile(job: tuple[int, int, str, tuple[str, ...]]) -> list[str]:
         for i, tiles in enumerate(candidates(recipe, mode)):
             if i % workers != worker:
                 continue
-            _apply(recipe, tiles)
+            tuning = _tuning(recipe, tiles)
             for m in rows_of(mode):
                 try:
-                    fp8_small_m._launch(xs[m], q.qweight, scale, bias, recipe, False)
+                    fp8_small_m._launch(xs[m], q.qweight, scale, bias, recipe, tuning=tuning)
                 except Exception as exc:  # out of shared memory etc.: reported, not a candidate
                     errors.append(f"{recipe} {tiles} M={m}: {type(exc).__name__}")
     torch.cuda.synchronize()
@@ -204,13 +229,10 @@ def crossover(ms: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> None:
         scale, bias = layer._direct_weight_scale(), layer._bias_as(torch.bfloat16)
         for m in ms:
             x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
-            launch = functools.partial(
-                fp8_small_m._launch, x, layer.weight, scale, bias, recipe, False
-            )
+            launch = functools.partial(fp8_small_m._launch, x, layer.weight, scale, bias, recipe)
             fused = graph_us(launch)
-            one, fp8_small_m._BLOCK_M_ONE_ROW = fp8_small_m._BLOCK_M_ONE_ROW, 16
-            sixteen = graph_us(launch)  # the same call with 16-row programs
-            fp8_small_m._BLOCK_M_ONE_ROW = one
+            sixteen_rows = dataclasses.replace(DEFAULT_SMALL_M_TUNING, block_m_one_row=16)
+            sixteen = graph_us(functools.partial(launch, tuning=sixteen_rows))  # 16-row programs
             route = graph_us(functools.partial(layer, x))
             q = type("Q", (), {"qweight": layer.weight})
             raw = graph_us(raw_anchor(recipe, q, m))
@@ -240,7 +262,7 @@ def main() -> None:
 
     from triton.testing import do_bench
 
-    from floatxq.testing import assert_fp8_linear_close
+    from floatxq.testing import HOPPER_FP8_ACCUMULATION, assert_fp8_linear_close
 
     context = multiprocessing.get_context("spawn")
     with context.Pool(args.workers) as pool:
@@ -268,10 +290,10 @@ def main() -> None:
         }
         rows = {m: [] for m in ms}
         for tiles in candidates(recipe, mode):
-            _apply(recipe, tiles)
+            tuning = _tuning(recipe, tiles)
             for m in ms:
                 fn = functools.partial(
-                    fp8_small_m._launch, xs[m], q.qweight, scale, bias, recipe, False
+                    fp8_small_m._launch, xs[m], q.qweight, scale, bias, recipe, tuning=tuning
                 )
                 try:
                     rows[m].append((graph_us(fn), tiles))
@@ -288,15 +310,16 @@ def main() -> None:
                 if tiles.get("COOP_MIN_ROWS") == 1 << 30:
                     print(f"   (shipped tiles, each program reading all of x: gr {us:6.1f})")
             for us, tiles in rows[m][: args.top]:
-                _apply(recipe, tiles)
                 x = xs[m]
                 fn = functools.partial(
-                    fp8_small_m._launch, x, q.qweight, scale, bias, recipe, False
-                )
+                    fp8_small_m._launch, x, q.qweight, scale, bias, recipe,
+                    tuning=_tuning(recipe, tiles),
+                )  # fmt: skip
                 ev = do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
                 try:
+                    sums = HOPPER_FP8_ACCUMULATION
                     assert_fp8_linear_close(
-                        fn(), x, q.qweight, q.scale_inv, bias, recipe=recipe, accumulator_bits=22
+                        fn(), x, q.qweight, q.scale_inv, bias, recipe=recipe, accumulation=sums
                     )
                     ok = "in bound"
                 except AssertionError as exc:
@@ -307,7 +330,7 @@ def main() -> None:
                 )
             best = rows[m][0][1] if rows[m] else None
             shipped[(recipe, m)] = best
-    print("best per (recipe, M) (M = 1: ONE_ROW_TILES, M = 16: TILES):")
+    print("best per (recipe, M) (M = 1: FP8SmallMTuning.<recipe>_one_row, M = 16: .<recipe>):")
     for key, tiles in shipped.items():
         print(f"  {key}: {tiles}")
 

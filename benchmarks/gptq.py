@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from floatxq.config import GPTQConfig
 from floatxq.gptq import (
+    GPTQSolveOptions,
     gptq_solve,
     hessian_finalize,
     hessian_init,
@@ -141,7 +141,7 @@ def main() -> int:
     print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
     print(f"device: {device} ({name or 'cpu'}); torch {torch.__version__}")
     print(f"setting: {BITS}-bit sym, group {GROUP}, block {BLOCK}, damp {DAMP}, FP32, no reorder")
-    config = GPTQConfig(
+    options = GPTQSolveOptions(
         bits=BITS, group_size=GROUP, sym=True, desc_act=False, act_group_aware=False
     )
     header = (
@@ -157,14 +157,16 @@ def main() -> int:
             lambda w=weight, h=hessian: textbook_gptq(w, h), device, args.repeats
         )
         fx_ms, fx, fx_mib = timed(
-            lambda w=weight, h=hessian: gptq_solve(w, h, config), device, args.repeats
+            lambda w=weight, h=hessian: gptq_solve(w, h, options), device, args.repeats
         )
         eager_ms, _, _ = timed(
-            lambda w=weight, h=hessian: gptq_solve(w, h, config, cuda_graph=False), device, 1
+            lambda w=weight, h=hessian: gptq_solve(w, h, options, cuda_graph=False), device, 1
         )
-        gar_ms, _, _ = timed(lambda w=weight, h=hessian: gptq_solve(w, h, GPTQConfig()), device, 1)
+        gar_ms, _, _ = timed(  # the default options: group-aware reordering on
+            lambda w=weight, h=hessian: gptq_solve(w, h, GPTQSolveOptions()), device, 1
+        )
         equal = float((fx.codes == tb_codes).double().mean())
-        rtn = rtn_quantize(weight, config)
+        rtn = rtn_quantize(weight, options)
         errors = [
             weighted_error(weight, q, hessian) for q in (tb_q, fx.dequantized, rtn.dequantized)
         ]

@@ -16,8 +16,8 @@ for method, block in [("tensor", None), ("row", None), ("block", [128, 128])]:
     q = fq.quantize_fp8_weight(
         linear.weight.detach(), format="e4m3", weight_scale_method=method, weight_block_size=block
     )
-    # transpose=True gives the (in, out) matrix that multiplies flattened inputs
-    w_t = fq.dequantize_fp8_weight(q.qweight, q.scale_inv, transpose=True)
+    # the transposed decode gives the (in, out) matrix that multiplies flattened inputs
+    w_t = fq.dequantize_fp8_weight_transposed(q.qweight, q.scale_inv)
     out = x @ w_t
     rel = ((out - reference).pow(2).mean() / reference.pow(2).mean()).item()
     print(f"{method:<6} scale_inv {tuple(q.scale_inv.shape)!s:<10} output rel. MSE {rel:.2e}")

@@ -13,7 +13,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    help="floatxq: FP8 / NVFP4 / GPTQ W4A quantization.",
+    help="floatxq: FP8 weight-only models end to end; NVFP4 and GPTQ quantization math.",
 )
 
 TINY = "tiny"
@@ -37,7 +37,7 @@ def _source_model(model: str, *, device: str | None):
 
 @app.callback()
 def _root() -> None:
-    """floatxq: FP8 / NVFP4 / GPTQ W4A quantization."""
+    """floatxq: FP8 weight-only models end to end; NVFP4 and GPTQ quantization math."""
 
 
 @app.command()

@@ -14,8 +14,15 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from floatxq.config import FP8Config, GPTQConfig
-from floatxq.gptq import gptq_solve, hessian_finalize, hessian_init, hessian_update, rtn_quantize
+from floatxq.config import FP8Config
+from floatxq.gptq import (
+    GPTQSolveOptions,
+    gptq_solve,
+    hessian_finalize,
+    hessian_init,
+    hessian_update,
+    rtn_quantize,
+)
 from floatxq.lifecycle.evaluate import EvalReport, evaluate_lm, reference_logprobs
 from floatxq.lifecycle.model import load
 from floatxq.nvfp4 import nvfp4_block_qdq
@@ -133,7 +140,7 @@ def _calibration_hessians(model: nn.Module, samples: list[torch.Tensor]) -> dict
 
 
 def _int4_weights(
-    model: nn.Module, config: GPTQConfig, hessians: dict[str, torch.Tensor] | None
+    model: nn.Module, options: GPTQSolveOptions, hessians: dict[str, torch.Tensor] | None
 ) -> nn.Module:
     """A copy whose linear weights (not lm_head) are GPTQ-solved (or RTN) INT4 values."""
     out = copy.deepcopy(model)
@@ -141,9 +148,9 @@ def _int4_weights(
         for name, module in _linear_targets(out).items():
             w = module.weight.detach()
             solved = (
-                rtn_quantize(w, config)
+                rtn_quantize(w, options)
                 if hessians is None
-                else gptq_solve(w, hessians[name], config)
+                else gptq_solve(w, hessians[name], options)
             )
             module.weight.copy_(solved.dequantized)
     return out
@@ -198,7 +205,7 @@ def run_demo(
         # 4 bits per value + one E4M3 scale per 16 values (+ a negligible FP32 global scale)
         size = _size(simulated, packed_linear_bits=4.5)
         rows.append(_row(name, simulated, refs, windows, seconds, size, simulated=True))
-    gptq = GPTQConfig(bits=4, group_size=128, sym=True)
+    gptq = GPTQSolveOptions(bits=4, group_size=128, sym=True)
     # 4 bits per value + an fp16 scale per 128 values (zeros are implied by sym)
     int4_bits = 4 + 16 / 128
     if on_path is not None:

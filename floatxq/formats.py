@@ -1,13 +1,16 @@
 """Format names, aliases, constants and codebooks: every magic number of floatxq lives here.
 
 Nothing in this module touches tensor data. It answers "which format is this name?", "what is its
-largest finite value?" and "which NVFP4 scale recipe is this?", with the errors SPEC §1 gives.
+largest finite value?" and "which NVFP4 scale recipe is this?"; a bad name raises an error that
+names the argument, the value and the accepted names. The ``Literal`` aliases (``FP8Format``,
+``FP8ScaleMethod``, ``GPTQFormat``, ``NVFP4Recipe`` ...) are the canonical names the normalizers
+return and the pure functions accept.
 """
 
 import enum
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Literal
 
 import torch
 
@@ -37,13 +40,16 @@ NVFP4_SCALE_MAX: float = FP8_E4M3_MAX
 """Upper clamp for NVFP4 block scales."""
 
 FLOAT32_TINY: float = float(torch.finfo(torch.float32).tiny)
-"""Smallest positive normal float32 (``FLT_MIN``), the seed's amax floor."""
+"""Smallest positive normal float32 (``FLT_MIN``): the amax floor of FP8 weight scales."""
 
 FLOAT32_MAX: float = float(torch.finfo(torch.float32).max)
 """Largest finite float32: no inverse scale floatxq writes exceeds it."""
 
 FLOAT32_SMALLEST_SUBNORMAL: float = 2.0**-149
 """Smallest positive float32, used where a direct scale would otherwise underflow to zero."""
+
+GPTQ_BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
+"""Code widths the GPTQ solver and checkpoints accept."""
 
 GPTQ_W4A_GROUP_SIZE: int = 128
 """Group size that every W4A (FP8/NVFP4 activation) GPTQ checkpoint uses."""
@@ -52,19 +58,24 @@ GPTQ_W4A_GROUP_SIZE: int = 128
 # FP8 format names
 # --------------------------------------------------------------------------------------------
 
-FP8_FORMATS: tuple[str, ...] = (
+FP8Format = Literal[
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"
+]
+"""A canonical FP8 format name: the name of its ``torch.dtype``."""
+
+FP8_FORMATS: tuple[FP8Format, ...] = (
     "float8_e4m3fn",
     "float8_e5m2",
     "float8_e4m3fnuz",
     "float8_e5m2fnuz",
     "float8_e8m0fnu",
 )
-"""Canonical FP8 names (torch dtype names) in the seed's registry order."""
+"""Canonical FP8 names (torch dtype names): the four encodable formats, then E8M0."""
 
-FP8_DECODE_ONLY_FORMATS: frozenset[str] = frozenset({"float8_e8m0fnu"})
+FP8_DECODE_ONLY_FORMATS: frozenset[FP8Format] = frozenset({"float8_e8m0fnu"})
 """Formats floatxq decodes (MX scales) but never quantizes weights to."""
 
-_FP8_ALIASES: dict[str, str] = {
+_FP8_ALIASES: Mapping[str, FP8Format] = {
     "e4m3": "float8_e4m3fn",
     "float8_e4m3": "float8_e4m3fn",
     "float8_e4m3fn": "float8_e4m3fn",
@@ -83,7 +94,7 @@ _FP8_ALIASES: dict[str, str] = {
     "fp8": "float8_e4m3fn",
 }
 
-_FP8_MAX: dict[str, float] = {
+_FP8_MAX: Mapping[FP8Format, float] = {
     "float8_e4m3fn": 448.0,
     "float8_e5m2": 57344.0,
     "float8_e4m3fnuz": 240.0,
@@ -91,15 +102,24 @@ _FP8_MAX: dict[str, float] = {
     "float8_e8m0fnu": 2.0**127,
 }
 
-FP8_SCALE_METHODS: tuple[str, ...] = ("tensor", "row", "block")
-FP8_SCALE_SEMANTICS: tuple[str, ...] = ("inverse",)
+FP8ScaleMethod = Literal["tensor", "row", "block"]
+"""An FP8 weight-scale layout: one scale per tensor, per output row, or per 2-D block."""
+
+FP8_SCALE_METHODS: tuple[FP8ScaleMethod, ...] = ("tensor", "row", "block")
+"""Every :data:`FP8ScaleMethod`."""
+
+FP8ScaleSemantics = Literal["inverse"]
+"""How a stored FP8 weight scale applies: ``inverse`` (multiply to quantize, divide to decode)."""
+
+FP8_SCALE_SEMANTICS: tuple[FP8ScaleSemantics, ...] = ("inverse",)
+"""Every :data:`FP8ScaleSemantics`."""
 
 
 def _accepted(names: object) -> str:
     return ", ".join(repr(n) for n in names)  # type: ignore[union-attr]
 
 
-def normalize_fp8_format(value: Any) -> str:
+def normalize_fp8_format(value: object) -> FP8Format:
     """Canonical torch dtype name of an FP8 format name or alias.
 
     Args:
@@ -148,7 +168,33 @@ def normalize_fp8_format(value: Any) -> str:
     return canonical
 
 
-def fp8_dtype(name: Any) -> torch.dtype:
+FP8WeightFormat = Literal["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+"""An FP8 format that can hold weights and activations (every FP8 format but decode-only E8M0)."""
+
+
+def normalize_fp8_weight_format(value: object, *, where: str = "format") -> FP8WeightFormat:
+    """:func:`normalize_fp8_format`, refusing the decode-only E8M0 (it holds MX scales, not values).
+
+    Raises:
+      ValueError: as :func:`normalize_fp8_format`, or an E8M0 spelling (named with ``where``).
+      TypeError: as :func:`normalize_fp8_format`.
+
+    Numerics: names only. Example: ``normalize_fp8_weight_format("e5m2") == "float8_e5m2"``.
+    """
+    try:
+        name = normalize_fp8_format(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{where}: {str(exc).removeprefix('format: ')}") from None
+    if name in FP8_DECODE_ONLY_FORMATS:
+        raise ValueError(
+            f"{where}: {name} (from {value!r}) is decode-only (E8M0 holds power-of-two MX scales, "
+            f"not values); accepted: float8_e4m3fn, float8_e5m2, float8_e4m3fnuz, "
+            f"float8_e5m2fnuz or their aliases"
+        )
+    return name  # type: ignore[return-value]
+
+
+def fp8_dtype(name: str | torch.dtype | None) -> torch.dtype:
     """The ``torch.dtype`` of an FP8 format name or alias (normalized first).
 
     Numerics: names only. Example: ``fp8_dtype("e5m2") is torch.float8_e5m2``.
@@ -156,7 +202,7 @@ def fp8_dtype(name: Any) -> torch.dtype:
     return getattr(torch, normalize_fp8_format(name))
 
 
-def fp8_max(name: Any) -> float:
+def fp8_max(name: str | torch.dtype | None) -> float:
     """Largest finite value of an FP8 format: 448, 57344, 240, 57344 and ``2**127`` (E8M0).
 
     Numerics: exact; equals ``torch.finfo(fp8_dtype(name)).max``.
@@ -166,7 +212,7 @@ def fp8_max(name: Any) -> float:
     return _FP8_MAX[normalize_fp8_format(name)]
 
 
-def _positive_int(item: Any, *, what: str, value: Any) -> int:
+def _positive_int(item: object, *, what: str, value: object) -> int:
     if isinstance(item, bool):
         raise ValueError(f"{what}: expected positive integers, got a bool in {value!r}")
     if isinstance(item, float):
@@ -174,7 +220,7 @@ def _positive_int(item: Any, *, what: str, value: Any) -> int:
             raise ValueError(f"{what}: expected positive integers, got {item!r} in {value!r}")
         item = int(item)
     try:
-        number = int(item)
+        number = int(item)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         raise ValueError(f"{what}: expected positive integers, got {item!r} in {value!r}") from None
     if number <= 0:
@@ -182,7 +228,7 @@ def _positive_int(item: Any, *, what: str, value: Any) -> int:
     return number
 
 
-def normalize_fp8_block_size(value: Any) -> tuple[int, int] | None:
+def normalize_fp8_block_size(value: object) -> tuple[int, int] | None:
     """``None`` or a positive ``(block_rows, block_cols)`` pair; divisibility is not checked.
 
     Block rows index output rows (weight storage order), block columns index input columns.
@@ -203,7 +249,7 @@ def normalize_fp8_block_size(value: Any) -> tuple[int, int] | None:
     return (rows, cols)
 
 
-def normalize_fp8_scale_method(value: Any, *, weight_block_size: Any) -> str:
+def normalize_fp8_scale_method(value: object, *, weight_block_size: object) -> FP8ScaleMethod:
     """Resolve the FP8 scale layout: ``tensor``, ``row`` or ``block``.
 
     ``None`` means ``block`` when a block size is given and ``row`` otherwise.
@@ -223,8 +269,8 @@ def normalize_fp8_scale_method(value: Any, *, weight_block_size: Any) -> str:
         raise ValueError(
             f"weight_scale_method: expected one of {_accepted(FP8_SCALE_METHODS)}, got {value!r}"
         )
-    method = str.lower(str.strip(value))
-    if method not in FP8_SCALE_METHODS:
+    method = next((m for m in FP8_SCALE_METHODS if m == str.lower(str.strip(value))), None)
+    if method is None:
         raise ValueError(
             f"weight_scale_method: expected one of {_accepted(FP8_SCALE_METHODS)}, got {value!r}"
         )
@@ -240,7 +286,7 @@ def normalize_fp8_scale_method(value: Any, *, weight_block_size: Any) -> str:
     return method
 
 
-def normalize_fp8_scale_semantics(value: Any) -> str:
+def normalize_fp8_scale_semantics(value: object) -> FP8ScaleSemantics:
     """``None`` → ``"inverse"``; ``"inverse"`` (any case/space) is the only accepted value.
 
     Inverse semantics: the stored ``scale_inv`` multiplies to quantize and divides to decode.
@@ -256,46 +302,76 @@ def normalize_fp8_scale_semantics(value: Any) -> str:
     )
 
 
-def normalize_fp8_kwargs(payload: Mapping[str, Any]) -> dict[str, Any]:
-    """Normalize a saved or user FP8 payload (legacy keys included) into ``FP8Config`` fields.
+# --------------------------------------------------------------------------------------------
+# GPTQ packing formats
+# --------------------------------------------------------------------------------------------
 
-    Returns a new dict (``payload`` is not modified):
-      * legacy ``fmt`` is used when ``format`` is absent, and dropped;
-      * ``format`` becomes the canonical dtype name, ``weight_block_size`` a list or ``None``,
-        ``weight_scale_method`` is resolved against the block size;
-      * legacy ``weight_only`` is dropped; when neither ``smoother`` nor ``smooth`` is given and it
-        is a mapping carrying ``smoother`` (or ``smooth``), that setting becomes ``smoother``.
+GPTQFormat = Literal["gptq", "gptq_v2"]
+"""A GPTQ zero-point convention: ``gptq`` (v1) stores ``zero - 1``, ``gptq_v2`` the zero."""
 
-    Numerics: names only.
+GPTQ_FORMATS: tuple[GPTQFormat, ...] = ("gptq", "gptq_v2")
+"""Packed zero-point conventions: ``gptq`` (v1, the export default) and ``gptq_v2``."""
+
+
+def normalize_gptq_format(
+    value: object, *, where: str = "normalize_gptq_format", name: str = "format"
+) -> GPTQFormat:
+    """Canonical GPTQ packing-format name: ``"gptq"`` (v1) or ``"gptq_v2"``.
+
+    Case and surrounding spaces are ignored; ``FORMAT.GPTQ`` / ``FORMAT.GPTQ_V2`` (str enums)
+    are accepted as their values. ``where`` and ``name`` only shape the error message.
+
+    Raises:
+      TypeError: a value that is not a string.
+      ValueError: any other name (the message lists the accepted ones).
+
+    Numerics: names only; no tensor is touched.
 
     Example:
-      >>> normalize_fp8_kwargs({"fmt": "e5m2", "weight_block_size": (128, 128)})["format"]
-      'float8_e5m2'
+      >>> normalize_gptq_format(" GPTQ_v2 ")
+      'gptq_v2'
     """
-    if not isinstance(payload, Mapping):
-        raise TypeError(f"payload: expected a mapping, got {type(payload).__name__}")
-    out = dict(payload)
-    weight_only = out.pop("weight_only", None)
-    fmt = out.pop("fmt", None)
-    if "smoother" not in out and "smooth" not in out and isinstance(weight_only, Mapping):
-        for key in ("smoother", "smooth"):
-            if weight_only.get(key) is not None:
-                out["smoother"] = weight_only[key]
-                break
-    out["format"] = normalize_fp8_format(out["format"] if "format" in out else fmt)
-    block = normalize_fp8_block_size(out.get("weight_block_size"))
-    out["weight_block_size"] = list(block) if block is not None else None
-    out["weight_scale_method"] = normalize_fp8_scale_method(
-        out.get("weight_scale_method"), weight_block_size=block
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{where}: {name} must be a str ({_accepted(GPTQ_FORMATS)}), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    key = str.lower(str.strip(value))
+    if key == "gptq":
+        return "gptq"
+    if key == "gptq_v2":
+        return "gptq_v2"
+    shown = f"{type(value).__name__}.{value.name}" if isinstance(value, enum.Enum) else repr(value)
+    raise ValueError(
+        f"{where}: {name}={shown} is not a GPTQ packing format; accepted: 'gptq' (v1, stores "
+        f"zero - 1) or 'gptq_v2' (stores the zero)"
     )
-    return out
 
 
 # --------------------------------------------------------------------------------------------
 # NVFP4 scale recipes
 # --------------------------------------------------------------------------------------------
 
-NVFP4_RECIPES: tuple[str, ...] = (
+NVFP4Recipe = Literal[
+    "nvidia",
+    "nvidia_headroom",
+    "four_six",
+    "least_squares",
+    "least_squares_headroom",
+    "least_squares_grid",
+    "exhaustive",
+]
+"""A canonical NVFP4 block-scale recipe name (one of :data:`NVFP4_RECIPES`)."""
+
+NVFP4RecipeName = Literal[NVFP4Recipe, "lsq", "lsq_headroom", "lsq_grid"]
+"""What a ``recipe`` argument accepts: a canonical :data:`NVFP4Recipe` or a legacy alias."""
+
+NVFP4LocalRecipe = Literal[
+    "nvidia", "four_six", "least_squares", "least_squares_grid", "exhaustive"
+]
+"""The per-block algorithm of a recipe: its name without the ``_headroom`` global-scale step."""
+
+NVFP4_RECIPES: tuple[NVFP4Recipe, ...] = (
     "nvidia",
     "nvidia_headroom",
     "four_six",
@@ -306,19 +382,29 @@ NVFP4_RECIPES: tuple[str, ...] = (
 )
 """Canonical NVFP4 block-scale recipes; ``exhaustive`` (all 126 positive E4M3 scales) is new."""
 
-NVFP4_LEGACY_RECIPE_ALIASES: Mapping[str, str] = {
+NVFP4_LEGACY_RECIPE_ALIASES: Mapping[str, NVFP4Recipe] = {
     "lsq": "least_squares",
     "lsq_headroom": "least_squares_headroom",
     "lsq_grid": "least_squares_grid",
 }
 
-_HEADROOM_LOCAL: Mapping[str, str] = {
+_LOCAL_RECIPE: Mapping[NVFP4Recipe, NVFP4LocalRecipe] = {
+    "nvidia": "nvidia",
+    "nvidia_headroom": "nvidia",
+    "four_six": "four_six",
+    "least_squares": "least_squares",
+    "least_squares_headroom": "least_squares",
+    "least_squares_grid": "least_squares_grid",
+    "exhaustive": "exhaustive",
+}
+
+_HEADROOM_LOCAL: Mapping[NVFP4Recipe, NVFP4LocalRecipe] = {
     "nvidia_headroom": "nvidia",
     "least_squares_headroom": "least_squares",
 }
 
 
-def normalize_nvfp4_recipe(recipe: Any) -> str:
+def normalize_nvfp4_recipe(recipe: object) -> NVFP4Recipe:
     """Canonical NVFP4 scale-recipe name (legacy ``lsq*`` aliases expanded).
 
     Raises:
@@ -329,22 +415,23 @@ def normalize_nvfp4_recipe(recipe: Any) -> str:
     accepted = f"{_accepted(NVFP4_RECIPES)} (legacy: {_accepted(NVFP4_LEGACY_RECIPE_ALIASES)})"
     if not isinstance(recipe, str):
         raise ValueError(f"Unsupported NVFP4 scale recipe: {recipe!r}. Accepted: {accepted}")
-    name = NVFP4_LEGACY_RECIPE_ALIASES.get(recipe, recipe)
-    if name not in NVFP4_RECIPES:
+    name = NVFP4_LEGACY_RECIPE_ALIASES.get(recipe)
+    if name is None:
+        name = next((r for r in NVFP4_RECIPES if r == recipe), None)
+    if name is None:
         raise ValueError(f"Unsupported NVFP4 scale recipe: {recipe!r}. Accepted: {accepted}")
     return name
 
 
-def nvfp4_kernel_recipe(recipe: Any) -> str:
+def nvfp4_kernel_recipe(recipe: object) -> NVFP4LocalRecipe:
     """The local (per-block) algorithm of a recipe: headroom variants map to their base recipe.
 
     Numerics: names only. Example: ``nvfp4_kernel_recipe("nvidia_headroom") == "nvidia"``.
     """
-    name = normalize_nvfp4_recipe(recipe)
-    return _HEADROOM_LOCAL.get(name, name)
+    return _LOCAL_RECIPE[normalize_nvfp4_recipe(recipe)]
 
 
-def nvfp4_uses_headroom(recipe: Any) -> bool:
+def nvfp4_uses_headroom(recipe: object) -> bool:
     """True for ``nvidia_headroom`` and ``least_squares_headroom``; ``None`` gives False.
 
     Numerics: names only. Example: ``nvfp4_uses_headroom("lsq_headroom") is True``.

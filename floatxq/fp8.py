@@ -5,24 +5,28 @@ Scale directions, never mixed:
   * ``scale`` (tokens, E8M0): multiply to decode: ``x ≈ code * scale``.
 
 All scale arithmetic is FP32 IEEE (true division, never a reciprocal-multiply); rounding to FP8 is
-round-to-nearest-even after clamping to ±max finite (finite saturation).
+round-to-nearest-even after clamping to ±max finite (finite saturation). ``docs/numerics.md``
+states the whole contract (scale directions, rounding, saturation, special values).
 """
 
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Literal, NamedTuple
 
 import torch
 
-from floatxq._typing import Float, Float32, FP8Dtype, Shaped, Tensor
+from floatxq._checks import require_finite, require_floating
+from floatxq._typing import Float, Float8e4m3fn, Float32, FP8Dtype, Shaped, Tensor, checked_record
 from floatxq.formats import (
     FLOAT32_MAX,
     FLOAT32_SMALLEST_SUBNORMAL,
     FLOAT32_TINY,
-    FP8_DECODE_ONLY_FORMATS,
     FP8_E4M3_MAX,
+    FP8Format,
+    FP8ScaleMethod,
     fp8_max,
     normalize_fp8_block_size,
-    normalize_fp8_format,
     normalize_fp8_scale_method,
+    normalize_fp8_weight_format,
 )
 
 __all__ = [
@@ -31,6 +35,7 @@ __all__ = [
     "FP8Weight",
     "decode_e8m0",
     "dequantize_fp8_weight",
+    "dequantize_fp8_weight_transposed",
     "direct_to_inverse_scale",
     "fp8_cast",
     "fp8_decode",
@@ -43,21 +48,23 @@ __all__ = [
 ]
 
 
+@checked_record
 class FP8Weight(NamedTuple):
     """An FP8 weight: codes of the weight's shape and FP32 inverse scales (decode: divide)."""
 
-    qweight: Tensor
+    qweight: FP8Dtype[Tensor, "out in"]
     """FP8 codes, ``(out, in)``."""
-    scale_inv: Tensor
+    scale_inv: Float32[Tensor, "*scale"]
     """FP32 inverse scales: ``()`` (tensor), ``(out,)`` (row) or ``(out/br, in/bc)`` (block)."""
 
 
+@checked_record
 class FP8Tokens(NamedTuple):
     """Per-token E4M3 activations: codes and one FP32 direct scale per row (decode: multiply)."""
 
-    codes: Tensor
+    codes: Float8e4m3fn[Tensor, "*b k"]
     """``float8_e4m3fn`` codes of the input's shape."""
-    scale: Tensor
+    scale: Float32[Tensor, "*b 1"]
     """FP32 direct scales, the input's shape with the last axis reduced to 1."""
 
 
@@ -66,40 +73,19 @@ class FP8Tokens(NamedTuple):
 # ----------------------------------------------------------------------------------------------
 
 
-def _encodable_format(format: Any, *, where: str) -> str:
-    name = normalize_fp8_format(format)
-    if name in FP8_DECODE_ONLY_FORMATS:
-        raise ValueError(
-            f"{where}: format {name!r} is decode-only (E8M0 holds power-of-two scales, not "
-            f"weights); accepted: float8_e4m3fn, float8_e5m2, float8_e4m3fnuz, float8_e5m2fnuz"
-        )
-    return name
-
-
-def _require_floating(x: Tensor, *, name: str, where: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{where}: {name} must be a floating-point tensor, got dtype {x.dtype}")
-
-
-def _require_finite(x: Tensor, *, name: str, where: str) -> None:
-    if x.numel() and not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{where}: {name} contains NaN or infinity; finite values are required")
-
-
 def _saturating_cast(x32: Tensor, dtype: torch.dtype, fmax: float) -> Tensor:
     return torch.clamp(x32, min=-fmax, max=fmax).to(dtype)
 
 
 def fp8_cast(
-    x: Float[Tensor, "*shape"], *, format: Any = "float8_e4m3fn"
-) -> Shaped[Tensor, "*shape"]:
+    x: Float[Tensor, "*shape"], *, format: str | torch.dtype = "float8_e4m3fn"
+) -> FP8Dtype[Tensor, "*shape"]:
     """Round values to an FP8 format: ``clamp(float32(x), ±max)`` then a nearest-even cast.
 
     Args:
       x: any floating tensor (converted to FP32 first, which is exact for bf16/fp16).
-      format: an encodable FP8 name or alias (E8M0 is rejected: ``ValueError``).
+      format: an encodable FP8 name or alias in any case, or its ``torch.dtype`` (E8M0 is
+        rejected: ``ValueError``).
 
     Returns:
       FP8 codes of ``x``'s shape, dtype ``fp8_dtype(format)``.
@@ -111,8 +97,8 @@ def fp8_cast(
       >>> fp8_cast(torch.tensor([464.0, 1e9])).float().tolist()
       [448.0, 448.0]
     """
-    name = _encodable_format(format, where="fp8_cast")
-    _require_floating(x, name="x", where="fp8_cast")
+    name = normalize_fp8_weight_format(format, where="fp8_cast: format")
+    require_floating(x, name="x", where="fp8_cast")
     return _saturating_cast(x.to(torch.float32), getattr(torch, name), fp8_max(name))
 
 
@@ -141,8 +127,8 @@ def fp8_decode(
 def _inverse_scale(amax: Tensor, fmax: float) -> Tensor:
     """``fmax / max(amax, FLT_MIN)`` in FP32 (true division) capped at FLT_MAX; 1 if amax is 0."""
     inv = torch.full_like(amax, fmax) / amax.clamp_min(FLOAT32_TINY)
-    # The seed lets this overflow to inf for amax < fmax / FLT_MAX and then writes NaN codes
-    # (0 * inf). Capping keeps every inverse scale finite; all other bytes are the seed's.
+    # GPT-QModel lets this overflow to inf for amax < fmax / FLT_MAX and then writes NaN codes
+    # (0 * inf). Capping keeps every inverse scale finite; all other bytes are GPT-QModel's.
     inv = inv.clamp_max(FLOAT32_MAX)
     return torch.where(amax > 0, inv, torch.ones_like(amax))
 
@@ -158,23 +144,24 @@ def _amax(x: Tensor, dim: tuple[int, ...] | None) -> Tensor:
 
 
 def _weight_arguments(
-    weight: Any,
+    weight: object,
     *,
-    format: Any,
-    weight_scale_method: Any,
-    weight_block_size: Any,
+    format: object,
+    weight_scale_method: object,
+    weight_block_size: object,
     where: str,
-) -> tuple[str, str, tuple[int, int] | None]:
+) -> tuple[FP8Format, FP8ScaleMethod, tuple[int, int] | None]:
     """Validate a weight-quantization call: ``(format name, scale method, block size)``.
 
-    Shared by the pure function and its kernel twin so both reject bad input the same way.
+    Shared by the pure function and its kernel twin so both reject bad input the same way; the
+    arguments are typed ``object`` because this is where unchecked user input is validated.
     """
-    _require_floating(weight, name="weight", where=where)
+    require_floating(weight, name="weight", where=where)
     if weight.ndim != 2:
         raise ValueError(
             f"{where}: weight must be a 2-D (out, in) matrix, got shape {tuple(weight.shape)}"
         )
-    name = _encodable_format(format, where=where)
+    name = normalize_fp8_weight_format(format, where=f"{where}: format")
     block = normalize_fp8_block_size(weight_block_size)
     method = normalize_fp8_scale_method(weight_scale_method, weight_block_size=block)
     return name, method, block
@@ -183,9 +170,9 @@ def _weight_arguments(
 def quantize_fp8_weight(
     weight: Float[Tensor, "out in"],
     *,
-    format: Any = "float8_e4m3fn",
-    weight_scale_method: Any = "row",
-    weight_block_size: Any = None,
+    format: str | torch.dtype = "float8_e4m3fn",
+    weight_scale_method: FP8ScaleMethod | None = "row",
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ) -> FP8Weight:
     """Quantize a weight matrix to FP8 codes with FP32 inverse scales.
 
@@ -195,7 +182,8 @@ def quantize_fp8_weight(
 
     Args:
       weight: ``(out, in)`` floating weight (any device; converted to FP32, device kept).
-      format: FP8 name/alias; ``float8_e8m0fnu`` is decode-only (``ValueError``).
+      format: FP8 name/alias in any case, or its ``torch.dtype``; ``float8_e8m0fnu`` is
+        decode-only (``ValueError``).
       weight_scale_method: ``"tensor"``, ``"row"`` or ``"block"`` (``None``: by block size).
       weight_block_size: ``[block_rows, block_cols]`` for ``"block"``; must divide the shape.
 
@@ -207,7 +195,8 @@ def quantize_fp8_weight(
       TypeError: a non-floating weight.
 
     Numerics: FP32 scale math (true division), multiply-to-quantize, clamp then nearest-even
-    cast; bit-identical to the seed except that tiny-amax regions keep finite scales.
+    cast; bit-identical to GPT-QModel's FP8 weights except that tiny-amax regions keep finite
+    scales (``docs/numerics.md``).
 
     Example:
       >>> q = quantize_fp8_weight(torch.tensor([[1.0, -2.0], [0.0, 0.0]]))
@@ -224,7 +213,7 @@ def quantize_fp8_weight(
     )
     dtype, fmax = getattr(torch, name), fp8_max(name)
     w = weight.to(torch.float32)
-    _require_finite(w, name="weight", where=where)
+    require_finite(w, name="weight", where=where)
 
     if method == "tensor":
         scale_inv = _inverse_scale(_amax(w, None), fmax)
@@ -257,13 +246,24 @@ def _expand_scale_inv(scale_inv: Tensor, shape: torch.Size) -> Tensor:
     return scale_inv.repeat_interleave(br, dim=0).repeat_interleave(bc, dim=1)
 
 
+def _decoded_weight(qweight: Tensor, scale_inv: Tensor, *, where: str) -> Tensor:
+    """``float32(code) / scale_inv`` over an ``(out, in)`` weight, in FP32."""
+    if qweight.ndim != 2:
+        raise ValueError(f"{where}: qweight must be 2-D (out, in), got {tuple(qweight.shape)}")
+    if scale_inv.device != qweight.device:
+        raise TypeError(
+            f"{where}: scale_inv is on {scale_inv.device} but qweight is on {qweight.device}"
+        )
+    expanded = _expand_scale_inv(scale_inv.to(torch.float32), qweight.shape)
+    return fp8_decode(qweight) / expanded
+
+
 def dequantize_fp8_weight(
     qweight: FP8Dtype[Tensor, "out in"],
     scale_inv: Float32[Tensor, "*scale"],
     *,
     dtype: torch.dtype = torch.float32,
-    transpose: bool = False,
-) -> Float[Tensor, "..."]:
+) -> Float[Tensor, "out in"]:
     """Decode FP8 weight codes: ``float32(code) / scale_inv`` per region, rounded once to ``dtype``.
 
     Args:
@@ -271,7 +271,9 @@ def dequantize_fp8_weight(
       scale_inv: FP32 inverse scales shaped ``()``, ``(out,)`` or a block grid ``(out/br, in/bc)``
         (the layout is inferred with :func:`infer_scale_layout`).
       dtype: output dtype.
-      transpose: return the contiguous ``(in, out)`` matrix that multiplies flattened inputs.
+
+    Raises:
+      ValueError: a scale shape no layout explains. TypeError: tensors on different devices.
 
     Numerics: FP32 true division, one nearest-even rounding into ``dtype``; NaN codes give NaN.
 
@@ -280,18 +282,34 @@ def dequantize_fp8_weight(
       >>> dequantize_fp8_weight(*q).tolist()
       [[1.0, -2.0]]
     """
-    if qweight.ndim != 2:
-        raise ValueError(
-            f"dequantize_fp8_weight: qweight must be 2-D (out, in), got {tuple(qweight.shape)}"
-        )
-    if scale_inv.device != qweight.device:
-        raise TypeError(
-            f"dequantize_fp8_weight: scale_inv is on {scale_inv.device} but qweight is on "
-            f"{qweight.device}"
-        )
-    expanded = _expand_scale_inv(scale_inv.to(torch.float32), qweight.shape)
-    out = (fp8_decode(qweight) / expanded).to(dtype)
-    return out.t().contiguous() if transpose else out
+    return _decoded_weight(qweight, scale_inv, where="dequantize_fp8_weight").to(dtype)
+
+
+def dequantize_fp8_weight_transposed(
+    qweight: FP8Dtype[Tensor, "out in"],
+    scale_inv: Float32[Tensor, "*scale"],
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> Float[Tensor, "in out"]:
+    """:func:`dequantize_fp8_weight` as the contiguous ``(in, out)`` matrix (``x @ W.T`` operand).
+
+    Args:
+      qweight: ``(out, in)`` FP8 codes.
+      scale_inv: FP32 inverse scales, any layout :func:`infer_scale_layout` explains.
+      dtype: output dtype.
+
+    Raises:
+      ValueError: a scale shape no layout explains. TypeError: tensors on different devices.
+
+    Numerics: bit-identical to ``dequantize_fp8_weight(...).t().contiguous()``.
+
+    Example:
+      >>> q = quantize_fp8_weight(torch.tensor([[1.0, -2.0]]))
+      >>> dequantize_fp8_weight_transposed(*q).tolist()
+      [[1.0], [-2.0]]
+    """
+    where = "dequantize_fp8_weight_transposed"
+    return _decoded_weight(qweight, scale_inv, where=where).to(dtype).t().contiguous()
 
 
 def _most_square_blocks(rows: int, cols: int, count: int) -> tuple[int, int] | None:
@@ -311,12 +329,13 @@ def _most_square_blocks(rows: int, cols: int, count: int) -> tuple[int, int] | N
 
 def infer_scale_layout(
     weight_shape: tuple[int, ...] | torch.Size, scale_shape: tuple[int, ...] | torch.Size
-) -> tuple[str, tuple[int, int] | None]:
+) -> tuple[FP8ScaleMethod, tuple[int, int] | None]:
     """Which layout an inverse-scale tensor has for an ``(out, in)`` weight.
 
-    Rules (the seed's, in order): one element → ``("tensor", None)``; 1-D of length ``out`` →
-    ``("row", None)``; 2-D ``(sr, sc)`` dividing the weight → ``("block", (out/sr, in/sc))``;
-    another 1-D length ``n`` → the most square block grid with ``n`` blocks that tiles the weight.
+    Rules (GPT-QModel's loader's, in order): one element → ``("tensor", None)``; 1-D of length
+    ``out`` → ``("row", None)``; 2-D ``(sr, sc)`` dividing the weight → ``("block", (out/sr,
+    in/sc))``; another 1-D length ``n`` → the most square block grid with ``n`` blocks that tiles
+    the weight.
 
     Raises:
       ValueError: a weight that is not 2-D, or a scale shape no layout explains.
@@ -356,10 +375,11 @@ def direct_to_inverse_scale(scale: Float[Tensor, "*shape"]) -> Float32[Tensor, "
     """Turn direct scales (multiply to decode) into inverse scales (divide to decode).
 
     ``scale_inv = 1 / scale`` in FP32 (true division); a zero direct scale maps to ``1/FLT_MIN``
-    (≈ 8.5e37), as the seed's loader does, so its all-zero region still decodes to zeros.
+    (≈ 8.5e37), as GPT-QModel's loader does, so its all-zero region still decodes to zeros.
 
     Raises:
-      ValueError: a negative or non-finite direct scale.
+      ValueError: a negative or non-finite direct scale, or a positive one below ``1/FLT_MAX``
+        (≈ 2.9e-39) whose inverse overflows FP32 (every ``scale_inv`` floatxq holds is finite).
 
     Numerics: FP32 IEEE division, no rounding beyond it.
 
@@ -367,13 +387,18 @@ def direct_to_inverse_scale(scale: Float[Tensor, "*shape"]) -> Float32[Tensor, "
       >>> direct_to_inverse_scale(torch.tensor([0.5, 0.0])).tolist()
       [2.0, 8.507059173023462e+37]
     """
-    _require_floating(scale, name="scale", where="direct_to_inverse_scale")
+    require_floating(scale, name="scale", where="direct_to_inverse_scale")
     s = scale.to(torch.float32)
-    _require_finite(s, name="scale", where="direct_to_inverse_scale")
+    require_finite(s, name="scale", where="direct_to_inverse_scale")
     if s.numel() and bool((s < 0).any()):
         raise ValueError("direct_to_inverse_scale: scale has negative entries; scales are >= 0")
-    one = torch.ones_like(s)
-    return torch.where(s == 0, torch.full_like(s, 1.0 / FLOAT32_TINY), one / s)
+    inverse = torch.ones_like(s) / s
+    if s.numel() and bool(((s > 0) & torch.isinf(inverse)).any()):
+        raise ValueError(
+            "direct_to_inverse_scale: scale has positive entries below 1/FLT_MAX (~2.9e-39) whose "
+            f"inverse overflows float32, e.g. {s[(s > 0) & torch.isinf(inverse)][:4].tolist()}"
+        )
+    return torch.where(s == 0, torch.full_like(s, 1.0 / FLOAT32_TINY), inverse)
 
 
 def decode_e8m0(scale_bytes: Shaped[Tensor, "*shape"]) -> Float32[Tensor, "*shape"]:
@@ -438,11 +463,11 @@ def fp8_token_quantize(x: Float[Tensor, "*b k"]) -> FP8Tokens:
       >>> t.scale.tolist(), t.codes.float().tolist()
       ([[0.008928571827709675]], [[112.0, -448.0]])
     """
-    _require_floating(x, name="x", where="fp8_token_quantize")
+    require_floating(x, name="x", where="fp8_token_quantize")
     if x.ndim == 0:
         raise ValueError("fp8_token_quantize: x must have at least one axis (the token axis k)")
     x32 = x.to(torch.float32)
-    _require_finite(x32, name="x", where="fp8_token_quantize")
+    require_finite(x32, name="x", where="fp8_token_quantize")
     if x32.shape[-1] == 0:
         scale = torch.ones((*x32.shape[:-1], 1), dtype=torch.float32, device=x32.device)
         return FP8Tokens(x32.to(torch.float8_e4m3fn), scale)
@@ -483,7 +508,7 @@ def fp8_token_qdq(x: Float[Tensor, "*b k"]) -> Float[Tensor, "*b k"]:
       >>> fp8_token_qdq(torch.tensor([[1.0, 0.3]])).tolist()
       [[1.0, 0.2857142984867096]]
     """
-    _require_floating(x, name="x", where="fp8_token_qdq")
+    require_floating(x, name="x", where="fp8_token_qdq")
     if x.numel() == 0:
         return x
     tokens = fp8_token_quantize(x)
@@ -494,12 +519,15 @@ def fp8_token_qdq(x: Float[Tensor, "*b k"]) -> Float[Tensor, "*b k"]:
 # The scaled FP8 linear (what the scaled_mm routes and the small-M kernel compute)
 # ----------------------------------------------------------------------------------------------
 
-FP8_SCALED_RECIPES = ("tensorwise", "rowwise", "blockwise")
+FP8ScaledRecipe = Literal["tensorwise", "rowwise", "blockwise"]
+"""A recipe name of :func:`fp8_scaled_linear` (one of :data:`FP8_SCALED_RECIPES`)."""
+
+FP8_SCALED_RECIPES: tuple[FP8ScaledRecipe, ...] = ("tensorwise", "rowwise", "blockwise")
 """How ``x`` is quantized against an FP8 weight in :func:`fp8_scaled_linear`, by weight layout:
 tensor scales (``x`` per tensor, in the weight's format), row scales (``x`` per row, E4M3) and
 ``[128, 128]`` blocks (``x`` per 1×128 block, E4M3)."""
 
-_RECIPE_X = {
+_RECIPE_X: Mapping[str, tuple[FP8ScaleMethod, tuple[int, int] | None]] = {
     "tensorwise": ("tensor", None),
     "rowwise": ("row", None),
     "blockwise": ("block", (1, 128)),
@@ -512,7 +540,7 @@ def fp8_scaled_linear(
     weight_scale_inv: Float32[Tensor, "*scale"],
     bias: Float[Tensor, "n"] | None = None,  # noqa: F821
     *,
-    recipe: str,
+    recipe: FP8ScaledRecipe,
 ) -> Float[Tensor, "m n"]:
     """``x @ W.T + bias`` as the FP8 GEMM routes compute it: ``x`` quantized, both operands FP8.
 
@@ -550,7 +578,7 @@ def fp8_scaled_linear(
       [[200704.0, -224.0]]
     """
     where = "fp8_scaled_linear"
-    _require_floating(x, name="x", where=where)
+    require_floating(x, name="x", where=where)
     _scaled_linear_arguments(
         x, weight, weight_scale_inv, bias, recipe=recipe, scale_name="weight_scale_inv", where=where
     )

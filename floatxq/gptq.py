@@ -2,13 +2,15 @@
 
 ``hessian_init`` / ``hessian_update`` / ``hessian_finalize`` fold calibration inputs into
 ``H = 2/N · Σ xᵀx`` (FP32). :func:`gptq_solve` quantizes a weight column by column, feeding each
-column's error forward through the upper Cholesky factor of ``H⁻¹`` (the reference's §8), and
-:func:`rtn_quantize` is the round-to-nearest baseline with the same record.
+column's rounding error forward to the columns not yet solved through the upper Cholesky factor
+of ``H⁻¹``, and :func:`rtn_quantize` is the round-to-nearest baseline with the same record. Both
+take a :class:`GPTQSolveOptions` (the solver's settings, nothing about checkpoints); the results
+match GPT-QModel's solver (``docs/numerics.md`` states the contract and where the two differ).
 
-Quantizer (per output row of a group, reference §8.5): ``xmin = min(0, min x)``,
-``xmax = max(0, max x)``; symmetric widens to ``±max(|xmin|, xmax)`` when ``xmin < 0``; an
-all-zero row uses ``[-1, 1]``; ``scale = (xmax - xmin) / maxq`` (IEEE division by a tensor, so
-CPU and CUDA agree), ``zero = (maxq + 1) / 2`` (symmetric) or ``round(-xmin / scale)``;
+Quantizer (per output row of a group): ``xmin = min(0, min x)``, ``xmax = max(0, max x)``;
+symmetric widens to ``±max(|xmin|, xmax)`` when ``xmin < 0``; an all-zero row uses ``[-1, 1]``;
+``scale = (xmax - xmin) / maxq`` (IEEE division by a tensor, so CPU and CUDA agree),
+``zero = (maxq + 1) / 2`` (symmetric) or ``round(-xmin / scale)``;
 ``code = clamp(round(x / scale) + zero, 0, maxq)`` and ``value = scale · (code - zero)``, with
 torch's round-half-to-even.
 
@@ -22,6 +24,7 @@ buffers (``O(out·128)``).
 """
 
 import contextlib
+import dataclasses
 import functools
 import math
 import warnings
@@ -31,11 +34,23 @@ from typing import Any, NamedTuple
 
 import torch
 
-from floatxq._typing import Bool, Float, Float32, Tensor
-from floatxq.config import GPTQConfig
+from floatxq._checks import require_finite, require_floating, require_shape
+from floatxq._typing import (
+    Bool,
+    Float,
+    Float32,
+    Float64,
+    Int32,
+    Int64,
+    Tensor,
+    UInt8,
+    checked_record,
+)
+from floatxq.formats import GPTQ_BITS
 
 __all__ = [
     "GPTQSolution",
+    "GPTQSolveOptions",
     "HessianState",
     "gptq_solve",
     "hessian_finalize",
@@ -45,7 +60,7 @@ __all__ = [
 ]
 
 GPTQ_BLOCK_SIZE = 128
-"""Columns per lazy block update (the seed's ``blocksize``)."""
+"""Columns per lazy block update (GPT-QModel's ``blocksize``)."""
 
 _MSE_GRID = 100
 _MSE_MAX_SHRINK = 0.8
@@ -54,15 +69,93 @@ _FLOOR_ATTEMPTS = 6
 _FLOOR_RELATIVE = 1e-6
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class GPTQSolveOptions:
+    """The settings :func:`gptq_solve` and :func:`rtn_quantize` use, already normalized.
+
+    A solver record, not a checkpoint config: it knows nothing of serialization, formats or
+    per-module rules (``floatxq.lifecycle.gptq_solve_options`` builds one from a resolved
+    ``GPTQConfig``). Fields must already have their declared types (``mse=2.0``, not the int
+    ``2``): ``__post_init__`` only validates, it never converts.
+
+    Fields: ``bits`` in ``GPTQ_BITS`` (2, 3, 4, 5, 6, 8); ``group_size`` -1 (one group per
+    output row) or positive; ``sym`` (zero point fixed at ``2**(bits-1)``); ``desc_act`` (solve
+    columns by descending ``diag(H)``); ``static_groups`` (group parameters from the original
+    weight); ``act_group_aware`` (reorder inside and across groups, keeping groups contiguous;
+    not together with ``desc_act``); ``0 < damp_percent < 1``; ``damp_auto_increment >= 0``
+    (0: no retries); ``mse >= 0`` (exponent of the shrink search; 0 turns it off).
+
+    Numerics: names only; no tensor math.
+
+    Example:
+      >>> GPTQSolveOptions(bits=3, group_size=-1).bits
+      3
+    """
+
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    desc_act: bool = False
+    static_groups: bool = False
+    act_group_aware: bool = True
+    damp_percent: float = 0.05
+    damp_auto_increment: float = 0.01
+    mse: float = 0.0
+
+    def __post_init__(self) -> None:
+        where = "GPTQSolveOptions"
+        for name in ("bits", "group_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"{where}: {name} must be an int, got {type(value).__name__} {value!r}"
+                )
+        for name in ("sym", "desc_act", "static_groups", "act_group_aware"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"{where}: {name} must be a bool, got {type(value).__name__} {value!r}"
+                )
+        for name in ("damp_percent", "damp_auto_increment", "mse"):
+            value = getattr(self, name)
+            if not isinstance(value, float):
+                raise TypeError(
+                    f"{where}: {name} must be a float, got {type(value).__name__} {value!r}"
+                )
+        if self.bits not in GPTQ_BITS:
+            raise ValueError(f"{where}: bits must be one of {list(GPTQ_BITS)}, got {self.bits}")
+        if self.group_size != -1 and self.group_size < 1:
+            raise ValueError(
+                f"{where}: group_size must be -1 (one group per row) or positive, got "
+                f"{self.group_size}"
+            )
+        if not 0.0 < self.damp_percent < 1.0:
+            raise ValueError(
+                f"{where}: damp_percent must satisfy 0 < damp_percent < 1, got "
+                f"{self.damp_percent!r}"
+            )
+        for name in ("damp_auto_increment", "mse"):
+            value = getattr(self, name)
+            if not 0.0 <= value < math.inf:
+                raise ValueError(f"{where}: {name} must be finite and >= 0, got {value!r}")
+        if self.desc_act and self.act_group_aware:
+            raise ValueError(
+                f"{where}: desc_act=True and act_group_aware=True cannot be combined (group-aware "
+                f"reordering keeps groups contiguous, desc_act does not); set one to False"
+            )
+
+
+@checked_record
 class HessianState(NamedTuple):
     """A running Hessian fold: ``Σ xᵀx`` over the rows seen so far and their count."""
 
-    xtx: Tensor
+    xtx: Float32[Tensor, "k k"]
     """FP32 ``(k, k)``: the sum of ``xᵀx`` over every folded (unmasked) row."""
-    rows: Tensor
+    rows: Int64[Tensor, ""]
     """int64 0-d: how many rows were folded in."""
 
 
+@checked_record
 class GPTQSolution(NamedTuple):
     """A solved (or round-to-nearest) weight, in the weight's ``(out, in)`` orientation.
 
@@ -70,20 +163,20 @@ class GPTQSolution(NamedTuple):
     input rows first).
     """
 
-    dequantized: Tensor
+    dequantized: Float[Tensor, "out in"]
     """``(out, in)`` quantized weight values, in the weight's dtype: ``scale · (code - zero)``."""
-    codes: Tensor
+    codes: UInt8[Tensor, "out in"]
     """uint8 ``(out, in)`` codes ``0..2**bits-1``."""
-    scales: Tensor
+    scales: Float[Tensor, "out groups"]
     """``(out, groups)`` direct scales (FP32; FP64 for a float64 weight); column = group id."""
-    zeros: Tensor
+    zeros: UInt8[Tensor, "out groups"]
     """uint8 ``(out, groups)`` zero points (``2**(bits-1)`` when symmetric)."""
-    g_idx: Tensor
+    g_idx: Int32[Tensor, "in"]
     """int32 ``(in,)``: the group (a column of ``scales``/``zeros``) of each input column."""
-    loss: Tensor
+    loss: Float64[Tensor, ""]
     """float64 0-d: ``Σ (w - q)² / d² / 2`` over all entries (``d`` = diagonal of the inverse's
-    Cholesky factor), the Hessian-weighted error GPTQ minimizes (the seed divides it by the
-    calibration row count); summed in float64 so large weights cannot overflow it."""
+    Cholesky factor), the Hessian-weighted error GPTQ minimizes (GPT-QModel reports it divided by
+    the calibration row count); summed in float64 so large weights cannot overflow it."""
     damp: float
     """The ``damp_percent`` that made the Hessian invertible (0.0 for RTN)."""
 
@@ -147,8 +240,7 @@ def hessian_update(
     """
     where = "hessian_update"
     xtx, rows = _check_state(state, where=where)
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"{where}: x must be a floating tensor, got {_kind(x)}")
+    require_floating(x, name="x", where=where)
     k = xtx.shape[0]
     if x.ndim < 1 or x.shape[-1] != k:
         raise ValueError(f"{where}: x must have shape (*batch, {k}), got {tuple(x.shape)}")
@@ -224,20 +316,23 @@ def _kind(x: Any) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+@checked_record
 class _QuantSpec(NamedTuple):
     bits: int
     maxq: int
     sym: bool
     norm: float  # the MSE search exponent; 0 = no search
-    shrink: Tensor | None  # fp(1 - i/100) for i in 0..79, on the device (built outside graphs)
+    shrink: Float[Tensor, " candidates"] | None  # fp(1 - i/100), i < 80; built outside graphs
 
 
-def _quant_spec(config: GPTQConfig, *, dtype: torch.dtype, device: torch.device) -> _QuantSpec:
+def _quant_spec(
+    options: GPTQSolveOptions, *, dtype: torch.dtype, device: torch.device
+) -> _QuantSpec:
     shrink = None
-    if config.mse > 0:
+    if options.mse > 0:
         count = int(_MSE_MAX_SHRINK * _MSE_GRID)
         shrink = torch.tensor([1 - i / _MSE_GRID for i in range(count)], dtype=dtype, device=device)
-    return _QuantSpec(config.bits, 2**config.bits - 1, config.sym, config.mse, shrink)
+    return _QuantSpec(options.bits, 2**options.bits - 1, options.sym, options.mse, shrink)
 
 
 def _fake_quant(x: Tensor, scale: Tensor, zero: Tensor, maxq: int) -> tuple[Tensor, Tensor]:
@@ -281,13 +376,14 @@ def _mse_search(
     maxq: Tensor,
     spec: _QuantSpec,
 ) -> tuple[Tensor, Tensor]:
-    """The seed's shrink search: the first candidate with the least ``Σ |q - x|^norm`` wins.
+    """The shrink search: the first candidate with the least ``Σ |q - x|^norm`` wins.
 
     Candidates in order: ``p = 1 - i/100`` for ``i = 0..79`` (``p = 1`` is the min/max scale),
     ``scale = (p·xmax - p·xmin) / maxq``; symmetric keeps the zero point, asymmetric uses
     ``round(-p·xmin / scale)``, and 2-bit asymmetric also tries the integer on the other side of
-    the unrounded zero point (floatxq's reading of "the adjacent zero point", clamped to
-    ``0..maxq``). Keeping the first of equal errors equals the seed's strictly-better walk.
+    the unrounded zero point (clamped to ``0..maxq``; floatxq's reading of GPT-QModel's
+    "adjacent zero point"). Keeping the first of equal errors equals walking the candidates in
+    order and replacing the best only on a strictly smaller error, as GPT-QModel does.
     """
     shrink = spec.shrink if spec.shrink is not None else xmin.new_ones((1,))
     errors, scales, zeros = [], [], []
@@ -375,7 +471,11 @@ def _damped_search(hessian: Tensor, candidates: list[float]) -> tuple[Tensor, fl
 
 
 def _inverse_factor(hessian: Tensor, damp: float, increment: float) -> tuple[Tensor, float]:
-    """Damping with auto-increment retries, then up to six diagonal-floor rescues (ref §8.3)."""
+    """Damping with auto-increment retries, then up to six diagonal-floor rescues.
+
+    Each floor ``f = max|diag H| · 1e-6 · 10**(attempt - 1)`` replaces the diagonal by
+    ``max(diag + f, f)`` and runs the damping search again.
+    """
     candidates = _damp_candidates(damp, increment)
     found = _damped_search(hessian, candidates)
     if found is not None:
@@ -402,16 +502,17 @@ def _inverse_factor(hessian: Tensor, damp: float, increment: float) -> tuple[Ten
 # ----------------------------------------------------------------------------------------------
 
 
+@checked_record
 class _Buffers(NamedTuple):
     """Fixed per-block buffers, all ``(n, out)`` (one row per weight column) but ``h``."""
 
-    w: Tensor  # working weights (transposed block), updated in place
-    h: Tensor  # (n, n) block of the inverse's upper Cholesky factor
-    scale: Tensor  # per-column scale (input for carried/static groups, output for inner starts)
-    zero: Tensor
-    code: Tensor  # float codes
-    value: Tensor  # dequantized values
-    err: Tensor  # (w - q) / d
+    w: Float[Tensor, "n out"]  # working weights (transposed block), updated in place
+    h: Float[Tensor, "n n"]  # block of the inverse's upper Cholesky factor
+    scale: Float[Tensor, "n out"]  # per column (input for carried/static groups, output for starts)
+    zero: Float[Tensor, "n out"]
+    code: Float[Tensor, "n out"]  # float codes
+    value: Float[Tensor, "n out"]  # dequantized values
+    err: Float[Tensor, "n out"]  # (w - q) / d
 
 
 Lookahead = Callable[[int, int], Tensor]
@@ -425,7 +526,7 @@ def _solve_block(
     spec: _QuantSpec,
     lookahead: Lookahead | None,
 ) -> None:
-    """Quantize one block column by column, in place on ``buf`` (the pure-torch reference).
+    """Quantize one block column by column, in place on ``buf`` (plain torch ops, graph-capturable).
 
     ``inner`` lists the groups that start inside the block as ``(offset, end)`` block-relative
     (``end`` may pass the block's width: the group straddles into the next block). Their
@@ -525,6 +626,7 @@ class _BlockRunner:
         self._graphs[key] = graph
 
 
+@checked_record
 class _Group(NamedTuple):
     start: int  # first column, in solve (permuted) order
     end: int
@@ -551,35 +653,37 @@ def _group_aware_perm(diag: Tensor, group_size: int) -> tuple[Tensor, list[_Grou
     return perm, groups
 
 
+@checked_record
 class _Plan(NamedTuple):
-    perm: Tensor | None  # solve order → natural column (None: natural order)
+    perm: Int64[Tensor, " k"] | None  # solve order → natural column (None: natural order)
     groups: list[_Group] | None  # dynamic groups in solve order (None: static groups)
-    static_slot: Tensor | None  # (k,) group id of each solve-order column (static groups)
-    g_idx: Tensor  # (k,) natural column → group id
+    static_slot: Int64[Tensor, " k"] | None  # group id of each solve-order column (static)
+    g_idx: Int32[Tensor, " k"]  # natural column → group id
     count: int  # number of groups
 
 
-def _plan(config: GPTQConfig, diag: Tensor, k: int) -> _Plan:
-    gs = k if config.group_size == -1 else config.group_size
+def _plan(options: GPTQSolveOptions, diag: Tensor, k: int) -> _Plan:
+    gs = k if options.group_size == -1 else options.group_size
     count = -(-k // gs)
     device = diag.device
     natural = torch.arange(k, device=device)
     groups: list[_Group] | None = [_Group(g * gs, min(k, (g + 1) * gs), g) for g in range(count)]
     perm = None
-    if config.desc_act:
+    if options.desc_act:
         perm = torch.argsort(diag, descending=True, stable=True)
-    elif config.act_group_aware:
+    elif options.act_group_aware:
         perm, groups = _group_aware_perm(diag, gs)
     g_idx = natural // gs
     static_slot = None
-    if config.static_groups:
+    if options.static_groups:
         groups = None
         static_slot = g_idx if perm is None else perm // gs
-    elif config.desc_act:
+    elif options.desc_act:
         g_idx = torch.argsort(perm) // gs  # type: ignore[arg-type]
     return _Plan(perm, groups, static_slot, g_idx.to(torch.int32), count)
 
 
+@checked_record
 class _Block(NamedTuple):
     i1: int
     i2: int
@@ -608,17 +712,18 @@ def _relative(block: _Block) -> tuple[tuple[int, int], ...]:
     return tuple((grp.start - block.i1, grp.end - block.i1) for grp in block.inner)
 
 
-def _check_solve_inputs(weight: Any, config: Any, *, where: str) -> None:
-    if not isinstance(config, GPTQConfig):
-        raise TypeError(f"{where}: config must be a GPTQConfig, got {type(config).__name__}")
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-        raise TypeError(f"{where}: weight must be a floating tensor, got {_kind(weight)}")
+def _check_solve_inputs(weight: Any, options: Any, *, where: str) -> None:
+    if not isinstance(options, GPTQSolveOptions):
+        raise TypeError(
+            f"{where}: options must be a GPTQSolveOptions, got {type(options).__name__}; for a "
+            f"GPTQConfig pass floatxq.lifecycle.gptq_solve_options(config.resolve(module_name))"
+        )
+    require_floating(weight, name="weight", where=where)
     if weight.ndim != 2 or weight.shape[0] == 0 or weight.shape[1] == 0:
         raise ValueError(
             f"{where}: weight must be a non-empty 2-D (out, in) matrix, got {tuple(weight.shape)}"
         )
-    if not bool(torch.isfinite(weight).all()):
-        raise ValueError(f"{where}: weight contains NaN or infinity; finite values are required")
+    require_finite(weight, name="weight", where=where)
     limit = torch.finfo(_compute_dtype(weight)).max / 2
     if float(weight.detach().abs().max()) > limit:
         raise ValueError(
@@ -634,19 +739,19 @@ def _compute_dtype(weight: Tensor) -> torch.dtype:
 def gptq_solve(
     weight: Float[Tensor, "out in"],
     hessian: Float[Tensor, "in in"],
-    config: GPTQConfig,
+    options: GPTQSolveOptions = GPTQSolveOptions(),
     *,
     blocksize: int = GPTQ_BLOCK_SIZE,
     cuda_graph: bool = True,
 ) -> GPTQSolution:
     """Quantize a weight with GPTQ: per column, round and push the error onto later columns.
 
-    Steps (reference §8.2–8.4): dead columns (``H[i,i] == 0``) get ``H[i,i] = 1`` and a zero
-    weight column; ``static_groups`` takes every natural group's parameters up front from that
-    weight; ``desc_act`` sorts columns by ``diag(H)`` (descending, stable), ``act_group_aware``
-    sorts inside each group and then whole groups by their largest ``diag(H)``; the damped
-    Hessian ``H + damp·mean(diag H)·I`` is inverted through Cholesky with ``damp`` retried upward
-    by ``damp_auto_increment`` and, failing that, six diagonal floors; then columns are solved in
+    Steps: dead columns (``H[i,i] == 0``) get ``H[i,i] = 1`` and a zero weight column;
+    ``static_groups`` takes every natural group's parameters up front from that weight;
+    ``desc_act`` sorts columns by ``diag(H)`` (descending, stable), ``act_group_aware`` sorts
+    inside each group and then whole groups by their largest ``diag(H)``; the damped Hessian
+    ``H + damp·mean(diag H)·I`` is inverted through Cholesky with ``damp`` retried upward by
+    ``damp_auto_increment`` and, failing that, six diagonal floors; then columns are solved in
     blocks of ``blocksize``, each group's parameters taken at its first column from the fully
     error-updated weights, and each block's errors applied to the rest with one GEMM.
 
@@ -654,9 +759,7 @@ def gptq_solve(
       weight: ``(out, in)`` floating weight, finite; any device. Computation is FP32 (FP64 for a
         float64 weight).
       hessian: ``(in, in)`` Hessian on the weight's device (:func:`hessian_finalize`).
-      config: a :class:`GPTQConfig`; its ``dynamic`` rules are not applied here (pass
-        ``config.resolve(name)``). ``lm_head``, ``format``, ``activation`` and ``rotation`` do not
-        affect the solve.
+      options: the solver settings (:class:`GPTQSolveOptions`).
       blocksize: columns per lazy block (results are independent of it up to rounding).
       cuda_graph: replay each block pattern as a CUDA graph on CUDA tensors (same bytes as the
         eager path); no effect on CPU.
@@ -676,27 +779,23 @@ def gptq_solve(
 
     Example:
       >>> w = torch.tensor([[0.1, -0.7, 0.3, 0.2]])
-      >>> cfg = GPTQConfig(bits=4, group_size=-1)
-      >>> sol = gptq_solve(w, torch.eye(4), cfg)
+      >>> sol = gptq_solve(w, torch.eye(4), GPTQSolveOptions(bits=4, group_size=-1))
       >>> sol.codes.tolist(), sol.zeros.tolist(), round(sol.scales.item(), 6)
       ([[9, 0, 11, 10]], [[8]], 0.093333)
     """
     where = "gptq_solve"
-    _check_solve_inputs(weight, config, where=where)
-    if not isinstance(hessian, torch.Tensor) or not hessian.is_floating_point():
-        raise TypeError(f"{where}: hessian must be a floating tensor, got {_kind(hessian)}")
+    _check_solve_inputs(weight, options, where=where)
+    require_floating(hessian, name="hessian", where=where)
     k = weight.shape[1]
-    if tuple(hessian.shape) != (k, k):
-        raise ValueError(f"{where}: hessian must have shape ({k}, {k}), got {tuple(hessian.shape)}")
+    require_shape(hessian, (k, k), name="hessian", where=where)
     if hessian.device != weight.device:
         raise TypeError(f"{where}: hessian is on {hessian.device} but weight on {weight.device}")
     if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize < 1:
         raise ValueError(f"{where}: blocksize must be an int >= 1, got {blocksize!r}")
-    if not bool(torch.isfinite(hessian).all()):
-        raise ValueError(f"{where}: hessian contains NaN or infinity; finite values are required")
+    require_finite(hessian, name="hessian", where=where)
 
     with torch.no_grad(), _on_device(weight.device):
-        return _solve(weight.detach(), hessian.detach(), config, blocksize, cuda_graph)
+        return _solve(weight.detach(), hessian.detach(), options, blocksize, cuda_graph)
 
 
 def _on_device(device: torch.device) -> Any:
@@ -705,11 +804,11 @@ def _on_device(device: torch.device) -> Any:
 
 
 def _solve(
-    weight: Tensor, hessian: Tensor, config: GPTQConfig, blocksize: int, cuda_graph: bool
+    weight: Tensor, hessian: Tensor, options: GPTQSolveOptions, blocksize: int, cuda_graph: bool
 ) -> GPTQSolution:
     out, k = weight.shape
     dtype, device = _compute_dtype(weight), weight.device
-    spec = _quant_spec(config, dtype=dtype, device=device)
+    spec = _quant_spec(options, dtype=dtype, device=device)
     h = hessian.to(dtype=dtype, copy=True)
     diag = h.diagonal()
     dead = diag == 0
@@ -717,17 +816,17 @@ def _solve(
     wt = weight.to(dtype).T.clone(memory_format=torch.contiguous_format)  # (in, out), a copy
     wt.masked_fill_(dead[:, None], 0)
 
-    plan = _plan(config, diag, k)
+    plan = _plan(options, diag, k)
     scale_t = torch.empty((plan.count, out), dtype=dtype, device=device)
     zero_t = torch.empty((plan.count, out), dtype=dtype, device=device)
     if plan.groups is None:  # static groups: every natural group's parameters, up front
-        gs = k if config.group_size == -1 else config.group_size
+        gs = k if options.group_size == -1 else options.group_size
         for g in range(plan.count):
             scale_t[g], zero_t[g] = _group_params(wt[g * gs : (g + 1) * gs], spec)
     if plan.perm is not None:
         wt = wt[plan.perm]
         h = h[plan.perm][:, plan.perm]
-    hinv, damp = _inverse_factor(h, config.damp_percent, config.damp_auto_increment)
+    hinv, damp = _inverse_factor(h, options.damp_percent, options.damp_auto_increment)
     del h
 
     blocks = _blocks(k, blocksize, plan.groups)
@@ -787,16 +886,20 @@ def _solve(
     )
 
 
-def rtn_quantize(weight: Float[Tensor, "out in"], config: GPTQConfig) -> GPTQSolution:
+def rtn_quantize(
+    weight: Float[Tensor, "out in"],
+    options: GPTQSolveOptions = GPTQSolveOptions(),
+) -> GPTQSolution:
     """Round-to-nearest with GPTQ's quantizer: the baseline :func:`gptq_solve` improves on.
 
     Each contiguous group of ``group_size`` input columns (the whole row for -1) gets the
-    quantizer's parameters from the weight itself (with the MSE search when ``config.mse > 0``);
+    quantizer's parameters from the weight itself (with the MSE search when ``options.mse > 0``);
     ``desc_act``, ``act_group_aware``, ``static_groups`` and the damping settings do not apply.
 
     Args:
       weight: ``(out, in)`` floating weight, finite; FP32 math (FP64 for float64).
-      config: a :class:`GPTQConfig` (``bits``, ``group_size``, ``sym`` and ``mse`` are used).
+      options: a :class:`GPTQSolveOptions` (``bits``, ``group_size``, ``sym`` and ``mse`` are
+        used).
 
     Returns:
       :class:`GPTQSolution` with ``g_idx = arange(in) // group_size``, ``damp = 0.0`` and
@@ -811,21 +914,21 @@ def rtn_quantize(weight: Float[Tensor, "out in"], config: GPTQConfig) -> GPTQSol
     on CPU and CUDA.
 
     Example:
-      >>> sol = rtn_quantize(torch.tensor([[0.1, -0.7, 0.3, 0.2]]), GPTQConfig(group_size=-1))
+      >>> sol = rtn_quantize(torch.tensor([[0.1, -0.7, 0.3, 0.2]]), GPTQSolveOptions(group_size=-1))
       >>> sol.codes.tolist(), sol.zeros.tolist()
       ([[9, 0, 11, 10]], [[8]])
     """
     where = "rtn_quantize"
-    _check_solve_inputs(weight, config, where=where)
+    _check_solve_inputs(weight, options, where=where)
     with torch.no_grad():
-        return _round_to_nearest(weight.detach(), config)
+        return _round_to_nearest(weight.detach(), options)
 
 
-def _round_to_nearest(weight: Tensor, config: GPTQConfig) -> GPTQSolution:
+def _round_to_nearest(weight: Tensor, options: GPTQSolveOptions) -> GPTQSolution:
     out, k = weight.shape
     dtype, device = _compute_dtype(weight), weight.device
-    spec = _quant_spec(config, dtype=dtype, device=device)
-    gs = k if config.group_size == -1 else config.group_size
+    spec = _quant_spec(options, dtype=dtype, device=device)
+    gs = k if options.group_size == -1 else options.group_size
     count = -(-k // gs)
     wt = weight.to(dtype).T.clone(memory_format=torch.contiguous_format)
     values, codes = torch.empty_like(wt), torch.empty((k, out), dtype=torch.uint8, device=device)

@@ -1,11 +1,11 @@
 """GPTQ INT4 packing (``gptq`` v1 / ``gptq_v2``), centering, and the W4A operand staging.
 
-Layouts (the reference's §6.1–6.3 and §8.6, which every GPTQ kernel reads):
+Layouts (GPT-QModel's checkpoint layout, which every GPTQ kernel reads; ``docs/numerics.md``):
   * ``qweight`` int32 ``(in/8, out)``: input row ``k`` sits in word ``k // 8`` at bits
     ``4 * (k % 8)`` (the lowest row in the lowest nibble).
   * ``qzeros`` int32 ``(groups, out/8)``: output column ``n`` sits in word ``n // 8`` at bits
     ``4 * (n % 8)``. ``gptq_v2`` stores the logical zero point; ``gptq`` (v1, the export default)
-    stores ``zero - 1`` as the seed does: the packed v2 word minus ``0x11111111`` modulo 2**32.
+    stores ``zero - 1`` as GPT-QModel does: the packed v2 word minus ``0x11111111`` modulo 2**32.
   * ``scales`` float16 ``(groups, out)``; ``g_idx`` int32 ``(in,)``: the group of each input row.
 
 Codes are unsigned ``0..15`` with a separate zero point (8 for symmetric 4-bit). The W4A paths
@@ -13,15 +13,31 @@ center them (``code - 8`` in ``-8..7``) and stage the centered integers as exact
 or as two exact E2M1 planes ``c = low + 4 * high`` for NVFP4 tensor cores.
 """
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from floatxq._typing import Float, Float8e4m3fn, Int16, Integer, Tensor
-from floatxq.formats import E2M1_VALUES, GPTQ_W4A_GROUP_SIZE
+from floatxq._checks import (
+    require_finite,
+    require_floating,
+    require_integer,
+    require_range,
+    require_shape,
+    require_tensor,
+)
+from floatxq._typing import (
+    Float,
+    Float8e4m3fn,
+    Int16,
+    Int32,
+    Integer,
+    Tensor,
+    UInt8,
+    checked_record,
+)
+from floatxq.formats import E2M1_VALUES, GPTQ_W4A_GROUP_SIZE, normalize_gptq_format
 
 __all__ = [
-    "GPTQ_FORMATS",
     "E2M1Planes",
     "GPTQPacked",
     "GPTQUnpacked",
@@ -36,106 +52,67 @@ __all__ = [
     "unpack_gptq_int4",
 ]
 
-GPTQ_FORMATS: tuple[str, ...] = ("gptq", "gptq_v2")
-"""Packed zero-point conventions: ``gptq`` (v1) stores ``zero - 1``, ``gptq_v2`` the zero."""
-
 _NIBBLES = 8  # 4-bit values per int32 word
 _V1_OFFSET = 0x11111111  # one in every nibble: v1 word = v2 word - offset (mod 2**32)
 _WORD = 1 << 32
 _FP16_MAX = 65504.0
 
 
+@checked_record
 class GPTQPacked(NamedTuple):
-    """GPTQ INT4 checkpoint tensors, exactly as a ``gptq`` / ``gptq_v2`` file stores them."""
+    """GPTQ INT4 checkpoint tensors, exactly as a ``gptq`` / ``gptq_v2`` file stores them.
 
-    qweight: Tensor
+    Shapes: ``words = in / 8`` rows of ``qweight``; ``g_idx`` has ``in = 8 * words`` entries.
+    """
+
+    qweight: Int32[Tensor, "words out"]
     """int32 ``(in/8, out)``: eight input rows per word, the lowest row in the lowest nibble."""
-    qzeros: Tensor
+    qzeros: Int32[Tensor, "groups out//8"]
     """int32 ``(groups, out/8)``: zero points, eight output columns per word (v1: ``zero - 1``)."""
-    scales: Tensor
-    """float16 ``(groups, out)``: direct scales (decode: ``scale * (code - zero)``)."""
-    g_idx: Tensor
+    scales: Float[Tensor, "groups out"]
+    """``(groups, out)`` direct scales (decode: ``scale * (code - zero)``); float16 when packed
+    by :func:`pack_gptq_int4`."""
+    g_idx: Int32[Tensor, "words*8"]  # noqa: F821
     """int32 ``(in,)``: the group of each input row."""
 
 
+@checked_record
 class GPTQUnpacked(NamedTuple):
     """The logical content of a :class:`GPTQPacked`: codes and zero points as integers."""
 
-    codes: Tensor
+    codes: UInt8[Tensor, "rows out"]
     """uint8 ``(in, out)`` codes ``0..15``."""
-    zeros: Tensor
+    zeros: UInt8[Tensor, "groups out"]
     """uint8 ``(groups, out)`` logical zero points ``0..15`` (v2 meaning, whatever the format)."""
-    scales: Tensor
-    """``(groups, out)`` direct scales, float16 as stored."""
-    g_idx: Tensor
+    scales: Float[Tensor, "groups out"]
+    """``(groups, out)`` direct scales, as stored."""
+    g_idx: Int32[Tensor, "rows"]  # noqa: F821
     """int32 ``(in,)`` group of each input row."""
 
 
+@checked_record
 class Int4Planes(NamedTuple):
     """Two planes of a centered INT4 tensor: ``c = low + 4 * high`` exactly."""
 
-    low: Tensor
-    """``c - 4 * high``, in ``{-2, -1, 0, 1}``; the input's dtype."""
-    high: Tensor
-    """``floor((c + 2) / 4)``, in ``{-2, ..., 2}``; the input's dtype."""
+    low: Integer[Tensor, "*shape"]
+    """``c - 4 * high``, in ``{-2, -1, 0, 1}``; the input's dtype (int16 for unsigned input)."""
+    high: Integer[Tensor, "*shape"]
+    """``floor((c + 2) / 4)``, in ``{-2, ..., 2}``; the same dtype as ``low``."""
 
 
+@checked_record
 class E2M1Planes(NamedTuple):
     """The two INT4 planes as packed E2M1 codes along K (the NVFP4 weight operand)."""
 
-    low: Tensor
+    low: UInt8[Tensor, "half_k n"]
     """uint8 ``(k/2, n)``: the low plane, two E2M1 codes per byte, even K in the low nibble."""
-    high: Tensor
+    high: UInt8[Tensor, "half_k n"]
     """uint8 ``(k/2, n)``: the high plane, packed the same way."""
 
 
 # ----------------------------------------------------------------------------------------------
 # Validation
 # ----------------------------------------------------------------------------------------------
-
-
-def _gptq_format(value: Any, *, where: str, name: str = "format") -> str:
-    if not isinstance(value, str):
-        raise TypeError(
-            f"{where}: {name} must be a str ('gptq' or 'gptq_v2'), got "
-            f"{type(value).__name__} {value!r}"
-        )
-    canonical = str.lower(str.strip(value))
-    if canonical not in GPTQ_FORMATS:
-        raise ValueError(
-            f"{where}: {name}={value!r} is not a GPTQ packing format; accepted: 'gptq' (v1, "
-            f"stores zero-1) or 'gptq_v2' (stores the zero)"
-        )
-    return canonical
-
-
-def _require_tensor(x: Any, *, name: str, where: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(x).__name__}")
-
-
-def _require_integer(x: Any, *, name: str, where: str) -> None:
-    _require_tensor(x, name=name, where=where)
-    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-        raise TypeError(
-            f"{where}: {name} must be an integer tensor (uint8/int8/int16/int32/int64), "
-            f"got dtype {x.dtype}"
-        )
-
-
-def _require_range(x: Tensor, low: int, high: int, *, name: str, where: str) -> None:
-    wide = x.to(torch.int64)  # compare in int64: uint8 would wrap a negative bound
-    outside = (wide < low) | (wide > high)
-    if x.numel() and bool(outside.any()):
-        bad = wide[outside]
-        raise ValueError(
-            f"{where}: {name} must lie in [{low}, {high}]; got values such as {bad[:4].tolist()}"
-        )
-
-
-def _require_shape(x: Tensor, shape: tuple[int, ...], *, name: str, where: str) -> None:
-    if tuple(x.shape) != shape:
-        raise ValueError(f"{where}: {name} must have shape {shape}, got {tuple(x.shape)}")
 
 
 def _to_int32_words(words: Tensor) -> Tensor:
@@ -168,7 +145,7 @@ def _shift_words(qzeros: Tensor, delta: int) -> Tensor:
     return _to_int32_words(unsigned % _WORD)
 
 
-def _check_packed(packed: Any, *, where: str) -> tuple[int, int, int]:
+def _check_packed(packed: object, *, where: str) -> tuple[int, int, int]:
     """``(in, out, groups)`` of a valid :class:`GPTQPacked`, or a ``TypeError``/``ValueError``."""
     if not isinstance(packed, tuple) or len(packed) != 4:
         raise TypeError(
@@ -177,12 +154,12 @@ def _check_packed(packed: Any, *, where: str) -> tuple[int, int, int]:
         )
     qweight, qzeros, scales, g_idx = packed
     for name, t in (("qweight", qweight), ("qzeros", qzeros), ("g_idx", g_idx)):
-        _require_integer(t, name=f"packed.{name}", where=where)
-    _require_tensor(scales, name="packed.scales", where=where)
-    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+        require_integer(t, name=f"packed.{name}", where=where)
+    require_tensor(scales, name="packed.scales", where=where)
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or g_idx.dtype != torch.int32:
         raise TypeError(
-            f"{where}: packed.qweight and packed.qzeros must be int32, got {qweight.dtype} and "
-            f"{qzeros.dtype}"
+            f"{where}: packed.qweight, packed.qzeros and packed.g_idx must be int32, got "
+            f"{qweight.dtype}, {qzeros.dtype} and {g_idx.dtype}"
         )
     if qweight.ndim != 2 or qzeros.ndim != 2 or scales.ndim != 2 or g_idx.ndim != 1:
         raise ValueError(
@@ -192,9 +169,9 @@ def _check_packed(packed: Any, *, where: str) -> tuple[int, int, int]:
         )
     rows, out = qweight.shape[0] * _NIBBLES, qweight.shape[1]
     groups = scales.shape[0]
-    _require_shape(qzeros, (groups, out // _NIBBLES), name="packed.qzeros", where=where)
-    _require_shape(scales, (groups, out), name="packed.scales", where=where)
-    _require_shape(g_idx, (rows,), name="packed.g_idx", where=where)
+    require_shape(qzeros, (groups, out // _NIBBLES), name="packed.qzeros", where=where)
+    require_shape(scales, (groups, out), name="packed.scales", where=where)
+    require_shape(g_idx, (rows,), name="packed.g_idx", where=where)
     return rows, out, groups
 
 
@@ -242,33 +219,30 @@ def pack_gptq_int4(
       ('0x1000000f', '0x77777777')
     """
     where = "pack_gptq_int4"
-    fmt = _gptq_format(format, where=where)
-    _require_integer(codes, name="codes", where=where)
-    _require_integer(zeros, name="zeros", where=where)
-    _require_integer(g_idx, name="g_idx", where=where)
-    _require_tensor(scales, name="scales", where=where)
-    if not scales.is_floating_point():
-        raise TypeError(f"{where}: scales must be a floating tensor, got dtype {scales.dtype}")
+    fmt = normalize_gptq_format(format, where=where)
+    require_integer(codes, name="codes", where=where)
+    require_integer(zeros, name="zeros", where=where)
+    require_integer(g_idx, name="g_idx", where=where)
+    require_floating(scales, name="scales", where=where)
     if codes.ndim != 2:
         raise ValueError(f"{where}: codes must be 2-D (in, out), got {tuple(codes.shape)}")
     rows, out = codes.shape
     if zeros.ndim != 2 or zeros.shape[1] != out:
         raise ValueError(f"{where}: zeros must be (groups, out={out}), got {tuple(zeros.shape)}")
     groups = zeros.shape[0]
-    _require_shape(scales, (groups, out), name="scales", where=where)
-    _require_shape(g_idx, (rows,), name="g_idx", where=where)
+    require_shape(scales, (groups, out), name="scales", where=where)
+    require_shape(g_idx, (rows,), name="g_idx", where=where)
     if rows % _NIBBLES or out % _NIBBLES:
         raise ValueError(
             f"{where}: in={rows} and out={out} must both be multiples of 8 (eight 4-bit values "
             f"per int32 word); floatxq never pads"
         )
-    _require_range(codes, 0, 15, name="codes", where=where)
-    _require_range(zeros, 0, 15, name="zeros", where=where)
-    _require_range(g_idx, 0, max(groups - 1, 0), name="g_idx", where=where)
+    require_range(codes, 0, 15, name="codes", where=where)
+    require_range(zeros, 0, 15, name="zeros", where=where)
+    require_range(g_idx, 0, max(groups - 1, 0), name="g_idx", where=where)
     if rows and not groups:
         raise ValueError(f"{where}: zeros and scales need at least one group for {rows} rows")
-    if scales.numel() and not bool(torch.isfinite(scales).all()):
-        raise ValueError(f"{where}: scales contain NaN or infinity; finite values are required")
+    require_finite(scales, name="scales", where=where)
 
     qweight = _to_int32_words(_pack_nibbles(codes, dim=0))
     qzeros = _to_int32_words(_pack_nibbles(zeros, dim=1))
@@ -305,7 +279,7 @@ def unpack_gptq_int4(packed: GPTQPacked, *, format: str = "gptq") -> GPTQUnpacke
       ([15, 15, 15, 15, 15, 15, 15, 15], [8, 8])
     """
     where = "unpack_gptq_int4"
-    fmt = _gptq_format(format, where=where)
+    fmt = normalize_gptq_format(format, where=where)
     _check_packed(packed, where=where)
     qweight, qzeros, scales, g_idx = packed
     words = qzeros if fmt == "gptq_v2" else _shift_words(qzeros, _V1_OFFSET)
@@ -321,7 +295,7 @@ def convert_gptq_format(packed: GPTQPacked, *, source: str, target: str) -> GPTQ
     """Convert the zero-point convention of packed GPTQ tensors between ``gptq`` and ``gptq_v2``.
 
     v2 → v1 subtracts ``0x11111111`` from every ``qzeros`` word and v1 → v2 adds it, modulo
-    2**32 (the seed's packed-word conversion); the other tensors are copied unchanged.
+    2**32 (GPT-QModel's packed-word conversion); the other tensors are copied unchanged.
 
     Args:
       packed: a :class:`GPTQPacked` stored in ``source``'s convention.
@@ -341,8 +315,8 @@ def convert_gptq_format(packed: GPTQPacked, *, source: str, target: str) -> GPTQ
       '0x88888888'
     """
     where = "convert_gptq_format"
-    src = _gptq_format(source, where=where, name="source")
-    dst = _gptq_format(target, where=where, name="target")
+    src = normalize_gptq_format(source, where=where, name="source")
+    dst = normalize_gptq_format(target, where=where, name="target")
     _check_packed(packed, where=where)
     qweight, qzeros, scales, g_idx = packed
     if src == dst:
@@ -384,7 +358,7 @@ def centered_int4(packed: GPTQPacked, *, format: str = "gptq") -> Int16[Tensor, 
       [-5, -5, -5]
     """
     where = "centered_int4"
-    fmt = _gptq_format(format, where=where)
+    fmt = normalize_gptq_format(format, where=where)
     rows, _, groups = _check_packed(packed, where=where)
     g = GPTQ_W4A_GROUP_SIZE
     if rows % g:
@@ -410,9 +384,10 @@ def centered_int4(packed: GPTQPacked, *, format: str = "gptq") -> Int16[Tensor, 
     return unpacked.codes.to(torch.int16) - 8
 
 
-def _require_centered(c: Any, *, name: str, where: str, low: int, high: int) -> None:
-    _require_integer(c, name=name, where=where)
-    _require_range(c, low, high, name=name, where=where)
+def _require_centered(c: object, *, name: str, where: str, low: int, high: int) -> None:
+    """An integer tensor whose values lie in ``[low, high]`` (a centered INT4 value or plane)."""
+    require_integer(c, name=name, where=where)
+    require_range(c, low, high, name=name, where=where)
 
 
 def split_int4_planes(c: Integer[Tensor, "*shape"]) -> Int4Planes:
@@ -475,7 +450,7 @@ def merge_int4_planes(
             f"{tuple(high.shape)}"
         )
     merged = low.to(torch.int64) + 4 * high.to(torch.int64)
-    _require_range(merged, -8, 7, name="low + 4 * high", where=where)
+    require_range(merged, -8, 7, name="low + 4 * high", where=where)
     return merged.to(low.dtype if low.is_signed() else torch.int16)
 
 
@@ -512,7 +487,7 @@ def int4_planes_to_e2m1(low: Integer[Tensor, "k n"], high: Integer[Tensor, "k n"
 
     Each plane value becomes its exact E2M1 code (``|v|`` 0→0, 1→2, 2→4 with bit 3 set for
     ``v < 0``), and two consecutive K rows share one byte: ``byte[i, n] = code[2i, n] |
-    code[2i+1, n] << 4`` (the even K element in the low nibble, SPEC §4's convention).
+    code[2i+1, n] << 4`` (the even K element in the low nibble, as NVFP4 packs every operand).
 
     Args:
       low, high: ``(k, n)`` planes from :func:`split_int4_planes` (``k`` even), ``k`` = input
@@ -533,8 +508,8 @@ def int4_planes_to_e2m1(low: Integer[Tensor, "k n"], high: Integer[Tensor, "k n"
       ('0xa0', '0x4c')
     """
     where = "int4_planes_to_e2m1"
-    _require_integer(low, name="low", where=where)
-    _require_integer(high, name="high", where=where)
+    require_integer(low, name="low", where=where)
+    require_integer(high, name="high", where=where)
     if low.shape != high.shape or low.ndim != 2:
         raise ValueError(
             f"{where}: low and high must be 2-D (k, n) planes of one shape, got "

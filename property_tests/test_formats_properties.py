@@ -1,12 +1,18 @@
-"""Properties of the name normalizers (SPEC §1)."""
+"""Properties of the name normalizers: every spelling maps to one canonical name, idempotently,
+and every other value is refused with an error that lists the accepted names."""
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import floatxq as fq
-from floatxq.testing.strategies import FP8_ALIASES, alias_spellings
+from floatxq.testing.strategies import (
+    FP8_ALIASES,
+    GPTQ_FORMAT_NAMES,
+    alias_spellings,
+    gptq_format_spellings,
+)
 
 ALL_FP8 = tuple(sorted(set(FP8_ALIASES.values())))
 
@@ -19,6 +25,7 @@ def test_format_case_and_space_insensitive_and_idempotent(pair):
     assert fq.normalize_fp8_format(name) == name
     assert fq.fp8_dtype(spelling) is getattr(torch, canonical)
     assert fq.normalize_fp8_format(fq.fp8_dtype(spelling)) == canonical
+    assert fq.fp8_max(spelling) == float(torch.finfo(getattr(torch, canonical)).max)
 
 
 @given(st.text(alphabet="abcdefmnoprstuxz0123456789_ ", min_size=1, max_size=12))
@@ -56,36 +63,55 @@ def test_scale_method_resolution(method, block, pad, upper):
         assert fq.normalize_fp8_block_size(fq.normalize_fp8_block_size(block)) == block
 
 
-@given(
-    st.fixed_dictionaries(
-        {},
-        optional={
-            "fmt": st.sampled_from(sorted(FP8_ALIASES)),
-            "format": st.sampled_from(
-                sorted(a for a, c in FP8_ALIASES.items() if c != "float8_e8m0fnu")
-            ),
-            "weight_block_size": st.tuples(st.integers(1, 256), st.integers(1, 256)),
-            "weight_only": st.fixed_dictionaries({"smooth": st.integers(0, 3)}),
-            "bits": st.just(8),
-        },
-    )
-)
-def test_fp8_kwargs_normalization_is_idempotent(payload):
-    before = dict(payload)
-    once = fq.normalize_fp8_kwargs(payload)
-    assert payload == before
-    assert fq.normalize_fp8_kwargs(once) == once
-    assert "fmt" not in once and "weight_only" not in once
-    expected = payload.get("format", payload.get("fmt"))
-    assert once["format"] == fq.normalize_fp8_format(expected)
-    assert (once["weight_scale_method"] == "block") == ("weight_block_size" in payload)
-    if "weight_only" in payload:
-        assert once["smoother"] == payload["weight_only"]["smooth"]
+LEGACY_RECIPES = {
+    "lsq": "least_squares",
+    "lsq_headroom": "least_squares_headroom",
+    "lsq_grid": "least_squares_grid",
+}
+"""The legacy recipe aliases, written out independently of ``floatxq.formats``."""
 
 
-@given(st.sampled_from(["lsq", "lsq_headroom", "lsq_grid", *fq.NVFP4_RECIPES]))
-def test_recipe_normalization_idempotent(name):
+@given(st.sampled_from(sorted(LEGACY_RECIPES) + list(fq.NVFP4_RECIPES)))
+def test_recipe_names_resolve_to_a_local_algorithm_and_a_headroom_flag(name):
     canonical = fq.normalize_nvfp4_recipe(name)
+    assert canonical == LEGACY_RECIPES.get(name, name)
     assert fq.normalize_nvfp4_recipe(canonical) == canonical
-    assert fq.nvfp4_kernel_recipe(fq.nvfp4_kernel_recipe(name)) == fq.nvfp4_kernel_recipe(name)
-    assert not fq.nvfp4_uses_headroom(fq.nvfp4_kernel_recipe(name))
+    # a recipe is its per-block algorithm, plus the headroom global scale when it is named so
+    headroom = canonical.endswith("_headroom")
+    assert fq.nvfp4_uses_headroom(name) is headroom
+    local = fq.nvfp4_kernel_recipe(name)
+    assert local == canonical.removesuffix("_headroom")
+    assert fq.nvfp4_kernel_recipe(local) == local and not fq.nvfp4_uses_headroom(local)
+
+
+@given(st.one_of(st.text(max_size=12), st.integers(), st.none()))
+@example("NVIDIA")
+@example("least_squares ")
+def test_unknown_recipe_names_are_refused_with_the_accepted_ones(value):
+    if isinstance(value, str) and (value in fq.NVFP4_RECIPES or value in LEGACY_RECIPES):
+        return
+    with pytest.raises(ValueError, match="Unsupported NVFP4 scale recipe") as info:
+        fq.normalize_nvfp4_recipe(value)
+    for name in (*fq.NVFP4_RECIPES, *LEGACY_RECIPES):
+        assert repr(name) in str(info.value)
+
+
+@given(gptq_format_spellings())
+def test_gptq_format_case_and_space_insensitive_and_idempotent(pair):
+    spelling, canonical = pair
+    assert fq.normalize_gptq_format(spelling) == canonical
+    assert fq.normalize_gptq_format(canonical) == canonical
+    assert canonical in fq.GPTQ_FORMATS
+
+
+@given(st.one_of(st.text(alphabet="gptqv_12 GPTQV", max_size=10), st.integers(), st.none()))
+@example("gptq_v1")
+@example(b"gptq")
+def test_gptq_format_refuses_other_values_naming_the_argument(value):
+    if isinstance(value, str) and value.strip().lower() in GPTQ_FORMAT_NAMES:
+        return
+    error = ValueError if isinstance(value, str) else TypeError
+    with pytest.raises(error) as info:
+        fq.normalize_gptq_format(value, where="pack_gptq_int4", name="format")
+    message = str(info.value)
+    assert message.startswith("pack_gptq_int4: format") and "'gptq_v2'" in message

@@ -1,4 +1,5 @@
-"""CUDA gives the same bytes as CPU for every pure FP8 function (SPEC §0: device-preserving)."""
+"""CUDA gives the same bytes as CPU for every pure function (the device-invariance guarantee of
+``docs/numerics.md``)."""
 
 import pytest
 import torch
@@ -34,8 +35,8 @@ def test_quantize_fp8_weight_cuda_equals_cpu(name, method, block, dtype):
     assert gpu.qweight.is_cuda and gpu.scale_inv.is_cuda
     assert_bitwise_equal(gpu.qweight, cpu.qweight, msg="codes")
     assert_bitwise_equal(gpu.scale_inv, cpu.scale_inv, msg="scale_inv")
-    back = fq.dequantize_fp8_weight(gpu.qweight, gpu.scale_inv, dtype=dtype, transpose=True)
-    assert_bitwise_equal(back, fq.dequantize_fp8_weight(*cpu, dtype=dtype, transpose=True))
+    back = fq.dequantize_fp8_weight_transposed(gpu.qweight, gpu.scale_inv, dtype=dtype)
+    assert_bitwise_equal(back, fq.dequantize_fp8_weight_transposed(*cpu, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -84,7 +85,7 @@ def test_nvfp4_cuda_equals_cpu(recipe, dtype):
 def test_nvfp4_swizzle_and_headroom_cuda_equal_cpu():
     scales = torch.rand(300, 24).to(torch.float8_e4m3fn)
     assert_bitwise_equal(
-        fq.swizzle_scales(scales.cuda(), per_group=True), fq.swizzle_scales(scales, per_group=True)
+        fq.swizzle_scales_per_group(scales.cuda()), fq.swizzle_scales_per_group(scales)
     )
     x = _weight(3, 64, 256)
     cpu = fq.headroom_update(fq.headroom_init(), x)

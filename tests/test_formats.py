@@ -1,11 +1,13 @@
-"""Format names, aliases, constants and recipe names (SPEC §1)."""
+"""Format names, aliases, constants and recipe names (the tables of ``docs/numerics.md``)."""
 
 import enum
+import typing
 
 import pytest
 import torch
 
 import floatxq as fq
+import floatxq.formats as formats
 
 ALIAS_TABLE = [
     ("e4m3", "float8_e4m3fn"),
@@ -118,29 +120,6 @@ def test_normalize_fp8_scale_semantics():
             fq.normalize_fp8_scale_semantics(bad)
 
 
-def test_normalize_fp8_kwargs_legacy_and_new():
-    payload = {"fmt": "E5M2", "weight_block_size": (128, 64), "weight_only": {"smooth": {"k": 1}}}
-    out = fq.normalize_fp8_kwargs(payload)
-    assert out == {
-        "format": "float8_e5m2",
-        "weight_block_size": [128, 64],
-        "weight_scale_method": "block",
-        "smoother": {"k": 1},
-    }
-    assert "fmt" in payload and "weight_only" in payload, "the input mapping is not modified"
-    # format wins over the legacy fmt; an explicit smoother wins over weight_only
-    out = fq.normalize_fp8_kwargs(
-        {"fmt": "e5m2", "format": "e4m3", "smoother": "s", "weight_only": {"smooth": "w"}}
-    )
-    assert out == {
-        "format": "float8_e4m3fn",
-        "smoother": "s",
-        "weight_block_size": None,
-        "weight_scale_method": "row",
-    }
-    assert "smoother" not in fq.normalize_fp8_kwargs({"smooth": None, "weight_only": {"smooth": 1}})
-
-
 RECIPES = [
     ("nvidia", "nvidia", False),
     ("nvidia_headroom", "nvidia", True),
@@ -161,6 +140,47 @@ def test_nvfp4_recipe_names(name, local, headroom):
     assert canonical in fq.NVFP4_RECIPES
     assert fq.nvfp4_kernel_recipe(name) == local
     assert fq.nvfp4_uses_headroom(name) is headroom
+
+
+@pytest.mark.parametrize(
+    ("alias", "names"),
+    [
+        (formats.FP8Format, fq.FP8_FORMATS),
+        (formats.FP8ScaleMethod, formats.FP8_SCALE_METHODS),
+        (formats.FP8ScaleSemantics, formats.FP8_SCALE_SEMANTICS),
+        (formats.GPTQFormat, fq.GPTQ_FORMATS),
+        (formats.NVFP4Recipe, fq.NVFP4_RECIPES),
+    ],
+)
+def test_literal_aliases_name_exactly_the_accepted_values(alias, names):
+    assert typing.get_args(alias) == tuple(names)
+
+
+def test_local_recipes_are_the_recipes_without_headroom():
+    local = {r.removesuffix("_headroom") for r in fq.NVFP4_RECIPES}
+    assert set(typing.get_args(formats.NVFP4LocalRecipe)) == local
+
+
+@pytest.mark.parametrize(
+    ("value", "canonical"),
+    [("gptq", "gptq"), ("gptq_v2", "gptq_v2"), (" GPTQ ", "gptq"), ("Gptq_V2\n", "gptq_v2")],
+)
+def test_normalize_gptq_format(value, canonical):
+    assert fq.normalize_gptq_format(value) == canonical
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        ("gptq_v1", ValueError, r"where: source='gptq_v1' is not a GPTQ packing format; accepted"),
+        ("v2", ValueError, r"'gptq' \(v1, stores zero - 1\) or 'gptq_v2'"),
+        (2, TypeError, r"where: source must be a str \('gptq', 'gptq_v2'\), got int 2"),
+        (None, TypeError, "got NoneType None"),
+    ],
+)
+def test_normalize_gptq_format_rejects(value, error, match):
+    with pytest.raises(error, match=match):
+        fq.normalize_gptq_format(value, where="where", name="source")
 
 
 def test_nvfp4_recipe_errors():

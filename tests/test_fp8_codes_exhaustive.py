@@ -1,4 +1,4 @@
-"""Exhaustive tables: every FP8 code, every midpoint, every bf16 input (SPEC §1)."""
+"""Exhaustive tables: every FP8 code, every midpoint, every bf16 input, against ml_dtypes."""
 
 import ml_dtypes
 import numpy as np

@@ -1,4 +1,4 @@
-"""``TorchFP8Linear`` (SPEC §7): buffers as bytes, construction, forward routes, caches, hooks.
+"""``TorchFP8Linear``: buffers as bytes, construction, forward routes, caches, hooks.
 
 CPU tests cover the stored format, ``from_linear`` for every module kind, the decode route, the
 ``.to()``/loading policy and disable-on-error. GPU tests check that each ``scaled_mm`` route is
@@ -11,6 +11,7 @@ taken where eligible and agrees with the decoded reference within stated toleran
   (E4M3 inputs: each element's relative error is at most 2**-4, about 0.036 RMS).
 """
 
+import dataclasses
 import warnings
 
 import pytest
@@ -20,9 +21,15 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import floatxq as fq
-from floatxq.nn import ROUTES, TorchFP8Linear
-from floatxq.nn.fp8_linear import SMALL_M
-from floatxq.testing import assert_bitwise_equal, assert_fp8_linear_close, unchecked
+from floatxq.nn import ROUTES, FP8RouteTuning, TorchFP8Linear
+from floatxq.testing import (
+    HOPPER_FP8_ACCUMULATION,
+    assert_bitwise_equal,
+    assert_fp8_linear_close,
+    unchecked,
+)
+
+SMALL_M = FP8RouteTuning().small_m_rows
 
 LAYOUTS = [("tensor", None), ("row", None), ("block", (16, 32))]
 ENCODABLE = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
@@ -477,6 +484,97 @@ def test_state_dict_round_trip_and_checks():
 
 
 # ----------------------------------------------------------------------------------------------
+# The CUDA routes' control flow on CPU: the policy told the calls run on an H100 with Triton
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def as_if_on_h100(monkeypatch):
+    """The module's route policy sees its CPU calls as an H100's (Triton importable): choosing,
+    building runners, switching a failing route off and falling back all run as on the GPU,
+    with torch's CPU ``_scaled_mm`` in cuBLAS's place (skipped where this torch has none)."""
+    import floatxq.nn.fp8_linear as module
+
+    codes = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(codes, codes.t(), torch.ones(16, 1), torch.ones(1, 16), None, None,
+                         torch.bfloat16)  # fmt: skip
+    except Exception as exc:  # no CPU scaled_mm in this torch
+        pytest.skip(f"torch._scaled_mm does not run on CPU here: {exc}")
+    real = module.select_fp8_route
+
+    def select(facts, *, tuning):
+        h100 = dataclasses.replace(
+            facts, device_type="cuda", capability=(9, 0), small_m_unavailable=None
+        )
+        return real(h100, tuning=tuning)
+
+    monkeypatch.setattr(module, "select_fp8_route", select)
+
+
+def _broken(message):
+    def broken(*args, **kwargs):
+        raise RuntimeError(message)
+
+    return broken
+
+
+@pytest.mark.parametrize(("method", "recipe"), [("tensor", "tensorwise"), ("row", "rowwise")])
+def test_scaled_mm_routes_run_their_recipe(as_if_on_h100, method, recipe):
+    layer = TorchFP8Linear.from_linear(_linear(), weight_scale_method=method)
+    x = torch.randn(2 * SMALL_M, 64, dtype=torch.bfloat16)
+    got = layer(x)
+    assert (layer.last_route, layer.last_fallback_reason) == (f"scaled_mm_{recipe}", None)
+    assert_fp8_linear_close(
+        got, x, layer.weight, layer.weight_scale_inv, layer.bias.to(x.dtype), recipe=recipe
+    )
+
+
+def test_a_failing_small_m_kernel_falls_back_to_its_scaled_mm_route(as_if_on_h100, monkeypatch):
+    import floatxq.nn.fp8_routes as routes
+
+    monkeypatch.setattr(routes, "small_m_launch", _broken("no such kernel"))
+    layer = TorchFP8Linear.from_linear(_linear(), weight_scale_method="row")
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="fp8_small_m raised .* now uses scaled_mm_rowwise"):
+        got = layer(x)
+    assert layer.last_route == "scaled_mm_rowwise"
+    assert layer.last_fallback_reason == (
+        "fp8_small_m: disabled after an error (RuntimeError: no such kernel)"
+    )
+    assert_fp8_linear_close(
+        got, x, layer.weight, layer.weight_scale_inv, layer.bias.to(x.dtype), recipe="rowwise"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # switched off for bf16: no second attempt, no warning
+        layer(x)
+    assert layer.last_route == "scaled_mm_rowwise"
+    layer(torch.randn(32, 64, dtype=torch.bfloat16))  # prefill never wanted the kernel
+    assert (layer.last_route, layer.last_fallback_reason) == ("scaled_mm_rowwise", None)
+    with pytest.warns(RuntimeWarning, match="for torch.float16 inputs"):
+        layer(x.half())  # fp16 tries the kernel for itself
+    layer.float()  # a move drops the switches: the kernel is tried again
+    with pytest.warns(RuntimeWarning, match="no such kernel"):
+        layer(x)
+    monkeypatch.setattr(torch, "_scaled_mm", _broken("cuBLAS says no"))  # bound when built
+    fresh = TorchFP8Linear.from_linear(_linear(), weight_scale_method="row")
+    with pytest.warns(RuntimeWarning) as caught:  # both fast routes fail in one call
+        got = fresh(x)
+    assert [str(w.message).split(" raised")[0] for w in caught] == [
+        "TorchFP8Linear: fp8_small_m",
+        "TorchFP8Linear: scaled_mm_rowwise",
+    ]
+    assert "now uses dequant_matmul" in str(caught[1].message)
+    assert fresh.last_route == "dequant_matmul"
+    reason = fresh.last_fallback_reason
+    assert reason.startswith("scaled_mm_rowwise (and fp8_small_m, which takes its recipe): ")
+    assert "cuBLAS says no" in reason
+    assert_bitwise_equal(
+        got, F.linear(x, fresh.dequantize_weight(dtype=x.dtype), fresh.bias.to(x.dtype))
+    )
+
+
+# ----------------------------------------------------------------------------------------------
 # GPU: routes, gates, tolerances
 # ----------------------------------------------------------------------------------------------
 
@@ -523,19 +621,23 @@ def test_scaled_mm_routes_match_the_decoded_reference(method, block, name, route
     recipe = {"tensor": "tensorwise", "row": "rowwise", "block": "blockwise"}[method]
     for small_m in (True, False):  # rows <= SMALL_M take the fused kernel unless it is off
         if not small_m:
-            layer._runtime.disabled[("fp8_small_m", dtype)] = "off for this test"
+            layer._runtime.switch_off("fp8_small_m", dtype, "off for this test")
         for m in (1, 8, 16, 33, 256, 8, 1):  # repeated sizes reuse the bound route and launch
             x = torch.randn(2, m, 512, device="cuda").to(dtype)
             got = layer(x)
             rows = 2 * m
             expected = "fp8_small_m" if small_m and rows <= SMALL_M else route
             assert layer.last_route == expected, layer.last_fallback_reason
-            assert layer.last_fallback_reason is None
+            if small_m or rows > SMALL_M:  # the fastest candidate ran
+                assert layer.last_fallback_reason is None
+            else:  # the fused kernel would have: the reason says why it did not
+                assert "fp8_small_m: off for this test" in layer.last_fallback_reason
             assert got.dtype == dtype and got.shape == (2, m, 384)
             flat = x.reshape(-1, 512)
             assert_fp8_linear_close(
                 got.reshape(-1, 384), flat, layer.weight, layer.weight_scale_inv,
-                layer.bias.to(dtype), recipe=recipe, msg=expected, accumulator_bits=22,
+                layer.bias.to(dtype), recipe=recipe, msg=expected,
+                accumulation=HOPPER_FP8_ACCUMULATION,
             )  # fmt: skip
             x_format, x_method, x_block = x_quant
             emulated = _emulated(
@@ -658,13 +760,14 @@ def test_graph_capture_takes_the_faster_gpu_route(method, block, rows, captured)
         torch.cuda.synchronize()
         assert_fp8_linear_close(
             out, x, layer.weight, layer.weight_scale_inv, layer.bias.to(x.dtype),
-            recipe=_route_name(method), accumulator_bits=22,
+            recipe=_route_name(method), accumulation=HOPPER_FP8_ACCUMULATION,
         )  # fmt: skip
 
 
 @pytest.mark.gpu
 def test_small_m_kernel_falls_back_to_scaled_mm(monkeypatch):
     import floatxq.nn.fp8_linear as module
+    import floatxq.nn.fp8_routes as routes
 
     _, layer = _route_layer("row", None)
     x = torch.randn(3, 512, device="cuda", dtype=torch.bfloat16)
@@ -672,13 +775,15 @@ def test_small_m_kernel_falls_back_to_scaled_mm(monkeypatch):
     def broken(*args):
         raise RuntimeError("no such kernel")
 
-    monkeypatch.setattr(module, "small_m_launch", broken)
+    monkeypatch.setattr(routes, "small_m_launch", broken)
     with pytest.warns(RuntimeWarning, match="now uses scaled_mm_rowwise"):
         got = layer(x)
-    assert layer.last_route == "scaled_mm_rowwise" and layer.last_fallback_reason is None
+    assert layer.last_route == "scaled_mm_rowwise"
+    assert "fp8_small_m: disabled after an error" in layer.last_fallback_reason
+    assert "no such kernel" in layer.last_fallback_reason
     assert_fp8_linear_close(
         got, x, layer.weight, layer.weight_scale_inv, layer.bias.to(x.dtype), recipe="rowwise",
-        accumulator_bits=22,
+        accumulation=HOPPER_FP8_ACCUMULATION,
     )  # fmt: skip
     with pytest.warns(RuntimeWarning, match="no such kernel"):
         layer(x.half())
@@ -690,6 +795,7 @@ def test_small_m_kernel_falls_back_to_scaled_mm(monkeypatch):
     monkeypatch.setattr(module, "triton_unavailable_reason", lambda device: "no Triton here")
     fresh(x)
     assert fresh.last_route == "scaled_mm_rowwise"
+    assert fresh.last_fallback_reason == "fp8_small_m: no Triton here"
 
 
 @pytest.mark.gpu
@@ -733,7 +839,7 @@ def test_no_dense_weight_survives_a_call_on_cuda(method, block):
     forced = TorchFP8Linear.from_linear(
         _linear(1024, 1024).cuda(), weight_scale_method=method, weight_block_size=block
     )
-    forced._runtime.disabled[(f"scaled_mm_{_route_name(method)}", torch.bfloat16)] = "test"
+    forced._runtime.switch_off(f"scaled_mm_{_route_name(method)}", torch.bfloat16, "test")
     x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
     for module in (layer, forced):
         module(x)  # warm caches

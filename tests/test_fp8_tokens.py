@@ -1,4 +1,4 @@
-"""Per-token E4M3 activations (SPEC §3) against the numpy/ml_dtypes oracle."""
+"""Per-token E4M3 activations (``docs/numerics.md``) against the numpy/ml_dtypes oracle."""
 
 import pytest
 import torch

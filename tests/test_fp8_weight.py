@@ -1,4 +1,4 @@
-"""FP8 weights with inverse scales (SPEC §2), against the independent numpy/ml_dtypes oracle."""
+"""FP8 weights with inverse scales (``docs/numerics.md``), against the numpy/ml_dtypes oracle."""
 
 import numpy as np
 import pytest
@@ -58,7 +58,7 @@ def test_scale_shapes_and_dtypes(method, block, shape):
     assert q.qweight.shape == (32, 64) and q.qweight.dtype == torch.float8_e4m3fn
 
 
-def test_seed_formula_by_hand():
+def test_scale_formula_by_hand():
     w = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [3.0, 1e-3, -448.0]])
     q = fq.quantize_fp8_weight(w)
     assert q.scale_inv.tolist() == [224.0, 1.0, 1.0]
@@ -72,7 +72,7 @@ def test_seed_formula_by_hand():
 
 
 def test_tiny_amax_keeps_finite_scale_and_no_nan():
-    # the seed divides 448 by amax = 1e-38 to inf and writes NaN codes (0 * inf); floatxq caps it
+    # GPT-QModel divides 448 by amax = 1e-38 to inf and writes NaN codes (0 * inf); floatxq caps it
     w = torch.tensor([[1e-38, 0.0, -5e-39], [2.0**-149, 0.0, 0.0]])
     q = fq.quantize_fp8_weight(w)
     assert torch.isfinite(q.scale_inv).all() and (q.scale_inv > 0).all()
@@ -102,7 +102,7 @@ def test_dequantize_layouts_and_transpose():
             )
             expanded = expanded.reshape(w.shape)
         assert_bitwise_equal(d, q.qweight.float() / expanded)
-        t = fq.dequantize_fp8_weight(q.qweight, q.scale_inv, dtype=torch.bfloat16, transpose=True)
+        t = fq.dequantize_fp8_weight_transposed(q.qweight, q.scale_inv, dtype=torch.bfloat16)
         assert t.is_contiguous() and t.shape == (64, 32)
         assert_bitwise_equal(t, d.to(torch.bfloat16).t().contiguous())
 
@@ -199,6 +199,11 @@ def test_direct_to_inverse_scale():
     for bad in (torch.tensor([-1.0]), torch.tensor([float("nan")]), torch.tensor([float("inf")])):
         with pytest.raises(ValueError, match="direct_to_inverse_scale"):
             fq.direct_to_inverse_scale(bad)
+    # 1 / 1e-40 overflows float32: such a direct scale has no finite inverse scale
+    with pytest.raises(ValueError, match="overflows float32"):
+        fq.direct_to_inverse_scale(torch.tensor([1.0, 1e-40]))
+    smallest = torch.tensor([2.0**-127])  # the smallest direct scale with a finite inverse
+    assert fq.direct_to_inverse_scale(smallest).item() == 2.0**127
 
 
 def test_direct_scale_checkpoint_round_trip():

@@ -1,12 +1,18 @@
-"""GPTQConfig (SPEC §6, reference §2.2 and §8.3): validation, defaults, payload round trips."""
+"""GPTQConfig: validation, defaults, rules, GPT-QModel payloads and the solver's options."""
 
+import dataclasses
 import json
+import typing
 import warnings
 
 import jaxtyping
 import pytest
+from beartype.door import is_bearable
 
 from floatxq.config import FORMAT, METHOD, GPTQConfig
+from floatxq.gptq import GPTQSolveOptions
+from floatxq.lifecycle.gptq import gptq_solve_options
+from floatxq.lifecycle.payload import gptq_config_from_payload, gptq_config_to_payload
 
 
 @pytest.fixture
@@ -39,7 +45,7 @@ DEFAULT_PAYLOAD = {
 }
 
 
-def test_defaults_are_the_seeds():
+def test_defaults_are_gptqmodels():
     cfg = GPTQConfig()
     assert (cfg.bits, cfg.group_size, cfg.sym, cfg.desc_act) == (4, 128, True, False)
     assert (cfg.static_groups, cfg.act_group_aware, cfg.mse, cfg.lm_head) == (
@@ -49,18 +55,40 @@ def test_defaults_are_the_seeds():
         False,
     )
     assert (cfg.damp_percent, cfg.damp_auto_increment) == (0.05, 0.01)
-    assert cfg.format == FORMAT.GPTQ and cfg.method == METHOD.GPTQ
-    assert cfg.activation is None and cfg.dynamic is None and cfg.rotation is None
-    assert cfg.meta is None and not cfg.uses_weight_only_lifecycle()
+    assert cfg.format == FORMAT.GPTQ and GPTQConfig.method is METHOD.GPTQ
+    assert cfg.dynamic is None and cfg.meta is None
+
+
+@pytest.mark.parametrize("name", ["activation", "rotation", "method"])
+def test_features_without_an_implementation_are_not_fields(name):
+    assert name not in {field.name for field in dataclasses.fields(GPTQConfig)}
+    with pytest.raises(TypeError, match=name):
+        GPTQConfig(**{name: None})
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GPTQConfig(),
+        GPTQConfig(damp_percent=1 / 8, damp_auto_increment=0, mse=2, desc_act=None),
+        GPTQConfig(format=FORMAT.GPTQ_V2, meta={"q": ["x"]}, dynamic={"a": {"bits": 8}}),
+    ],
+)
+def test_every_field_annotation_is_true(cfg):
+    hints = typing.get_type_hints(GPTQConfig)
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        assert is_bearable(value, hints[field.name]), (field.name, value)
+    assert type(cfg.format) is str and type(cfg.damp_auto_increment) is float
 
 
 def test_default_payload_by_hand():
-    assert GPTQConfig().to_dict() == DEFAULT_PAYLOAD
+    assert gptq_config_to_payload(GPTQConfig()) == DEFAULT_PAYLOAD
 
 
 def test_frozen_and_hashable():
     cfg = GPTQConfig(dynamic={r".*mlp": {"bits": 8}}, meta={"note": [1, 2]})
-    with pytest.raises((AttributeError, TypeError)):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.bits = 8  # type: ignore[misc]
     assert hash(cfg) == hash(GPTQConfig(dynamic={r".*mlp": {"bits": 8}}, meta={"note": [1, 2]}))
 
@@ -73,6 +101,7 @@ def test_desc_act_turns_group_aware_reordering_off_with_a_warning():
         warnings.simplefilter("error")
         assert GPTQConfig(desc_act=True, act_group_aware=False).act_group_aware is False
         assert GPTQConfig(desc_act=None).desc_act is False
+        assert dataclasses.replace(GPTQConfig(desc_act=True, act_group_aware=False), bits=3)
 
 
 def test_desc_act_and_group_aware_both_set_is_an_error():
@@ -94,22 +123,19 @@ def test_desc_act_and_group_aware_both_set_is_an_error():
         ({"damp_percent": 0}, ValueError, "0 < damp_percent < 1"),
         ({"damp_percent": 1.0}, ValueError, "0 < damp_percent < 1"),
         ({"damp_percent": -0.1}, ValueError, "0 < damp_percent < 1"),
-        ({"damp_percent": float("nan")}, ValueError, "finite"),
+        ({"damp_percent": float("nan")}, ValueError, "damp_percent: expected a finite"),
         ({"damp_auto_increment": -0.01}, ValueError, "damp_auto_increment: got -0.01"),
         ({"mse": -1.0}, ValueError, "mse: got -1.0"),
-        ({"mse": float("inf")}, ValueError, "finite"),
+        ({"mse": float("inf")}, ValueError, "mse: expected a finite"),
         ({"sym": 1}, TypeError, "sym: expected a bool"),
         ({"static_groups": None}, TypeError, "static_groups: expected a bool"),
         ({"lm_head": "no"}, TypeError, "lm_head: expected a bool"),
-        ({"format": "fp8"}, ValueError, r"format: got 'fp8', accepted: \['gptq', 'gptq_v2'\]"),
-        ({"format": FORMAT.FP8}, ValueError, "format: got"),
-        ({"format": 2}, TypeError, "format: expected 'gptq'"),
-        ({"method": "fp8"}, ValueError, "only supports 'gptq'"),
-        ({"rotation": "spin"}, ValueError, r"rotation: got 'spin'"),
-        ({"rotation": 1}, TypeError, "rotation: expected None"),
+        ({"format": "fp8"}, ValueError, r"format='fp8' is not a GPTQ packing format"),
+        ({"format": FORMAT.FP8}, ValueError, r"format=FORMAT\.FP8 is not"),
+        ({"format": 2}, TypeError, "format must be a str"),
         ({"meta": {"damp_percent": 0.1}}, ValueError, r"meta: \['damp_percent'\] are"),
+        ({"meta": {"bits": 4}}, ValueError, r"meta: \['bits'\] are GPTQConfig fields"),
         ({"meta": [1]}, TypeError, "meta: expected a mapping"),
-        ({"activation": 3}, TypeError, "activation: expected None"),
     ],
 )
 def test_validation_names_the_field_and_the_accepted_values(kwargs, error, match, unchecked):
@@ -120,18 +146,15 @@ def test_validation_names_the_field_and_the_accepted_values(kwargs, error, match
 def test_normalization():
     cfg = GPTQConfig(
         format=" GPTQ_V2 ",
-        method=METHOD.GPTQ,
-        rotation="Hadamard",
         damp_percent=0.1,
         damp_auto_increment=0,
         mse=2,
         group_size=-1,
         bits=3,
     )
-    assert cfg.format is FORMAT.GPTQ_V2 and cfg.rotation == "hadamard"
+    assert cfg.format == "gptq_v2" and type(cfg.format) is str
     assert cfg.damp_auto_increment == 0.0 and isinstance(cfg.damp_auto_increment, float)
     assert cfg.mse == 2.0 and isinstance(cfg.mse, float)
-    assert GPTQConfig(rotation="").rotation is None
     assert GPTQConfig(meta={}).meta is None and GPTQConfig(dynamic={}).dynamic is None
 
 
@@ -144,30 +167,25 @@ CONFIGS = [
         group_size=32,
         damp_percent=0.01,
         damp_auto_increment=0.0025,
-        rotation="random",
         meta={"quantizer": ["floatxq:0.1.0"], "hessian": {"chunk_size": None}},
         dynamic={"-:.*lm_head": {}, r".*down_proj": {"bits": 8, "desc_act": True}},
     ),
-    GPTQConfig(activation="w4afp8", rotation="hadamard", dynamic={"-:.*gate": None}),
-    GPTQConfig(
-        activation={"mode": "w4a_nvfp4", "recipe": "least_squares", "mlp": {"layers": [0, 1]}},
-        dynamic={r".*up_proj": {"damp_percent": 0.1, "mse": 2.0}},
-    ),
+    GPTQConfig(dynamic={r".*up_proj": {"damp_percent": 0.1, "mse": 2.0}, "-:.*gate": None}),
 ]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
-def test_round_trip_config_dict_config(cfg):
-    payload = cfg.to_dict()
+def test_round_trip_config_payload_config(cfg):
+    payload = gptq_config_to_payload(cfg)
     assert json.loads(json.dumps(payload)) == payload  # plain JSON
-    back = GPTQConfig.from_dict(payload)
+    back = gptq_config_from_payload(payload)
     assert back == cfg and hash(back) == hash(cfg)
-    assert back.to_dict() == payload
+    assert gptq_config_to_payload(back) == payload
 
 
 def test_solver_settings_travel_in_meta_next_to_the_users_entries():
     cfg = GPTQConfig(static_groups=True, mse=2.4, meta={"quantizer": "floatxq:0.1.0"})
-    payload = cfg.to_dict()
+    payload = gptq_config_to_payload(cfg)
     assert payload["meta"] == {
         "quantizer": "floatxq:0.1.0",
         "damp_percent": 0.05,
@@ -177,10 +195,10 @@ def test_solver_settings_travel_in_meta_next_to_the_users_entries():
         "mse": 2.4,
     }
     assert "damp_percent" not in payload and "static_groups" not in payload
-    assert GPTQConfig.from_dict(payload).meta == {"quantizer": "floatxq:0.1.0"}
+    assert gptq_config_from_payload(payload).meta == {"quantizer": "floatxq:0.1.0"}
 
 
-def test_from_dict_reads_a_seed_style_payload():
+def test_reading_a_gptqmodel_payload():
     payload = {
         "bits": 4,
         "group_size": 128,
@@ -200,24 +218,45 @@ def test_from_dict_reads_a_seed_style_payload():
             "hessian": {"chunk_size": None, "chunk_bytes": None, "staging_dtype": "float32"},
         },
     }
-    cfg = GPTQConfig.from_dict(payload)
-    assert cfg.format == FORMAT.GPTQ and cfg.act_group_aware is True
+    cfg = gptq_config_from_payload(payload)
+    assert cfg.format == "gptq" and cfg.act_group_aware is True
     assert cfg.meta == {
         "quantizer": ("gptqmodel:7.7.0",),
         "gptaq": None,
         "hessian": {"chunk_size": None, "chunk_bytes": None, "staging_dtype": "float32"},
     }
-    assert cfg.to_dict()["meta"]["hessian"]["staging_dtype"] == "float32"
+    assert gptq_config_to_payload(cfg)["meta"]["hessian"]["staging_dtype"] == "float32"
 
 
-def test_from_dict_accepts_top_level_solver_settings_and_rejects_conflicts():
-    cfg = GPTQConfig.from_dict({"damp_percent": 0.1, "static_groups": True})
+def test_reading_top_level_solver_settings_and_rejecting_conflicts():
+    cfg = gptq_config_from_payload({"damp_percent": 0.1, "static_groups": True})
     assert cfg.damp_percent == 0.1 and cfg.static_groups
-    assert cfg.to_dict()["meta"]["damp_percent"] == 0.1
-    same = GPTQConfig.from_dict({"damp_percent": 0.1, "meta": {"damp_percent": 0.1}})
+    assert gptq_config_to_payload(cfg)["meta"]["damp_percent"] == 0.1
+    same = gptq_config_from_payload({"damp_percent": 0.1, "meta": {"damp_percent": 0.1}})
     assert same.damp_percent == 0.1
     with pytest.raises(ValueError, match="damp_percent: the payload gives 0.1 at the top level"):
-        GPTQConfig.from_dict({"damp_percent": 0.1, "meta": {"damp_percent": 0.2}})
+        gptq_config_from_payload({"damp_percent": 0.1, "meta": {"damp_percent": 0.2}})
+
+
+@pytest.mark.parametrize(
+    ("payload", "match"),
+    [
+        ({"activation": "w4afp8"}, r"activation: a W4A activation policy is not available yet"),
+        ({"activation": {"mode": "w4a_nvfp4"}}, "activation: .* not available yet in floatxq"),
+        ({"rotation": "hadamard"}, r"rotation: a weight/activation rotation is not available yet"),
+        ({"rotation": "random"}, "rotation: .*not available yet"),
+        ({"adapter": {"name": "lora", "rank": 128}}, "adapter: a LoRA/EoRA adapter is not avail"),
+    ],
+)
+def test_reading_an_unavailable_feature_says_so(payload, match):
+    with pytest.raises(ValueError, match=match):
+        gptq_config_from_payload(payload)
+
+
+def test_reading_empty_unavailable_features_is_fine():
+    assert gptq_config_from_payload({"activation": None, "rotation": ""}) == GPTQConfig()
+    assert gptq_config_from_payload({"rotation": False, "adapter": {}}) == GPTQConfig()
+    assert gptq_config_from_payload({"rotation": None, "format": None}) == GPTQConfig()
 
 
 @pytest.mark.parametrize(
@@ -225,30 +264,33 @@ def test_from_dict_accepts_top_level_solver_settings_and_rejects_conflicts():
     [
         ({"true_sequential": True}, ValueError, "unsupported field"),
         ({"weight_scale_method": "row"}, ValueError, "unsupported field"),
-        ({"quant_method": "fp8"}, ValueError, "quant_method: GPTQConfig only reads"),
-        ({"method": "awq"}, ValueError, "method: GPTQConfig only reads"),
+        ({"quant_method": "fp8"}, ValueError, r"quant_method: this reader takes 'gptq'"),
+        ({"method": "awq"}, ValueError, r"method: this reader takes 'gptq'"),
         ({"format": "gptq", "checkpoint_format": "gptq_v2"}, ValueError, "checkpoint_format"),
         ({"pack_dtype": "int16"}, ValueError, "pack_dtype"),
         ({"meta": "x"}, TypeError, "meta: expected a mapping"),
         ({"bits": 3.5}, TypeError, "bits"),
+        ({"dynamic": {"a": {"fmt": "e4m3"}}}, ValueError, r"unsupported GPTQ override"),
     ],
 )
-def test_from_dict_rejects(payload, error, match, unchecked):
+def test_reading_rejects(payload, error, match, unchecked):
     with pytest.raises(error, match=match):
-        GPTQConfig.from_dict(payload)
+        gptq_config_from_payload(payload)
 
 
 def test_production_type_errors(unchecked):
     with pytest.raises(TypeError, match="payload: expected a mapping, got list"):
-        GPTQConfig.from_dict([("bits", 4)])  # type: ignore[arg-type]
+        gptq_config_from_payload([("bits", 4)])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"module_name: expected a str, got int 3"):
         GPTQConfig().resolve(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"dynamic\['a'\].sym: expected a bool, got int 1"):
         GPTQConfig(dynamic={"a": {"sym": 1}})
+    with pytest.raises(TypeError, match="config: expected a GPTQConfig, got dict"):
+        gptq_config_to_payload({"bits": 4})  # type: ignore[arg-type]
 
 
 def test_checkpoint_format_stands_in_for_a_missing_format():
-    assert GPTQConfig.from_dict({"checkpoint_format": "gptq_v2"}).format is FORMAT.GPTQ_V2
+    assert gptq_config_from_payload({"checkpoint_format": "gptq_v2"}).format == "gptq_v2"
 
 
 def test_dynamic_rules_are_validated_and_resolved():
@@ -270,35 +312,46 @@ def test_dynamic_rules_are_validated_and_resolved():
         GPTQConfig(dynamic={".*": {"fmt": "e4m3"}})
     with pytest.raises(ValueError, match=r"dynamic\['.\*'\].bits: got 7"):
         GPTQConfig(dynamic={".*": {"bits": 7}})
-    with pytest.raises(ValueError, match="requires desc_act=False"):
+    with pytest.raises(ValueError, match=r"dynamic\['.\*'\].*cannot be combined"):
         GPTQConfig(dynamic={".*": {"desc_act": True, "act_group_aware": True}})
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "problem"),
-    [
-        ({"bits": 8}, "bits=8"),
-        ({"group_size": 64}, "group_size=64"),
-        ({"sym": False}, "sym=False"),
-        ({"desc_act": True, "act_group_aware": False}, "desc_act=True"),
-        ({"lm_head": True}, "lm_head=True"),
-        ({"dynamic": {r".*down_proj": {"bits": 8}}}, "overrides ['bits']"),
-        ({"dynamic": {r".*up_proj": {"desc_act": True}}}, "overrides ['desc_act']"),
-    ],
-)
-def test_an_activation_policy_fixes_the_weight_layout(kwargs, problem):
-    with pytest.raises(ValueError, match=f"activation: .*{_escape(problem)}"):
-        GPTQConfig(activation={"mode": "w4afp8"}, **kwargs)
+def test_a_rule_that_would_combine_into_desc_act_with_group_aware_is_refused_early():
+    base = {"desc_act": True, "act_group_aware": False}
+    with pytest.raises(ValueError, match=r"dynamic\['x'\]: with this config the rule gives"):
+        GPTQConfig(**base, dynamic={"x": {"act_group_aware": True}})
+    cfg = GPTQConfig(**base, dynamic={"x": {"act_group_aware": True, "desc_act": False}})
+    resolved = cfg.resolve("x")
+    assert (resolved.desc_act, resolved.act_group_aware) == (False, True)
 
 
-def _escape(text: str) -> str:
-    return "".join("\\" + ch if ch in "[]()*.+?" else ch for ch in text)
-
-
-def test_an_activation_policy_allows_exclusions_and_solver_overrides():
+def test_solver_options_of_a_resolved_config():
     cfg = GPTQConfig(
-        activation="w4afp8",
-        dynamic={"-:.*down_proj": {}, r".*up_proj": {"damp_percent": 0.1, "static_groups": True}},
+        bits=3,
+        group_size=32,
+        sym=False,
+        mse=2.0,
+        lm_head=True,
+        format="gptq_v2",
+        dynamic={r".*down_proj": {"desc_act": True, "static_groups": True, "damp_percent": 0.1}},
     )
-    assert cfg.activation == {"mode": "w4afp8"}
-    assert cfg.resolve("model.layers.0.mlp.up_proj").static_groups
+    plain = gptq_solve_options(cfg.resolve("model.layers.0.mlp.up_proj"))
+    assert plain == GPTQSolveOptions(bits=3, group_size=32, sym=False, mse=2.0)
+    down = gptq_solve_options(cfg.resolve("model.layers.0.mlp.down_proj"))
+    assert down == GPTQSolveOptions(
+        bits=3,
+        group_size=32,
+        sym=False,
+        desc_act=True,
+        static_groups=True,
+        act_group_aware=False,
+        damp_percent=0.1,
+        mse=2.0,
+    )
+    with pytest.raises(ValueError, match=r"config: has 1 dynamic rule\(s\).*config\.resolve"):
+        gptq_solve_options(cfg)
+
+
+def test_solver_options_need_a_gptq_config(unchecked):
+    with pytest.raises(TypeError, match="config: expected a GPTQConfig, got GPTQSolveOptions"):
+        gptq_solve_options(GPTQSolveOptions())  # type: ignore[arg-type]

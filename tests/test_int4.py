@@ -1,7 +1,7 @@
-"""GPTQ INT4 packing, centering and W4A staging (SPEC §5, reference §6.1–6.3 and §8.6).
+"""GPTQ INT4 packing, centering and W4A staging (GPT-QModel's layout, ``docs/numerics.md``).
 
 Expected words come from plain Python integer arithmetic (an oracle that shares no code with the
-library) or from the reference's own tables and words.
+library) or from tables and words written out by hand.
 """
 
 import ml_dtypes
@@ -94,7 +94,7 @@ def test_top_nibble_words_by_hand():
 
 
 def test_symmetric_zero_words_are_the_reference_words():
-    # reference §8.6: sym 4-bit is 0x88888888 in memory (v2) and 0x77777777 on disk (v1)
+    # GPT-QModel: symmetric 4-bit is 0x88888888 in memory (v2) and 0x77777777 on disk (v1)
     args = (torch.zeros(8, 16, dtype=torch.int32), torch.full((1, 16), 8), torch.ones(1, 16))
     g_idx = torch.zeros(8, dtype=torch.int32)
     v2 = fq.pack_gptq_int4(*args, g_idx, format="gptq_v2").qzeros
@@ -185,6 +185,8 @@ def test_unpack_rejects_inconsistent_records():
         fq.unpack_gptq_int4(packed._replace(g_idx=g_idx[:8]))
     with pytest.raises(TypeError, match="must be int32"):
         fq.unpack_gptq_int4(packed._replace(qweight=packed.qweight.to(torch.int64)))
+    with pytest.raises(TypeError, match="g_idx must be int32"):
+        unchecked(fq.unpack_gptq_int4)(packed._replace(g_idx=packed.g_idx.to(torch.int64)))
     with pytest.raises(TypeError, match="GPTQPacked"):
         fq.unpack_gptq_int4((packed.qweight, packed.qzeros))
     with pytest.raises(ValueError, match="source="):
@@ -257,7 +259,7 @@ def test_centered_reads_v1_zeros_with_the_wrong_format_as_an_error():
 # two planes and staging (exhaustive)
 # ------------------------------------------------------------------------------------------------
 
-# reference §6.3, copied from its table (c = -8..7)
+# the two-plane table of docs/numerics.md, written out by hand (c = -8..7)
 TABLE_HIGH = [-2, -2, -1, -1, -1, -1, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
 TABLE_LOW = [0, 1, -2, -1, 0, 1, -2, -1, 0, 1, -2, -1, 0, 1, -2, -1]
 
@@ -312,7 +314,7 @@ def test_e2m1_staging_of_every_pair_of_centered_values():
 
 
 def test_e2m1_plane_codes_are_the_reference_codes():
-    # reference §6.3: |v| 0→0, 1→2, 2→4, sign bit 3 for v < 0; even K index in the low nibble
+    # E2M1 codes: |v| 0→0, 1→2, 2→4, sign bit 3 for v < 0; even K index in the low nibble
     low = torch.tensor([[-2, -1, 0, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.int16)
     high = torch.tensor([[-2, -1, 0, 1, 2], [2, 2, 2, 2, 1]], dtype=torch.int16)
     staged = fq.int4_planes_to_e2m1(low, high)

@@ -1,18 +1,27 @@
 """``fp8_scaled_linear_kernel`` equals ``fp8_scaled_linear`` up to FP32 summation order, fuzzed.
 
-The bound (``floatxq.testing.assert_fp8_linear_close``) is per element: ``(k + 8) · 2**-24`` of
-the sum of absolute terms plus one unit in the output's last place, so an ``x`` code that
-differed from the pure quantizer's, a wrong scale or a dropped tile would fail it. GPU tests run
+The bound (``floatxq.testing.assert_fp8_linear_close``) is per element: a statistical bound on
+the accumulation error of FP32 sums (interpreter) or Hopper's FP8 MMAs (GPU) plus the output's
+rounding, so an ``x`` code one step off the pure quantizer's (``tests/test_fp8_linear_bound.py``),
+a wrong scale or a dropped tile would fail it. GPU tests run
 the compiled kernel; without CUDA, ``test_interpreter_suite`` reruns the ``interpreted`` tests in
 a child process under ``TRITON_INTERPRET=1`` on small shapes. Argument checks need neither.
 """
+
+import dataclasses
 
 import pytest
 import torch
 
 import floatxq as fq
 from floatxq.kernels import fp8_scaled_linear_kernel, fp8_small_m
-from floatxq.testing import assert_fp8_linear_close, unchecked
+from floatxq.kernels.fp8_small_m import DEFAULT_SMALL_M_TUNING, FP8SmallMTiles, FP8SmallMTuning
+from floatxq.testing import (
+    FP32_ACCUMULATION,
+    HOPPER_FP8_ACCUMULATION,
+    assert_fp8_linear_close,
+    unchecked,
+)
 from floatxq.testing.interpreter import can_interpret, needs_interpreter, run_interpreted_tests
 
 RECIPES = [
@@ -47,6 +56,20 @@ INTERPRETER_SHAPES = [
 ]
 
 
+def _tuning(recipe, *, split=None, imprecise=None, unroll=None, **fields):
+    """The default tuning with ``recipe``'s tiles (one-row and multi-row) given ``split`` K and
+    ``imprecise`` products, and ``unroll`` 3: three 256-element amax loads in flight (several
+    chunks of loads, the last one part masked)."""
+    changes = {}
+    tile_changes = {"split_k": split, "imprecise_k": imprecise}
+    tile_changes = {k: v for k, v in tile_changes.items() if v is not None}
+    for name in (recipe, f"{recipe}_one_row"):
+        changes[name] = dataclasses.replace(getattr(DEFAULT_SMALL_M_TUNING, name), **tile_changes)
+    if unroll == 3:
+        changes.update(amax_unroll=3, amax_tile=256, amax_row_tile=256)
+    return dataclasses.replace(DEFAULT_SMALL_M_TUNING, **changes, **fields)
+
+
 def _case(seed, m, n, k, recipe, method, block, name, dtype, device):
     g = torch.Generator().manual_seed(seed)
     # rows spanning binades (so per-row scales matter), a zero row, a subnormal-only row
@@ -67,29 +90,32 @@ def _case(seed, m, n, k, recipe, method, block, name, dtype, device):
     )
 
 
-GPU_BITS = 22
-"""Accumulator bits the GPU bounds assume (FP8 MMAs; see ``assert_fp8_linear_close``)."""
+GPU_SUMS = HOPPER_FP8_ACCUMULATION
+"""How the compiled kernel adds FP8 products (the bound's error model; see
+``assert_fp8_linear_close``)."""
 
 
-def _check(seed, m, n, k, recipe, method, block, name, dtype, device, *, with_bias=True):
+def _check(
+    seed, m, n, k, recipe, method, block, name, dtype, device, *, with_bias=True,
+    tuning=DEFAULT_SMALL_M_TUNING,
+):  # fmt: skip
     x, codes, scale_inv, bias = _case(seed, m, n, k, recipe, method, block, name, dtype, device)
     bias = bias if with_bias else None
     direct = torch.ones_like(scale_inv) / scale_inv
-    got = fp8_scaled_linear_kernel(x, codes, direct, bias, recipe=recipe)
+    got = fp8_scaled_linear_kernel(x, codes, direct, bias, recipe=recipe, tuning=tuning)
     assert got.dtype == dtype and got.shape == (m, n) and got.device == x.device
     assert_fp8_linear_close(
         got, x, codes, scale_inv, bias, recipe=recipe, msg=f"{recipe} {name} {(m, n, k)} {dtype}",
-        accumulator_bits=GPU_BITS if x.is_cuda else 24,
+        accumulation=GPU_SUMS if x.is_cuda else FP32_ACCUMULATION,
     )  # fmt: skip
 
 
-def _check_steps_past_k(device, monkeypatch):
+def _check_steps_past_k(device):
     """Blockwise K split so that a split's last step lies past K (640 = 5 steps in splits of
     2) or would leave a split empty (512 = 4 steps, 3 splits): the weight scale is a view whose
     next columns hold NaN, so a step past K that read a scale there would give NaN."""
     for k, split, used in ((640, 4, 3), (512, 3, 2)):
-        monkeypatch.setitem(fp8_small_m.TILES["blockwise"], "split_k", split)
-        monkeypatch.setitem(fp8_small_m.ONE_ROW_TILES["blockwise"], "split_k", split)
+        tuning = _tuning("blockwise", split=split)
         for m in (1, 3):
             x, codes, scale_inv, bias = _case(
                 7, m, 256, k, "blockwise", "block", (128, 128), "float8_e4m3fn", torch.bfloat16,
@@ -98,12 +124,14 @@ def _check_steps_past_k(device, monkeypatch):
             poisoned = torch.full((2, k // 128 + 2), float("nan"), device=device)
             poisoned[:, : k // 128] = 1 / scale_inv
             direct = poisoned[:, : k // 128]
-            plan = fp8_small_m._plan(x, codes, direct, True, "blockwise", not x.is_cuda)
+            plan = fp8_small_m._plan(x, codes, direct, True, "blockwise", tuning, not x.is_cuda)
             assert plan[1] == used, "splits cover the steps with none left empty"
-            got = fp8_scaled_linear_kernel(x, codes, direct, bias, recipe="blockwise")
+            got = fp8_scaled_linear_kernel(
+                x, codes, direct, bias, recipe="blockwise", tuning=tuning
+            )
             assert_fp8_linear_close(
                 got, x, codes, scale_inv, bias, recipe="blockwise",
-                accumulator_bits=GPU_BITS if x.is_cuda else 24,
+                accumulation=GPU_SUMS if x.is_cuda else FP32_ACCUMULATION,
             )  # fmt: skip
 
 
@@ -124,7 +152,7 @@ def _fits(recipe, n, k):
     [(1, 16, 32, 2, 4096), (3, 3, 32, 1, 16), (2, 16, 128, 1 << 30, 4096)],
 )
 def test_kernel_matches_the_reference_on_fuzzed_shapes(
-    recipe, method, block, name, dtype, split, unroll, imprecise, together, piece, monkeypatch
+    recipe, method, block, name, dtype, split, unroll, imprecise, together, piece
 ):
     # split 3: K split over three programs per tile (uneven steps; the last one reduces);
     # unroll 3 with 256-element amax tiles: several chunks of amax loads, the last part masked;
@@ -132,18 +160,17 @@ def test_kernel_matches_the_reference_on_fuzzed_shapes(
     # together: rows from which the programs reduce x's amax together (a grid barrier), with
     # pieces of at most `piece` columns (16: many pieces per program, ragged row ends);
     # 1 << 30: never (every program reads all of x)
-    for table in (fp8_small_m.TILES, fp8_small_m.ONE_ROW_TILES):
-        monkeypatch.setitem(table[recipe], "split_k", split)
-        monkeypatch.setitem(table[recipe], "imprecise_k", imprecise)
-    monkeypatch.setattr(fp8_small_m, "COOP_MIN_ROWS", together)
-    monkeypatch.setattr(fp8_small_m, "COOP_MAX_PIECE", piece)
-    monkeypatch.setattr(fp8_small_m, "AMAX_UNROLL", unroll)
-    monkeypatch.setattr(fp8_small_m, "AMAX_TILE", 256 if unroll == 3 else 4096)
-    monkeypatch.setattr(fp8_small_m, "AMAX_ROW_TILE", 256 if unroll == 3 else 8192)
+    tuning = _tuning(
+        recipe, split=split, imprecise=imprecise, unroll=unroll, coop_min_rows=together,
+        coop_max_piece=piece,
+    )  # fmt: skip
     for seed, (m, n, k) in enumerate(GPU_SHAPES):
         if _fits(recipe, n, k):
-            _check(seed, m, n, k, recipe, method, block, name, dtype, "cuda")
-            _check(seed, m, n, k, recipe, method, block, name, dtype, "cuda", with_bias=False)
+            _check(seed, m, n, k, recipe, method, block, name, dtype, "cuda", tuning=tuning)
+            _check(
+                seed, m, n, k, recipe, method, block, name, dtype, "cuda", with_bias=False,
+                tuning=tuning,
+            )  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -158,17 +185,17 @@ def test_strided_inputs_and_repeated_launches():
         for _ in range(2):  # the second launch of a configuration skips Triton's binding
             got = fp8_scaled_linear_kernel(view, codes, direct, bias, recipe="rowwise")
             assert_fp8_linear_close(
-                got, x, codes, scale_inv, bias, recipe="rowwise", accumulator_bits=GPU_BITS
+                got, x, codes, scale_inv, bias, recipe="rowwise", accumulation=GPU_SUMS
             )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("captured", [False, True])
-def test_shared_amax_across_launches_recipes_and_graphs(captured, monkeypatch):
+def test_shared_amax_across_launches_recipes_and_graphs(captured):
     """Launch after launch on one stream's shared amax words: tensorwise and rowwise, several
     row counts, each ``x`` with a smaller amax than the one before (a bank left unreset would
     keep the larger one and give wrong codes), eagerly and replayed from a CUDA graph."""
-    monkeypatch.setattr(fp8_small_m, "COOP_MIN_ROWS", 1)
+    tuning = dataclasses.replace(DEFAULT_SMALL_M_TUNING, coop_min_rows=1)
     cases = []
     for i, (recipe, method, m) in enumerate(
         [("tensorwise", "tensor", 16), ("rowwise", "row", 5), ("tensorwise", "tensor", 1),
@@ -179,12 +206,12 @@ def test_shared_amax_across_launches_recipes_and_graphs(captured, monkeypatch):
         )
         cases.append((recipe, x * 2.0 ** (8 - 3 * i), codes, scale_inv, bias))
     _, first, codes, scale_inv, _ = cases[0]
-    sync_words = fp8_small_m._plan(first, codes, 1 / scale_inv, True, "tensorwise", False)[2]
-    assert sync_words > 0, "the programs reduce the amax together here"
+    plan = fp8_small_m._plan(first, codes, 1 / scale_inv, True, "tensorwise", tuning, False)
+    assert plan[2], "the programs reduce the amax together here"
 
     def run_all():
         return [
-            fp8_scaled_linear_kernel(x, codes, 1 / s, bias, recipe=recipe)
+            fp8_scaled_linear_kernel(x, codes, 1 / s, bias, recipe=recipe, tuning=tuning)
             for recipe, x, codes, s, bias in cases
         ]
 
@@ -204,15 +231,15 @@ def test_shared_amax_across_launches_recipes_and_graphs(captured, monkeypatch):
             torch.cuda.synchronize()
             for (recipe, x, codes, s, bias), got in zip(cases, outs, strict=True):
                 assert_fp8_linear_close(
-                    got, x, codes, s, bias, recipe=recipe, accumulator_bits=GPU_BITS
+                    got, x, codes, s, bias, recipe=recipe, accumulation=GPU_SUMS
                 )
     for (recipe, x, codes, s, bias), got in zip(cases, outs, strict=True):
-        assert_fp8_linear_close(got, x, codes, s, bias, recipe=recipe, accumulator_bits=GPU_BITS)
+        assert_fp8_linear_close(got, x, codes, s, bias, recipe=recipe, accumulation=GPU_SUMS)
 
 
 @pytest.mark.gpu
-def test_blockwise_steps_past_k_read_no_weight_scale(monkeypatch):
-    _check_steps_past_k("cuda", monkeypatch)
+def test_blockwise_steps_past_k_read_no_weight_scale():
+    _check_steps_past_k("cuda")
 
 
 @pytest.mark.gpu
@@ -226,7 +253,7 @@ def test_kernel_and_scaled_mm_agree_within_the_bound():
     cublas = torch._scaled_mm(
         xq.qweight, codes.t(), one / xq.scale_inv, one / scale_inv, bias, None, x.dtype
     )
-    kw = dict(recipe="tensorwise", accumulator_bits=GPU_BITS)
+    kw = dict(recipe="tensorwise", accumulation=GPU_SUMS)
     assert_fp8_linear_close(cublas, x, codes, scale_inv, bias, **kw)
     got = fp8_scaled_linear_kernel(x, codes, one / scale_inv, bias, recipe="tensorwise")
     assert_fp8_linear_close(got, x, codes, scale_inv, bias, **kw)
@@ -255,26 +282,28 @@ def test_interpreter_suite():
     run_interpreted_tests(__file__, expected=5)  # every interpreted test below ran
 
 
+OVERFLOW = "ignore:overflow encountered:RuntimeWarning"
+"""numpy's warning when the interpreter divides fp8_max by FLT_MIN (the scale cap handles it)."""
+
+
 @needs_interpreter
+@pytest.mark.filterwarnings(OVERFLOW)
 @pytest.mark.parametrize(("recipe", "method", "block", "name"), RECIPES)
-def test_interpreted_kernel_matches_the_reference(recipe, method, block, name, monkeypatch):
+def test_interpreted_kernel_matches_the_reference(recipe, method, block, name):
     # unroll 3 with 256-element amax tiles: several chunks of loads, the last one part masked
     for split, unroll in ((1, 16), (3, 16), (2, 3)):
-        for table in (fp8_small_m.TILES, fp8_small_m.ONE_ROW_TILES):
-            monkeypatch.setitem(table[recipe], "split_k", split)
-        monkeypatch.setattr(fp8_small_m, "AMAX_UNROLL", unroll)
-        monkeypatch.setattr(fp8_small_m, "AMAX_TILE", 256 if unroll == 3 else 4096)
-        monkeypatch.setattr(fp8_small_m, "AMAX_ROW_TILE", 256 if unroll == 3 else 8192)
+        tuning = _tuning(recipe, split=split, unroll=unroll)
         for seed, (m, n, k) in enumerate(INTERPRETER_SHAPES):
             if _fits(recipe, n, k):
                 dtype = (torch.bfloat16, torch.float16)[seed % 2]
-                _check(seed, m, n, k, recipe, method, block, name, dtype, "cpu")
-                _check(seed, m, n, k, recipe, method, block, name, dtype, "cpu")  # counters reset
+                for _ in range(2):  # the second launch: the counters were reset
+                    _check(seed, m, n, k, recipe, method, block, name, dtype, "cpu", tuning=tuning)
 
 
 @needs_interpreter
-def test_interpreted_blockwise_steps_past_k_read_no_weight_scale(monkeypatch):
-    _check_steps_past_k("cpu", monkeypatch)
+@pytest.mark.filterwarnings(OVERFLOW)
+def test_interpreted_blockwise_steps_past_k_read_no_weight_scale():
+    _check_steps_past_k("cpu")
 
 
 def _bad(**changes):
@@ -326,10 +355,22 @@ def test_kernel_on_cpu_names_what_is_missing(monkeypatch):
         fp8_scaled_linear_kernel(**_bad())
 
 
+def test_tuning_records_reject_what_the_kernel_cannot_launch():
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 48"):
+        FP8SmallMTiles(block_n=48, block_k=256, num_warps=8, num_stages=4)
+    with pytest.raises(ValueError, match="split_k must be >= 1, got 0"):
+        FP8SmallMTiles(block_n=64, block_k=256, num_warps=8, num_stages=4, split_k=0)
+    with pytest.raises(ValueError, match="amax_tile must be a power of two >= 16, got 1000"):
+        FP8SmallMTuning(amax_tile=1000)
+    tuning = _tuning("rowwise", split=3)
+    assert tuning.tiles("rowwise", 1).split_k == tuning.tiles("rowwise", 16).split_k == 3
+    assert tuning.tiles("tensorwise", 16) == DEFAULT_SMALL_M_TUNING.tiles("tensorwise", 16)
+
+
 def test_reference_rejects_bad_arguments():
     x, q = torch.randn(2, 256), fq.quantize_fp8_weight(torch.randn(128, 256))
     with pytest.raises(ValueError, match="recipe must be one of"):
-        fq.fp8_scaled_linear(x, *q, recipe="per-channel")
+        unchecked(fq.fp8_scaled_linear)(x, *q, recipe="per-channel")
     with pytest.raises(ValueError, match=r"shape \(\)"):
         fq.fp8_scaled_linear(x, *q, recipe="tensorwise")
     with pytest.raises(ValueError, match="must share k"):

@@ -1,25 +1,30 @@
-"""``quantize_fp8_weight_kernel`` equals ``quantize_fp8_weight`` bit for bit (SPEC §8), fuzzed.
+"""``quantize_fp8_weight_kernel`` equals ``quantize_fp8_weight`` bit for bit, fuzzed.
 
 GPU tests run the compiled kernel (both conversions: PTX and the integer encoder). Without CUDA,
 ``test_interpreter_suite`` reruns this file's ``interpreted`` tests in a child process under
-``TRITON_INTERPRET=1`` (Triton picks interpreter or compiler when it is first imported, so the
-variable must be set before that), on small shapes. The argument checks need neither.
+``TRITON_INTERPRET=1`` (Triton picks interpreter or compiler when it jits the kernels, so the
+variable must be set before that), on small shapes. The argument checks need neither. Small
+tuning records (tiles of 128-256 elements, two-pass tensor scaling from 128 elements) make small
+shapes take every loop and launch path of the kernel.
 """
 
+import dataclasses
+import itertools
 import warnings
 
 import pytest
 import torch
 
 import floatxq as fq
-from floatxq.kernels import fp8_weight as kernel_module
 from floatxq.kernels import (
+    FP8WeightTuning,
     quantize_fp8_input,
     quantize_fp8_weight_auto,
     quantize_fp8_weight_kernel,
     triton_available,
     triton_unavailable_reason,
 )
+from floatxq.kernels import fp8_weight as kernel_module
 from floatxq.testing import assert_bitwise_equal, unchecked
 from floatxq.testing.interpreter import can_interpret, needs_interpreter, run_interpreted_tests
 
@@ -56,6 +61,31 @@ GPU_CASES = [
     (4096, 16, "block", (1, 16)),
 ]
 
+SMALL_TUNING = FP8WeightTuning(
+    row_tile=128,
+    block_tile=256,
+    row_elements_per_warp=128,
+    block_elements_per_warp=128,
+    tensor_one_program=128,
+    amax_programs_per_sm=1,
+    max_partials=128,
+)
+"""Tiles of 128-256 elements: blocks and rows span several tiles (the kernel's loops), and tensor
+scaling takes the two-launch path from 129 elements on, with a strided amax pass."""
+
+# (rows, cols, method, block, tuning) per layout and launch path, each a few programs: a
+# non-finite value anywhere in any of them must raise
+LAYOUTS = [
+    (6, 40, "tensor", None, None),  # one program
+    (8, 40, "tensor", None, SMALL_TUNING),  # two launches: strided partial maxima, then codes
+    (7, 33, "row", None, None),
+    (3, 300, "row", None, SMALL_TUNING),  # rows wider than a tile
+    (8, 10, "block", (4, 5), None),
+    (16, 64, "block", (16, 32), SMALL_TUNING),  # blocks of several tiles
+    (6, 256, "block", (1, 128), None),  # per-row blocks
+]
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]
+
 
 def _weight(seed: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """Seeded rows spanning many binades, plus zero rows and subnormal-only rows/blocks."""
@@ -77,9 +107,11 @@ def _weight(seed: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor
     return w.to(dtype)
 
 
-def _check(w: torch.Tensor, name: str, method: str, block, **kernel_kw) -> None:
+def _check(w: torch.Tensor, name: str, method: str, block, tuning=None, **kernel_kw) -> None:
     kw = dict(format=name, weight_scale_method=method, weight_block_size=block)
-    if kernel_kw:
+    if tuning is not None:
+        kernel_kw["tuning"] = tuning
+    if kernel_kw and set(kernel_kw) != {"tuning"}:
         block_ = fq.normalize_fp8_block_size(block)
         codes, scale = kernel_module._launch(
             w, name, fq.normalize_fp8_scale_method(method, weight_block_size=block_), block_,
@@ -87,7 +119,7 @@ def _check(w: torch.Tensor, name: str, method: str, block, **kernel_kw) -> None:
         )  # fmt: skip
         got = fq.FP8Weight(codes, scale)
     else:
-        got = quantize_fp8_weight_kernel(w, **kw)
+        got = quantize_fp8_weight_kernel(w, **kw, **kernel_kw)
     want = fq.quantize_fp8_weight(w, **kw)
     label = f"{name} {method} {block} {tuple(w.shape)} {w.dtype}"
     assert got.qweight.device == w.device and got.scale_inv.device == w.device
@@ -161,7 +193,7 @@ def test_repeated_and_misaligned_launches_equal_pure():
             assert shifted.data_ptr() % 16
             _check(shifted, "float8_e4m3fn", method, block)
             _check(w, "float8_e4m3fn", method, block)  # and the aligned one again
-    assert len(kernel_module._BUILT[False]) > 0  # the compiled kernels were kept
+    assert len(kernel_module.compiled_kernels()) > 0  # the compiled kernels were kept
     x = _weight(77, 33, 512, torch.bfloat16).cuda()
     want = fq.quantize_fp8_weight(x, weight_scale_method="block", weight_block_size=(1, 128))
     for source in (x, torch.cat([x.flatten()[:1], x.flatten()])[1:].view(33, 512)):
@@ -204,6 +236,19 @@ def test_kernel_rejects_what_pure_rejects_on_cuda():
             weight_scale_method="block",
             weight_block_size=(4, 4),
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2fnuz"])
+def test_tuning_records_change_no_byte(name):
+    for seed, (rows, cols, method, block) in enumerate(GPU_CASES):
+        _check(_weight(200 + seed, rows, cols, torch.bfloat16).cuda(), name, method, block,
+               SMALL_TUNING)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_non_finite_weights_raise_from_the_kernel_itself(monkeypatch):
+    _check_non_finite("cuda", monkeypatch)
 
 
 @pytest.mark.gpu
@@ -272,7 +317,7 @@ def test_input_quantization_codes_and_direct_scales(method, block, scale_shape, 
     reason="needs Triton installed and no CUDA device (with CUDA the compiled kernel is tested)",
 )
 def test_interpreter_suite():
-    run_interpreted_tests(__file__, expected=9)  # every interpreted test below ran
+    run_interpreted_tests(__file__, expected=11)  # every interpreted test below ran
 
 
 INTERPRETER_CASES = [
@@ -337,6 +382,59 @@ def test_interpreted_direct_scales_for_inputs(interpret):
     want = fq.quantize_fp8_weight(zeros, weight_scale_method="block", weight_block_size=(1, 128))
     assert_bitwise_equal(codes, want.qweight)
     assert_bitwise_equal(padded.contiguous(), torch.ones_like(want.scale_inv) / want.scale_inv)
+
+
+@needs_interpreter
+def test_interpreted_non_finite_weights_raise_from_the_kernel_itself(interpret, monkeypatch):
+    _check_non_finite("cpu", monkeypatch)
+
+
+@needs_interpreter
+def test_interpreted_tuning_records_change_no_byte(interpret):
+    for seed, (rows, cols, method, block) in enumerate(INTERPRETER_CASES):
+        if rows * cols <= 20000:  # (every layout and path, at interpreter cost)
+            _check(_weight(seed, rows, cols, DTYPES[seed % 3]), "float8_e4m3fn", method, block,
+                   SMALL_TUNING)  # fmt: skip
+
+
+def _no_second_pass(*args, **kwargs):
+    raise AssertionError("the weight was read a second time to check finiteness")
+
+
+def _check_non_finite(device, monkeypatch):
+    """NaN, +inf and -inf as the first, a middle and the last element of every layout and launch
+    path (on the GPU every value at every place; interpreted, every value and every place once
+    per layout, rotating): the kernel's own flag raises the pure function's error (no pass of its
+    own over the weight), nothing is returned, and the next finite call is unaffected."""
+    monkeypatch.setattr(kernel_module, "require_finite", _no_second_pass)
+    for i, (rows, cols, method, block, tuning) in enumerate(LAYOUTS):
+        w = _weight(300 + i, rows, cols, DTYPES[i % 3]).to(device)
+        kw = dict(weight_scale_method=method, weight_block_size=block)
+        tuned = kw if tuning is None else dict(kw, tuning=tuning)
+        places = [(0, 0), (rows // 2, cols // 2), (rows - 1, cols - 1)]
+        if device == "cpu":  # the interpreter: each value and each place once per layout
+            cases = [(NON_FINITE[j], places[(i + j) % 3]) for j in range(3)]
+        else:
+            cases = list(itertools.product(NON_FINITE, places))
+        for value, (r, c) in cases:
+            bad = w.clone()
+            bad[r, c] = value
+            with pytest.raises(ValueError) as pure:
+                fq.quantize_fp8_weight(bad.cpu(), **kw)
+            with pytest.raises(ValueError, match="weight contains NaN or infinity") as kernel:
+                quantize_fp8_weight_kernel(bad, **tuned)
+            assert str(pure.value).split(":", 1)[1] in str(kernel.value)
+        _check(w, "float8_e4m3fn", method, block, tuning)
+
+
+def test_tuning_records_reject_what_the_kernel_cannot_launch():
+    with pytest.raises(ValueError, match="row_tile must be a power of two >= 128, got 100"):
+        FP8WeightTuning(row_tile=100)
+    with pytest.raises(ValueError, match="block_elements_per_warp must be a power of two"):
+        FP8WeightTuning(block_elements_per_warp=64)
+    with pytest.raises(ValueError, match="amax_programs_per_sm must be >= 1, got 0"):
+        FP8WeightTuning(amax_programs_per_sm=0)
+    assert dataclasses.replace(SMALL_TUNING, row_tile=256).row_tile == 256
 
 
 BAD_ARGUMENTS = [

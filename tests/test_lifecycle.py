@@ -275,12 +275,54 @@ def test_backends():
     model = _small("llama")
     assert fq.load(model, quantize_config=fq.FP8Config()).backend == fq.BACKEND.FP8_TORCH
     assert fq.load(model, backend="fp8_torch").backend == fq.BACKEND.FP8_TORCH
-    with pytest.raises(ValueError, match="cannot run FP8"):
-        fq.load(model, quantize_config=fq.FP8Config(), backend="gptq_torch")
-    with pytest.raises(ValueError, match="unknown backend 'fast'"):
-        fq.load(model, backend="fast")
-    with pytest.raises(ValueError, match="method 'gptq' is not supported"):
+    assert fq.load(model, backend=" AUTO ").backend == fq.BACKEND.FP8_TORCH
+    for name in ("gptq_torch", "mlx", "fast"):
+        with pytest.raises(ValueError, match=f"backend '{name}' is not available in floatxq"):
+            fq.load(model, quantize_config=fq.FP8Config(), backend=name)
+
+
+@pytest.fixture
+def unchecked():
+    """Switch the test-time annotation check off, to see the errors users get in production."""
+    import jaxtyping
+
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", before)
+
+
+def test_gptq_models_are_refused_until_the_gptq_lifecycle_lands(tmp_path, unchecked):
+    model = _small("llama")
+    with pytest.raises(TypeError, match="GPTQConfig; GPTQ models are not available yet"):
+        fq.load(model, quantize_config=fq.GPTQConfig())
+    with pytest.raises(ValueError, match="method 'gptq': GPTQ models are not available yet"):
         fq.load(model, quantize_config={"method": "gptq", "bits": 4})
+    with pytest.raises(ValueError, match="method 'awq' is not supported"):
+        fq.load(model, quantize_config={"quant_method": "awq"})
+    out = _saved(tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="declares method 'gptq'; GPTQ models are not avail"):
+        fq.load(out)
+
+
+def test_a_payload_dict_is_read_as_gptqmodel_writes_it():
+    payload = {"fmt": "e5m2", "weight_block_size": [32, 32], "weight_only": True, "bits": 8}
+    q = fq.load(_small("llama"), quantize_config=payload)
+    assert q.quantize_config == fq.FP8Config(format="e5m2", weight_block_size=(32, 32))
+    with pytest.raises(ValueError, match="smoother is not available yet in floatxq"):
+        fq.load(_small("llama"), quantize_config={"smoother": {"alpha": 0.5}})
+
+
+def test_a_checkpoint_that_needs_a_missing_feature_is_refused(tmp_path):
+    out = _saved(tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["smoother"] = {"name": "smoothquant"}
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="smoother: an FP8 smoother is not available yet"):
+        fq.load(out)
 
 
 def test_quantize_twice_or_without_config_is_an_error(tmp_path):

@@ -1,6 +1,7 @@
 """NVFP4: exhaustive codec tables, the scale search vs the literal oracle, swizzle, headroom."""
 
 import math
+import typing
 import warnings
 import zlib
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 import floatxq as fq
+from floatxq._typing import CHECKING
+from floatxq.formats import NVFP4_LEGACY_RECIPE_ALIASES
 from floatxq.testing import assert_bitwise_equal, unchecked
 from floatxq.testing.reference import ref_e2m1_round, ref_nvfp4_block
 
@@ -77,8 +80,10 @@ def test_all_256_bytes_unpack_and_pack():
 def test_pack_errors():
     with pytest.raises(ValueError, match="even length"):
         fq.pack_e2m1(torch.zeros(3, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="0..15"):
+    with pytest.raises(ValueError, match=r"codes.*\[0, 15\].*\[16\]"):
         fq.pack_e2m1(torch.tensor([16, 0], dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"\[0, 15\].*\[255\]"):
+        fq.e2m1_decode(torch.tensor([3, 255], dtype=torch.uint8))
     with pytest.raises(TypeError, match="uint8"):
         unchecked(fq.pack_e2m1)(torch.zeros(2, dtype=torch.int32))
     with pytest.raises(TypeError, match="uint8 or float4"):
@@ -119,7 +124,7 @@ def test_global_scale_grid_and_underflow_guard():
     # rounds to 0 in fp16: keeps the FP32 value
     tiny = fq.nvfp4_global_scale(torch.tensor(1e-6), grid_dtype=torch.float16)
     assert tiny.item() == fq.nvfp4_global_scale(torch.tensor(1e-6)).item() > 0
-    # fp16 overflow is kept as +inf (as the seed)
+    # fp16 overflow is kept as +inf (as GPT-QModel does)
     assert math.isinf(fq.nvfp4_global_scale(torch.tensor(3e38), grid_dtype=torch.float16).item())
 
 
@@ -129,8 +134,20 @@ def test_global_scale_errors(bad):
         fq.nvfp4_global_scale(torch.tensor(bad))
     with pytest.raises(ValueError, match="grid_dtype"):
         fq.nvfp4_global_scale(1.0, grid_dtype=torch.float64)
-    with pytest.raises(ValueError, match="Unsupported NVFP4 scale recipe"):
-        fq.nvfp4_global_scale(1.0, recipe="mse")
+    with pytest.raises(ValueError, match="Unsupported NVFP4 scale recipe: 'mse'"):
+        unchecked(fq.nvfp4_global_scale)(1.0, recipe="mse")
+
+
+def test_recipe_literal_lists_every_accepted_name():
+    accepted = set(fq.NVFP4_RECIPES) | set(NVFP4_LEGACY_RECIPE_ALIASES)
+    assert set(typing.get_args(fq.NVFP4RecipeName)) == accepted
+    assert set(typing.get_args(fq.NVFP4Recipe)) == set(fq.NVFP4_RECIPES)
+    for name in accepted:
+        fq.normalize_nvfp4_recipe(name)  # every name of the Literal is accepted at runtime
+    # under the test run's type checking the Literal rejects a bad name before the body does
+    if CHECKING:
+        with pytest.raises(TypeError, match="recipe"):
+            fq.nvfp4_block_qdq(torch.ones(1, 16), 1.0, "amax")
 
 
 # -- the scale search against the literal oracle ------------------------------------------------
@@ -144,7 +161,7 @@ def _hard_blocks(seed: int, nblocks: int = 48) -> torch.Tensor:
     x[1] = 0.0
     x[1, 3] = -1e-30  # a lone tiny value
     x[2] = torch.tensor([0.5, -0.5, 0.5] + [0.0] * 13)  # den < 1: the max(den, 1) quirk
-    x[3] = torch.tensor([3.0] * 16)  # ties between seeds
+    x[3] = torch.tensor([3.0] * 16)  # ties between the two candidates
     x[4, :8] = 0.0  # half empty
     x[5] = torch.randint(-6, 7, (16,), generator=g).float() * 0.5  # on-grid values
     return x
@@ -220,21 +237,31 @@ def test_qdq_errors(x, g, match):
     for fn in (fq.nvfp4_block_qdq, fq.nvfp4_block_scales, fq.nvfp4_quantize):
         with pytest.raises(ValueError, match=match):
             fn(x, g)
-    with pytest.raises(ValueError, match="Unsupported NVFP4 scale recipe"):
-        fq.nvfp4_block_qdq(torch.ones(1, 16), 1.0, "amax")
+    for fn in (fq.nvfp4_block_qdq, fq.nvfp4_block_scales, fq.nvfp4_quantize):
+        with pytest.raises(ValueError, match="Unsupported NVFP4 scale recipe: 'amax'"):
+            unchecked(fn)(torch.ones(1, 16), 1.0, "amax")
+        with pytest.raises(ValueError, match="Unsupported NVFP4 scale recipe"):
+            unchecked(fn)(torch.empty(0, 16), 1.0, "amax")  # empty input is no excuse
+    with pytest.raises(TypeError, match="floating-point"):
+        unchecked(fq.nvfp4_block_scales)(torch.ones(1, 16, dtype=torch.int32), 1.0)
 
 
 def test_dequantize_validates_shapes():
     q = fq.nvfp4_quantize(torch.ones(2, 32), 1.0)
-    with pytest.raises(ValueError, match="does not match"):
-        fq.nvfp4_dequantize(q.packed, q.block_scales[:, :1], 1.0)
+    dequantize = unchecked(fq.nvfp4_dequantize)
+    with pytest.raises(ValueError, match=r"block_scales shape \(2, 1\) does not match"):
+        dequantize(q.packed, q.block_scales[:, :1], 1.0)
+    with pytest.raises(ValueError, match=r"codes of shape \(2, 24\)"):
+        dequantize(q.packed[:, :12], q.block_scales[:, :1], 1.0)
+    with pytest.raises(TypeError, match="block_scales must be float8_e4m3fn"):
+        dequantize(q.packed, q.block_scales.float(), 1.0)
     with pytest.raises(ValueError, match="positive and finite"):
         fq.nvfp4_dequantize(q.packed, q.block_scales, 0.0)
 
 
 def test_reference_anchor_on_normal_data():
-    """SPEC §4's anchor (8192² on the seed): nvidia 9.05e-3, four_six 7.56e-3, lsq 7.10e-3,
-    grid 6.60e-3. A 512×4096 normal bf16 sample reproduces them to ±2%."""
+    """GPT-QModel's own code on 8192² N(0,1) bf16 gives relative MSE nvidia 9.05e-3, four_six
+    7.56e-3, lsq 7.10e-3, grid 6.60e-3. A 512×4096 normal bf16 sample reproduces them to ±2%."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 4096, generator=g).bfloat16()
     anchor = {
@@ -279,7 +306,7 @@ def test_per_group_activation_layout(rows):
         torch.arange(rows * 8 * groups, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
     )
     scales = scales.reshape(rows, 8 * groups)
-    got = fq.swizzle_scales(scales, per_group=True)
+    got = fq.swizzle_scales_per_group(scales)
     rp = -(-rows // 128) * 128
     assert got.shape == (groups, rp * 8) and got.dtype == torch.float8_e4m3fn
     bytes_ = got.view(torch.uint8)
@@ -295,30 +322,50 @@ def test_per_group_activation_layout(rows):
                 )
                 assert bytes_[g, off] == scales[r, 8 * g + b].view(torch.uint8)
     assert int(bytes_.sum()) == int(scales.view(torch.uint8).to(torch.int64).sum())  # pads are 0
-    back = fq.unswizzle_scales(got, rows=rows, cols=8 * groups, per_group=True)
+    back = fq.unswizzle_scales_per_group(got, rows=rows, cols=8 * groups)
     assert_bitwise_equal(back, scales)
+    for g in range(groups):  # each group is the whole-matrix layout of its 8 columns
+        assert_bitwise_equal(got[g], fq.swizzle_scales(scales[:, 8 * g : 8 * g + 8]))
 
 
 def test_swizzle_errors():
-    with pytest.raises(ValueError, match="multiple of 8"):
-        fq.swizzle_scales(torch.zeros(2, 6), per_group=True)
-    with pytest.raises(ValueError, match="expected shape"):
-        fq.unswizzle_scales(torch.zeros(100), rows=2, cols=4)
+    with pytest.raises(ValueError, match="multiple of 8.*cols=6"):
+        fq.swizzle_scales_per_group(torch.zeros(2, 6))
+    with pytest.raises(ValueError, match=r"shape \(512,\) for rows=2, cols=4, got \(100,\)"):
+        unchecked(fq.unswizzle_scales)(torch.zeros(100), rows=2, cols=4)
+    with pytest.raises(ValueError, match=r"shape \(2, 1024\)"):
+        unchecked(fq.unswizzle_scales_per_group)(torch.zeros(1, 1024), rows=2, cols=16)
+    with pytest.raises(ValueError, match="rows must be a non-negative int"):
+        unchecked(fq.unswizzle_scales)(torch.zeros(512), rows=-1, cols=4)
+
+
+def test_swizzle_empty_shapes():
+    assert fq.swizzle_scales(torch.zeros(0, 5)).shape == (0,)
+    assert fq.swizzle_scales_per_group(torch.zeros(3, 0)).shape == (0, 1024)
+    assert fq.unswizzle_scales_per_group(torch.zeros(0, 1024), rows=3, cols=0).shape == (3, 0)
 
 
 # -- headroom -------------------------------------------------------------------------------------
 
 
-def test_headroom_config_validation():
-    for kwargs in (
-        {"anchor_percentile": 0.0},
-        {"upper_percentile": 100.5},
-        {"rho": 0.0},
-        {"rho": 28672.0},
-        {"num_bins": 0},
-    ):
-        with pytest.raises(ValueError):
-            fq.NVFP4ActivationHeadroom(**kwargs)
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"anchor_percentile": 0.0}, r"anchor_percentile must be in \(0, 100\], got 0.0"),
+        ({"upper_percentile": 100.5}, r"upper_percentile must be in \(0, 100\], got 100.5"),
+        ({"upper_percentile": True}, r"upper_percentile must be in \(0, 100\], got True"),
+        ({"rho": 0.0}, r"rho must be a number in \(0, 28672\), got 0.0"),
+        ({"rho": 28672.0}, r"rho must be a number in \(0, 28672\), got 28672.0"),
+        ({"num_bins": 0}, "num_bins must be a positive int, got 0"),
+        ({"log2_min": 3.0, "log2_max": 3.0}, "log2_min < log2_max"),
+        ({"log2_max": math.inf}, "log2_min < log2_max"),
+    ],
+)
+def test_headroom_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        unchecked(fq.NVFP4ActivationHeadroom)(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        unchecked(fq.HeadroomConfig)(**kwargs)
 
 
 def test_headroom_update_errors_and_empty():
@@ -393,6 +440,38 @@ def test_recipes_report_ordering_and_optimum():
     # dynamic scales: nvidia gets divisor 6, the others 4
     dyn = fq.recipes_report(x, recipes=("nvidia", "least_squares"))
     assert dyn.rows[0].global_scale != dyn.rows[1].global_scale
+
+
+def test_recipes_report_validates_and_handles_empty_input():
+    with pytest.raises(ValueError, match="recipes_report: the last axis"):
+        fq.recipes_report(torch.ones(2, 24))
+    with pytest.raises(ValueError, match="recipes_report: x contains NaN"):
+        fq.recipes_report(torch.full((1, 16), math.nan))
+    empty = fq.recipes_report(torch.empty(0, 32), recipes=("lsq",))
+    assert empty.blocks == 0 and empty.rows[0].recipe == "least_squares"
+    assert empty.rows[0].optimal_share == 1.0 and empty.rows[0].sse == 0.0
+
+
+@pytest.mark.skipif(not CHECKING, reason="records check their fields only under the test hook")
+def test_records_check_field_shapes_and_dtypes():
+    e4m3 = torch.float8_e4m3fn
+    g = torch.tensor(1.0)
+    fq.NVFP4Blocks(torch.zeros(2, 32, dtype=torch.uint8), torch.ones(2, 2).to(e4m3), g)
+    fq.NVFP4Packed(torch.zeros(2, 16, dtype=torch.uint8), torch.ones(2, 2).to(e4m3), g)
+    bad = [
+        lambda: fq.NVFP4Blocks(torch.zeros(2, 32, dtype=torch.uint8), torch.ones(2, 3).to(e4m3), g),
+        lambda: fq.NVFP4Blocks(torch.zeros(2, 32), torch.ones(2, 2).to(e4m3), g),
+        lambda: fq.NVFP4Blocks(torch.zeros(2, 32, dtype=torch.uint8), torch.ones(2, 2), g),
+        lambda: fq.NVFP4Blocks(
+            torch.zeros(2, 32, dtype=torch.uint8), torch.ones(2, 2).to(e4m3), g[None]
+        ),
+        lambda: fq.NVFP4Packed(torch.zeros(2, 16, dtype=torch.uint8), torch.ones(2, 1).to(e4m3), g),
+        lambda: fq.HeadroomState(fq.HeadroomConfig(), torch.zeros(512), torch.tensor(0.0)),
+        lambda: fq.RecipeRow("mse", 1.0, 0.0, 0.0, 1.0, 0.0),
+    ]
+    for build in bad:
+        with pytest.raises(TypeError):
+            build()
 
 
 @pytest.mark.slow

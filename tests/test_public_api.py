@@ -8,22 +8,30 @@ import torch
 
 import floatxq as fq
 import floatxq.config
+import floatxq.e2m1
 import floatxq.formats
 import floatxq.fp8
 import floatxq.gptq
+import floatxq.headroom
 import floatxq.int4
 import floatxq.kernels
 import floatxq.nn
 import floatxq.nvfp4
+import floatxq.nvfp4_report
+import floatxq.swizzle
 
 OWNERS = (
     floatxq.config,
+    floatxq.e2m1,
     floatxq.formats,
     floatxq.fp8,
     floatxq.gptq,
+    floatxq.headroom,
     floatxq.int4,
     floatxq.nn,
     floatxq.nvfp4,
+    floatxq.nvfp4_report,
+    floatxq.swizzle,
 )
 
 

@@ -1,26 +1,38 @@
 """Triton twins of floatxq's pure functions, and the dispatchers that choose between them.
 
 Each kernel equals its pure reference bit for bit. Importing this package needs neither Triton
-nor CUDA: Triton is imported on a kernel's first launch, and a kernel called without it raises a
-``RuntimeError`` naming what is missing. Dispatchers (``*_auto``) take the kernel where it can
+nor CUDA: the Triton sources (``_*_jit`` modules) are imported on a kernel's first launch, and a
+kernel called without Triton raises a ``RuntimeError`` naming what is missing. How a kernel is
+launched (tiles, warps, splits) is a frozen tuning record with measured defaults, passed as the
+``tuning`` keyword. Dispatchers (``*_auto``) take the kernel where it can
 run and otherwise the pure function, and say which they took and why.
 """
-
-from typing import Any
 
 import torch
 
 from floatxq._typing import Float, Tensor
+from floatxq.formats import FP8ScaleMethod
 from floatxq.fp8 import FP8Weight, quantize_fp8_weight
 from floatxq.kernels._triton import (
     triton_available,
     triton_interpret_enabled,
     triton_unavailable_reason,
 )
-from floatxq.kernels.fp8_small_m import fp8_scaled_linear_kernel
-from floatxq.kernels.fp8_weight import quantize_fp8_input, quantize_fp8_weight_kernel
+from floatxq.kernels.fp8_small_m import (
+    FP8SmallMTiles,
+    FP8SmallMTuning,
+    fp8_scaled_linear_kernel,
+)
+from floatxq.kernels.fp8_weight import (
+    FP8WeightTuning,
+    quantize_fp8_input,
+    quantize_fp8_weight_kernel,
+)
 
 __all__ = [
+    "FP8SmallMTiles",
+    "FP8SmallMTuning",
+    "FP8WeightTuning",
     "fp8_scaled_linear_kernel",
     "quantize_fp8_input",
     "quantize_fp8_weight_auto",
@@ -34,9 +46,9 @@ __all__ = [
 def quantize_fp8_weight_auto(
     weight: Float[Tensor, "out in"],
     *,
-    format: Any = "float8_e4m3fn",
-    weight_scale_method: Any = "row",
-    weight_block_size: Any = None,
+    format: str | torch.dtype = "float8_e4m3fn",
+    weight_scale_method: FP8ScaleMethod | None = "row",
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ) -> tuple[FP8Weight, str, str | None]:
     """:func:`floatxq.quantize_fp8_weight` through the Triton kernel where it runs, else in torch.
 

@@ -7,6 +7,7 @@ launched; dispatchers ask :func:`triton_unavailable_reason` which fast path a te
 
 import contextlib
 import functools
+import importlib
 import os
 from types import ModuleType
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 
 __all__ = [
     "CachedLauncher",
+    "import_kernel_sources",
     "import_triton",
     "launch_device",
     "triton_available",
@@ -72,6 +74,35 @@ def import_triton(*, where: str) -> tuple[ModuleType, ModuleType]:
     return triton, tl
 
 
+def import_kernel_sources(module: str, *, interpret: bool, where: str) -> ModuleType:
+    """Import a module of jitted Triton sources (``floatxq.kernels._*_jit``) on first use.
+
+    Such a module imports Triton and decorates its kernels at import, and ``triton.jit`` picks
+    the compiler or the interpreter right then (from ``TRITON_INTERPRET``); the module records
+    which in ``INTERPRETED``.
+
+    Args:
+      module: the module's full name.
+      interpret: the mode the caller launches in (``triton_interpret_enabled()``).
+      where: the caller's name, used in error messages.
+
+    Raises:
+      RuntimeError: Triton does not import, or the kernels were jitted in the other mode
+        (``TRITON_INTERPRET`` changed after the first launch).
+
+    Numerics: none.
+    """
+    import_triton(where=where)
+    sources = importlib.import_module(module)
+    if sources.INTERPRETED != interpret:
+        raise RuntimeError(
+            f"{where}: the Triton kernels were jitted with TRITON_INTERPRET="
+            f"{int(sources.INTERPRETED)}; set TRITON_INTERPRET before the first kernel launch "
+            f"and keep it for the life of the process"
+        )
+    return sources
+
+
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why a Triton kernel cannot run on tensors of ``device`` here, or ``None`` when it can.
 
@@ -102,15 +133,15 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
 class CachedLauncher:
     """Launches of one jitted kernel whose Triton-side argument binding is done once per key.
 
-    ``kernel[grid](*args)`` binds, specializes and hashes every argument on each call: tens of
-    microseconds of host time for a kernel of thirty arguments, more than the GPU needs to
-    quantize a decode-sized activation. The caller names each launch with a ``key`` that fixes
-    every non-tensor argument, every tensor argument's dtype and 16-byte alignment (exactly what
-    Triton specializes a compiled kernel on) and the launch options; the first launch of a key
-    goes through the JIT and keeps the compiled kernel, later ones call its launcher directly
-    with the same arguments in the same order (all positional, constexprs included) on the
-    given device's current stream. While Triton launch hooks are registered (a profiler), every
-    launch takes Triton's own path, which calls them.
+    ``kernel[grid](*args)`` binds, specializes and hashes every argument on each call: host work
+    that grows with the argument count (thirty here) and can exceed the GPU time of a
+    decode-sized launch (measured, see benchmarks/RESULTS.md). The caller names each launch
+    with a ``key`` that fixes every non-tensor argument, every tensor argument's dtype and
+    16-byte alignment (exactly what Triton specializes a compiled kernel on) and the launch
+    options; the first launch of a key goes through the JIT and keeps the compiled kernel,
+    later ones call its launcher directly with the same arguments in the same order (all
+    positional, constexprs included) on the given device's current stream. While Triton launch
+    hooks are registered (a profiler), every launch takes Triton's own path, which calls them.
 
     Under ``TRITON_INTERPRET=1`` every launch goes through the interpreter (nothing is kept).
     """
@@ -158,6 +189,10 @@ class CachedLauncher:
     def __len__(self) -> int:
         """How many compiled launches are kept."""
         return len(self._compiled)
+
+    def compiled(self) -> list[Any]:
+        """The compiled kernels of the kept launches, oldest first (``.asm`` holds their PTX)."""
+        return [entry[0] for entry in self._compiled.values()]
 
 
 def _hooked(hook: Any) -> bool:

@@ -2,7 +2,7 @@
 
 Only metadata and safetensors headers are read (no tensor data), so inspecting a large
 checkpoint is instant. The scale direction is decided from the checkpoint's metadata, never
-guessed from magnitudes (SPEC §7).
+guessed from magnitudes (``docs/numerics.md`` lists the conventions).
 """
 
 import os
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from floatxq.lifecycle.checkpoint import CONFIG_FILE, QUANTIZE_CONFIG_FILE, read_json, tensor_infos
+from floatxq.lifecycle.payload import payload_format, payload_method
 
 SCALE_CONVENTIONS: dict[str, str] = {
     "floatxq_fp8": (
@@ -64,9 +65,9 @@ def _layout_of(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> s
 
 def _convention(qconfig: dict[str, Any] | None, names: set[str]) -> str:
     has = lambda suffix: any(n.endswith(suffix) for n in names)
-    method = str((qconfig or {}).get("quant_method", (qconfig or {}).get("method", ""))).lower()
     if qconfig is None:
         return "none" if not (has(".weight_scale_inv") or has(".qweight")) else "undeclared"
+    method = payload_method(qconfig) or ""
     if method == "fp8":
         if "weight_scale_semantics" in qconfig or "checkpoint_format" in qconfig:
             return "floatxq_fp8"
@@ -117,11 +118,8 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
         for dim in info.shape:
             count *= dim
         total += count * sizes.get(info.dtype, 4)
-    method = None
-    fmt = None
-    if qconfig is not None:
-        method = str(qconfig.get("method", qconfig.get("quant_method", "")) or "") or None
-        fmt = qconfig.get("format") or qconfig.get("fmt") or qconfig.get("checkpoint_format")
+    method = (payload_method(qconfig) or None) if qconfig is not None else None
+    fmt = payload_format(qconfig) if qconfig is not None else None
     return CheckpointReport(
         path=str(root),
         model_type=payload.get("model_type"),

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from floatxq.config import BACKEND, METHOD, FP8Config
+from floatxq.config import BACKEND, METHOD, FP8Config, GPTQConfig
 from floatxq.fp8 import infer_scale_layout
 from floatxq.lifecycle.checkpoint import (
     CONFIG_FILE,
@@ -29,38 +29,49 @@ from floatxq.lifecycle.checkpoint import (
     write_checkpoint,
 )
 from floatxq.lifecycle.fp8 import quantize_fp8_modules
+from floatxq.lifecycle.payload import fp8_config_from_payload, fp8_config_to_payload, payload_method
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
-_FP8_BACKENDS = (BACKEND.AUTO, BACKEND.FP8_TORCH)
+
+def _resolve_backend(backend: Any) -> BACKEND:
+    """The backend that runs the model: FP8 weight-only models run on ``fp8_torch``."""
+    if isinstance(backend, str):
+        try:
+            chosen = BACKEND(str.lower(str.strip(backend)))
+        except ValueError:
+            chosen = None
+        if chosen is not None:
+            return BACKEND.FP8_TORCH if chosen == BACKEND.AUTO else chosen
+    accepted = ", ".join(repr(b.value) for b in BACKEND)
+    raise ValueError(
+        f"load: backend {backend!r} is not available in floatxq; accepted: {accepted} (FP8 "
+        f"weight-only models run on 'fp8_torch')"
+    )
 
 
-def _resolve_backend(backend: Any, method: str) -> BACKEND:
-    try:
-        chosen = BACKEND(str(backend).strip().lower()) if backend is not None else BACKEND.AUTO
-    except ValueError:
-        accepted = ", ".join(repr(b.value) for b in BACKEND)
-        raise ValueError(f"load: unknown backend {backend!r}; accepted: {accepted}") from None
-    if method == METHOD.FP8 and chosen not in _FP8_BACKENDS:
-        raise ValueError(
-            f"load: backend {chosen.value!r} cannot run FP8 weight-only models; use 'auto' or "
-            f"'fp8_torch'"
-        )
-    return BACKEND.FP8_TORCH if method == METHOD.FP8 and chosen == BACKEND.AUTO else chosen
+_GPTQ_NOT_YET = (
+    "GPTQ models are not available yet in floatxq.load (only the solver is: floatxq.gptq_solve "
+    "with floatxq.lifecycle.gptq_solve_options(config.resolve(module_name)))"
+)
 
 
 def _as_fp8_config(value: Any) -> FP8Config:
     if isinstance(value, FP8Config):
         return value
+    if isinstance(value, GPTQConfig):
+        raise TypeError(f"load: quantize_config is a GPTQConfig; {_GPTQ_NOT_YET}")
     if isinstance(value, Mapping):
-        method = str(value.get("method", value.get("quant_method", "fp8"))).strip().lower()
+        method = payload_method(value) or METHOD.FP8.value
+        if method == METHOD.GPTQ:
+            raise ValueError(f"load: quantize_config method 'gptq': {_GPTQ_NOT_YET}")
         if method != METHOD.FP8:
             raise ValueError(
-                f"load: quantize_config method {method!r} is not supported by this build's "
-                f"lifecycle; accepted: 'fp8'"
+                f"load: quantize_config method {method!r} is not supported; accepted: 'fp8'"
             )
-        return FP8Config.from_dict(value)
+        return fp8_config_from_payload(value)
     raise TypeError(
-        f"load: quantize_config must be an FP8Config, a dict or None, got {type(value).__name__}"
+        f"load: quantize_config must be an FP8Config, its payload mapping or None, got "
+        f"{type(value).__name__}"
     )
 
 
@@ -104,14 +115,16 @@ def _load_quantized(path: Path, config_payload: Mapping[str, Any], *, device: An
     qpayload = config_payload["quantization_config"]
     if not isinstance(qpayload, Mapping):
         raise CheckpointError(f"load: {path / CONFIG_FILE} 'quantization_config' is not an object")
-    method = str(qpayload.get("method", qpayload.get("quant_method", ""))).strip().lower()
+    method = payload_method(qpayload)
+    if method == METHOD.GPTQ:
+        raise CheckpointError(f"load: {path / CONFIG_FILE} declares method 'gptq'; {_GPTQ_NOT_YET}")
     if method != METHOD.FP8:
         raise CheckpointError(
             f"load: {path / CONFIG_FILE} quantization_config method {method!r} is not supported; "
             f"accepted: 'fp8'"
         )
     try:
-        qconfig = FP8Config.from_dict(qpayload)
+        qconfig = fp8_config_from_payload(qpayload)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"load: {path / CONFIG_FILE} quantization_config: {exc}") from None
     infos = {info.name: info for info in tensor_infos(path)}
@@ -292,7 +305,7 @@ class QuantizedModel:
         """
         if not self.quantized or self.quantize_config is None:
             raise RuntimeError("save: quantize() the model first (or load a quantized checkpoint)")
-        qdict = self.quantize_config.to_dict()
+        qdict = fp8_config_to_payload(self.quantize_config)
         config_obj = getattr(self.model, "config", None)
         if config_obj is None or not hasattr(config_obj, "to_dict"):
             raise TypeError("save: the model has no Hugging Face config to write as config.json")
@@ -355,11 +368,12 @@ def load(
       model_or_path: an ``nn.Module`` (used as is, not copied) or a local Hugging Face model
         directory. A directory whose ``config.json`` holds an FP8 ``quantization_config`` is
         rebuilt from its files: its ``TorchFP8Linear`` modules get the saved bytes.
-      quantize_config: an ``FP8Config`` (or its dict) for :meth:`QuantizedModel.quantize`;
-        ignored with a warning for an already-quantized checkpoint.
+      quantize_config: an ``FP8Config`` (or its payload, see :mod:`floatxq.lifecycle.payload`)
+        for :meth:`QuantizedModel.quantize`; ignored with a warning for an already-quantized
+        checkpoint. GPTQ models are not available yet here (a ``GPTQConfig`` is refused).
       device: where the model (and each quantized module) lives.
       dtype: dtype of the unquantized parameters (default: the checkpoint's / the model's).
-      backend: ``"auto"`` or ``"fp8_torch"`` for FP8; an incompatible backend is an error.
+      backend: ``"auto"`` or ``"fp8_torch"`` (the members of :class:`~floatxq.config.BACKEND`).
 
     Raises:
       CheckpointError (a ValueError): missing/corrupt/truncated files, inconsistent tensors.
@@ -370,7 +384,7 @@ def load(
     dev = torch.device(device) if device is not None else None
     if isinstance(model_or_path, nn.Module):
         config = _as_fp8_config(quantize_config) if quantize_config is not None else None
-        chosen = _resolve_backend(backend, METHOD.FP8)
+        chosen = _resolve_backend(backend)
         model = model_or_path.to(dev) if dev is not None else model_or_path
         already = any(isinstance(m, TorchFP8Linear) for m in model.modules())
         return QuantizedModel(
@@ -387,7 +401,7 @@ def load(
     payload = read_json(path / CONFIG_FILE, what="load")
     if "quantization_config" in payload:
         model, qconfig = _load_quantized(path, payload, device=dev, dtype=dtype)
-        chosen = _resolve_backend(backend, METHOD.FP8)
+        chosen = _resolve_backend(backend)
         if quantize_config is not None:
             warnings.warn(
                 f"load: {path} is already quantized; quantize_config is ignored",
@@ -403,7 +417,7 @@ def load(
             f"scales (weight_scale_inv): the checkpoint's quantization is undeclared"
         )
     config = _as_fp8_config(quantize_config) if quantize_config is not None else None
-    chosen = _resolve_backend(backend, METHOD.FP8)
+    chosen = _resolve_backend(backend)
     model = _load_plain(path, device=dev, dtype=dtype)
     return QuantizedModel(model, quantize_config=config, backend=chosen, source=path, device=dev)
 

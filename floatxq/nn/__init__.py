@@ -1,10 +1,29 @@
 """Thin ``nn.Module`` wrappers: stored buffers in, pure functions and kernels out.
 
-``TorchFP8Linear`` holds FP8 codes, FP32 inverse scales and an FP16 bias, and multiplies them with
-``torch._scaled_mm`` where the GPU, layout and shapes allow it, else by decoding the weight for
-the call (see :mod:`floatxq.nn.fp8_linear`).
+``TorchFP8Linear`` holds FP8 codes, FP32 inverse scales and an FP16 bias, and multiplies them by
+the fastest route :func:`select_fp8_route` allows for each call (``torch._scaled_mm`` or the fused
+small-M kernel on CUDA, else decoding the weight for the call). The route policy is a pure
+function of a :class:`FP8RouteFacts` record (:mod:`floatxq.nn.route_policy`); the routes
+themselves are free functions (:mod:`floatxq.nn.fp8_routes`); convolution support lives in
+:mod:`floatxq.nn.conv`.
 """
 
-from floatxq.nn.fp8_linear import ROUTES, ConvGeometry, TorchFP8Linear
+from floatxq.nn.conv import ConvGeometry
+from floatxq.nn.fp8_linear import TorchFP8Linear
+from floatxq.nn.route_policy import (
+    ROUTES,
+    FP8RouteChoice,
+    FP8RouteFacts,
+    FP8RouteTuning,
+    select_fp8_route,
+)
 
-__all__ = ["ROUTES", "ConvGeometry", "TorchFP8Linear"]
+__all__ = [
+    "ROUTES",
+    "ConvGeometry",
+    "FP8RouteChoice",
+    "FP8RouteFacts",
+    "FP8RouteTuning",
+    "TorchFP8Linear",
+    "select_fp8_route",
+]

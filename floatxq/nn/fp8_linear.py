@@ -1,4 +1,4 @@
-"""``TorchFP8Linear``: FP8 weight codes with FP32 inverse scales, and the routes that multiply them.
+"""``TorchFP8Linear``: FP8 weight codes with FP32 inverse scales, multiplied by the fastest route.
 
 The module holds three buffers, the bytes of the checkpoint format:
 
@@ -11,144 +11,66 @@ They move with ``.to()`` as bytes and are never cast: ``module.to(torch.bfloat16
 the stored format, and it is cast to the output dtype per call). Everything else is a per-device
 cache, dropped whenever the buffers move or are loaded.
 
-Forward routes (``last_route`` names the one taken, ``last_fallback_reason`` why a faster one was
-not), for ``x`` of shape ``(*, in_features)`` and any floating dtype, output in ``x.dtype``:
+A call flattens ``x`` ``(*, in_features)`` to rows, asks :func:`floatxq.nn.select_fp8_route` for
+the fastest route its facts allow (the answer is cached per device, dtype, row bucket and graph
+capture), and runs that route's runner, built once per input dtype by the builders of
+:mod:`floatxq.nn.fp8_routes`. The output has ``x``'s dtype. ``last_route`` names the route taken
+(one of :data:`floatxq.nn.ROUTES`) and ``last_fallback_reason`` why the fastest candidate was not
+(``None`` when it was). The routes, in short (:mod:`floatxq.nn.route_policy` has the rules):
 
-``scaled_mm_tensorwise``
-    The seed's route: CUDA (SM 8.9+), tensor-scaled ``float8_e4m3fn`` weight, fp16/bf16 ``x``,
-    ``in % 16 == out % 16 == 0``. ``x`` is quantized tensor-wise to the weight's format with the
-    weight formula (``scale_inv = fp8_max / max(amax, FLT_MIN)``), then
-    ``_scaled_mm(xq, weight.t(), scale_a=1/sx, scale_b=1/weight_scale_inv, out_dtype=x.dtype)``.
-    (A ``float8_e5m2`` weight would make both operands E5M2, which ``scaled_mm`` refuses.)
-``scaled_mm_rowwise``
-    Row-scaled E4M3 or E5M2 weights on SM 9.0+: ``x`` quantized per token to E4M3 with the same
-    formula (the inverse form, so ``scale_a = 1/sx`` of shape ``(M, 1)``; not the direct
-    ``amax/448`` of ``fp8_token_quantize``), ``scale_b = 1/weight_scale_inv`` of shape ``(1, N)``.
-``scaled_mm_blockwise``
-    ``[128, 128]`` block-scaled ``float8_e4m3fn`` weights on SM 9.x (cuBLAS's 1x128 x 128x128
-    "DeepSeek" recipe through ``torch.nn.functional.scaled_mm``): ``x`` quantized per 1x128 block
-    (E4M3, same formula); rows are padded to a multiple of 16 (cuBLAS refuses M = 1 or 17) with
-    zero codes, and the padded outputs dropped.
-``fp8_small_m``
-    Where one of the three ``scaled_mm`` routes applies and ``x`` has at most :data:`SMALL_M`
-    rows (decode), and Triton imports: :func:`floatxq.kernels.fp8_scaled_linear_kernel`, one
-    launch that quantizes ``x`` with that route's recipe inside the GEMM (same ``x`` codes,
-    FP32 accumulation of exact products, the same direct scales and epilogue bias). Eager
-    decode is bound by host time: back to back, one launch instead of two is 1.0-2.4x faster
-    on an H200 (N = K = 8192, ``benchmarks/RESULTS.md``). While
-    a CUDA graph is being captured (launches then cost nothing) it is kept where it is also the
-    faster GPU code: rowwise and blockwise layers up to 16 rows, tensorwise layers for one row;
-    other calls capture cuBLAS's ``scaled_mm`` (see ``benchmarks/RESULTS.md``). The result
-    equals the ``scaled_mm`` route's up to summation order (both are checked against
-    :func:`floatxq.fp8_scaled_linear`).
-``dequant_matmul``
-    Everywhere else: the weight is decoded for this call only (``dequantize_fp8_weight`` in
-    ``x.dtype``) and multiplied; no dense weight is kept between calls.
-``compiled_cpu``
-    Opt-in (:meth:`TorchFP8Linear.optimize`): the same decode-and-multiply under ``torch.compile``
-    for CPU inputs.
-``conv_dequant``
-    Modules built from ``nn.Conv1d/2d/3d``: the convolution runs with the decoded weight reshaped
-    back, with the original stride, padding, dilation, groups and padding mode.
+* ``fp8_small_m``: CUDA decode-sized calls, the fused Triton kernel (``x`` quantized inside the
+  GEMM with the matching ``scaled_mm`` route's recipe);
+* ``scaled_mm_tensorwise`` / ``_rowwise`` / ``_blockwise``: CUDA FP8 tensor cores through cuBLAS,
+  one per weight scale layout, ``x`` quantized per tensor / row / 1x128 block for the call;
+* ``compiled_cpu``: off CUDA after :meth:`TorchFP8Linear.optimize`, decode-and-multiply under
+  ``torch.compile``;
+* ``dequant_matmul``: everywhere else, the weight decoded in ``x``'s dtype for this call only (no
+  dense weight is kept between calls);
+* ``conv_dequant``: modules built from ``nn.Conv1d/2d/3d`` decode the weight and run the
+  convolution with the source module's geometry (:mod:`floatxq.nn.conv`).
 
-In the three ``scaled_mm`` routes the bias goes into the GEMM epilogue (added in FP32 before the
-single rounding to ``x.dtype``; the seed adds it after, one rounding more).
-
-A fast route that raises is switched off for this module and that input dtype (the reason is
-kept and warned once), and the call falls back to ``dequant_matmul``. The LoRA hook ``adapter``
-runs last: ``out = adapter(x_flat, out)`` (for a convolution, ``adapter(x, out)``).
+A route that raises is switched off for this module and that input dtype (warned once, the
+reason kept), and the call takes the next route the policy gives: ``fp8_small_m`` falls back to
+its ``scaled_mm`` route, a ``scaled_mm`` route or ``compiled_cpu`` to ``dequant_matmul``. The
+switches are dropped with the other caches. The LoRA hook ``adapter`` runs last:
+``out = adapter(x_flat, out)`` (for a convolution, ``adapter(x, out)``). What each route computes,
+to the bit or within which bound: ``docs/numerics.md``.
 """
 
-import dataclasses
 import functools
-import inspect
 import math
 import typing
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from floatxq._checks import require_finite, require_floating, require_shape
 from floatxq._typing import Float, FP8Dtype, Tensor
 from floatxq.formats import (
-    FP8_DECODE_ONLY_FORMATS,
     fp8_dtype,
     normalize_fp8_block_size,
     normalize_fp8_format,
     normalize_fp8_scale_method,
 )
 from floatxq.fp8 import dequantize_fp8_weight, infer_scale_layout
-from floatxq.kernels import (
-    quantize_fp8_input,
-    quantize_fp8_weight_auto,
-    triton_unavailable_reason,
+from floatxq.kernels import quantize_fp8_weight_auto, triton_unavailable_reason
+from floatxq.nn import fp8_routes
+from floatxq.nn.conv import ConvGeometry, conv_forward, weight_matrix
+from floatxq.nn.route_policy import (
+    SCALED_MM_ROUTE,
+    FP8RouteChoice,
+    FP8RouteFacts,
+    FP8RouteTuning,
+    select_fp8_route,
 )
-from floatxq.kernels.fp8_small_m import _launch as small_m_launch
 
-__all__ = ["ROUTES", "SMALL_M", "ConvGeometry", "TorchFP8Linear"]
-
-ROUTES: tuple[str, ...] = (
-    "fp8_small_m",
-    "scaled_mm_tensorwise",
-    "scaled_mm_rowwise",
-    "scaled_mm_blockwise",
-    "dequant_matmul",
-    "compiled_cpu",
-    "conv_dequant",
-)
-"""Every value ``TorchFP8Linear.last_route`` takes (plus ``"none"`` before the first call)."""
+__all__ = ["TorchFP8Linear"]
 
 FP16_MAX = 65504.0
 """Largest finite float16: the range a stored bias must fit."""
-
-_SCALED_MM_FORMATS = ("float8_e4m3fn", "float8_e5m2")
-_BLOCKWISE_BLOCK = (128, 128)
-_BLOCKWISE_K_GROUP = 128
-_BLOCKWISE_M_ALIGN = 16
-_SCALED_MM_ALIGN = 16
-_TENSORWISE_MIN_CAPABILITY = (8, 9)
-_ROWWISE_MIN_CAPABILITY = (9, 0)
-_BLOCKWISE_MAJOR = 9
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-SMALL_M = 16
-"""Inputs of at most this many rows (after flattening) take the ``fp8_small_m`` kernel."""
-_SMALL_M_IN_GRAPHS = {"scaled_mm_tensorwise": 1, "scaled_mm_rowwise": 16, "scaled_mm_blockwise": 16}
-"""Most rows a route's calls send to ``fp8_small_m`` while a CUDA graph is captured (launch costs
-then vanish, so only GPU time counts): where the fused kernel is the faster GPU code. Graph
-replays on an H200, N = K = 8192 (``benchmarks/fp8_small_m_sweep.py --crossover``): rowwise
-1.5-1.9x faster than quantize + cuBLAS up to 16 rows, blockwise 1.17-1.25x up to 16, tensorwise
-1.08x at one row but even from 2 to 16 rows (0.92-1.24x, programs reducing x's amax together),
-so tensorwise captures keep cuBLAS from 2 rows on."""
-_METHOD_RECIPE = {"tensor": "tensorwise", "row": "rowwise", "block": "blockwise"}
-
-_METHOD_ROUTE = {
-    "tensor": "scaled_mm_tensorwise",
-    "row": "scaled_mm_rowwise",
-    "block": "scaled_mm_blockwise",
-}
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class ConvGeometry:
-    """How a flattened convolution weight is reshaped and applied (kept from the source module).
-
-    Numerics: shapes and conv arguments only.
-    """
-
-    dims: int
-    """1, 2 or 3 (``F.conv1d``/``conv2d``/``conv3d``)."""
-    weight_shape: tuple[int, ...]
-    """``(out, in/groups, *kernel)``."""
-    stride: tuple[int, ...]
-    padding: tuple[int, ...] | str
-    dilation: tuple[int, ...]
-    groups: int
-    padding_mode: str
-    reversed_padding_repeated_twice: tuple[int, ...]
-    """Used with ``padding_mode != "zeros"`` (explicit ``F.pad`` first, as ``nn.Conv`` does)."""
 
 
 @functools.cache
@@ -178,18 +100,10 @@ def _scale_shape(
 
 def _fp16_bias(bias: Any, out_features: int, device: torch.device, *, where: str) -> Tensor:
     """The bias as stored: FP16 ``(out,)``; a value FP16 cannot hold is an error, never inf."""
-    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
-        raise TypeError(
-            f"{where}: bias must be a floating tensor or None, got {type(bias).__name__}"
-            + (f" of dtype {bias.dtype}" if isinstance(bias, torch.Tensor) else "")
-        )
-    if tuple(bias.shape) != (out_features,):
-        raise ValueError(
-            f"{where}: bias must have shape ({out_features},), got {tuple(bias.shape)}"
-        )
+    require_floating(bias, name="bias", where=where)
+    require_shape(bias, (out_features,), name="bias", where=where)
     b = bias.detach()
-    if b.numel() and not bool(torch.isfinite(b).all()):
-        raise ValueError(f"{where}: bias contains NaN or infinity; finite values are required")
+    require_finite(b, name="bias", where=where)
     if b.numel() and bool((b.abs() > FP16_MAX).any()):
         worst = float(b.abs().max())
         raise ValueError(
@@ -199,45 +113,28 @@ def _fp16_bias(bias: Any, out_features: int, device: torch.device, *, where: str
     return b.to(device=device, dtype=torch.float16)
 
 
-def _dequant_linear(
-    x: Float[Tensor, "m k"],
-    weight: FP8Dtype[Tensor, "n k"],
-    scale_inv: Float[Tensor, "*scale"],
-    bias: Float[Tensor, "n"] | None,  # noqa: F821
-) -> Float[Tensor, "m n"]:
-    """``x @ decode(weight).T + bias``, the weight decoded in ``x.dtype`` for this call only."""
-    return F.linear(x, dequantize_fp8_weight(weight, scale_inv, dtype=x.dtype), bias)
-
-
-def _scaled_mm_fn() -> Callable[..., Tensor] | None:
-    return getattr(torch, "_scaled_mm", None)
-
-
-def _blockwise_recipes() -> tuple[Callable[..., Tensor], Any, Any] | None:
-    """``(F.scaled_mm, BlockWise1x128, BlockWise128x128)`` where this torch has the v2 API."""
-    fn = getattr(F, "scaled_mm", None)
-    kinds = getattr(F, "ScalingType", None)
-    if fn is None or kinds is None:
-        return None
-    a = getattr(kinds, "BlockWise1x128", None) or getattr(kinds, "Blockwise_1x128", None)
-    b = getattr(kinds, "BlockWise128x128", None) or getattr(kinds, "Blockwise_128x128", None)
-    return None if a is None or b is None else (fn, a, b)
-
-
 class _Runtime:
-    """Per-device caches and route switches; rebuilt whenever the buffers move or are loaded."""
+    """Per-placement caches and route switches; rebuilt whenever the buffers move or are loaded."""
 
-    __slots__ = ("compiled", "disabled", "plans", "prepared", "runners", "warned")
+    __slots__ = ("choices", "compiled", "disabled", "prepared", "runners", "warned")
 
     def __init__(self) -> None:
-        self.plans: dict[tuple[torch.device, torch.dtype], tuple[str, str | None]] = {}
-        self.runners: dict[tuple[str, torch.dtype], tuple[Callable[[Tensor], Tensor], tuple]] = {}
-        """A ``scaled_mm`` route's call with everything but ``x`` bound, and the buffers it
-        bound (the runner is rebuilt when one of them is replaced)."""
+        self.choices: dict[tuple[torch.device, torch.dtype, int, bool], FP8RouteChoice] = {}
+        """The policy's answer by (device, dtype, row bucket, capturing)."""
+        self.runners: dict[tuple[str, torch.dtype], tuple[fp8_routes.Runner, tuple]] = {}
+        """A route's runner for a dtype, and the buffers it bound (rebuilt when one of them is
+        replaced)."""
         self.prepared: dict[Any, Tensor] = {}
+        """Weight-side operands (direct scales, the bias in a dtype), computed once."""
         self.disabled: dict[tuple[str, torch.dtype | None], str] = {}
+        """Routes switched off, by (route, x dtype; ``None`` for every dtype), with why."""
         self.compiled: Callable[..., Tensor] | None = None
         self.warned: set[tuple[str, torch.dtype | None]] = set()
+
+    def switch_off(self, route: str, dtype: torch.dtype | None, why: str) -> None:
+        """Switch ``route`` off for ``dtype`` inputs (the cached choices are dropped)."""
+        self.disabled[(route, dtype)] = why
+        self.choices.clear()
 
 
 class TorchFP8Linear(nn.Module):
@@ -251,7 +148,7 @@ class TorchFP8Linear(nn.Module):
     Args:
       in_features, out_features: the weight's ``(out, in)`` shape (non-negative ints).
       bias: allocate an FP16 bias buffer.
-      format: FP8 name/alias of the codes (``float8_e8m0fnu`` is accepted for decode-only
+      format: FP8 name/alias/dtype of the codes (``float8_e8m0fnu`` is accepted for decode-only
         checkpoints; quantizing to it is not).
       weight_scale_method: ``"tensor"``, ``"row"`` or ``"block"`` (``None``: by block size).
       weight_block_size: ``[block_rows, block_cols]`` for ``"block"``; must divide the shape.
@@ -262,14 +159,17 @@ class TorchFP8Linear(nn.Module):
       TypeError: non-integer sizes.
 
     Numerics: decode is ``float32(code) / scale_inv`` rounded once to ``x.dtype``; the
-    ``scaled_mm`` routes also round ``x`` to FP8 (per tensor, token or 1×128 block, the weight
-    formula) and accumulate in FP32 on the tensor cores; results match the decoded reference
-    within that rounding (see the tests' stated tolerances).
+    ``scaled_mm`` and ``fp8_small_m`` routes also round ``x`` to FP8 (per tensor, row or 1x128
+    block, with the weight formula) and accumulate in FP32; ``docs/numerics.md`` states what
+    each route guarantees against the decoded reference.
 
     Example:
       >>> layer = TorchFP8Linear.from_linear(nn.Linear(64, 32))
       >>> layer(torch.randn(4, 64)).shape, layer.last_route
       (torch.Size([4, 32]), 'dequant_matmul')
+      >>> print(layer.last_fallback_reason)  # doctest: +NORMALIZE_WHITESPACE
+      x is on cpu: fp8_small_m and the scaled_mm routes need CUDA, and compiled_cpu is opt-in
+      (call optimize())
     """
 
     weight: Tensor
@@ -284,9 +184,9 @@ class TorchFP8Linear(nn.Module):
         out_features: int,
         *,
         bias: bool = True,
-        format: Any = "float8_e4m3fn",
-        weight_scale_method: Any = "row",
-        weight_block_size: Any = None,
+        format: str | torch.dtype = "float8_e4m3fn",
+        weight_scale_method: str | None = "row",
+        weight_block_size: Sequence[int] | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -305,6 +205,8 @@ class TorchFP8Linear(nn.Module):
         self.format = name
         self.weight_scale_method = method
         self.weight_block_size = block
+        self._scaled_route = SCALED_MM_ROUTE[method]
+        self._recipe = self._scaled_route.removeprefix("scaled_mm_")
         self.conv: ConvGeometry | None = None
         codes = torch.zeros((out_features, in_features), dtype=torch.uint8, device=device)
         self.register_buffer("weight", codes.view(fp8_dtype(name)))
@@ -317,6 +219,7 @@ class TorchFP8Linear(nn.Module):
         self._set_last("none", None)
         self._compile_requested = False
         self._compile_backend = "inductor"
+        self._route_tuning = FP8RouteTuning()
         self._runtime = _Runtime()
 
     # ------------------------------------------------------------------------------------------
@@ -328,9 +231,9 @@ class TorchFP8Linear(nn.Module):
         cls,
         module: nn.Module,
         *,
-        format: Any = "float8_e4m3fn",
-        weight_scale_method: Any = "row",
-        weight_block_size: Any = None,
+        format: str | torch.dtype = "float8_e4m3fn",
+        weight_scale_method: str | None = "row",
+        weight_block_size: Sequence[int] | None = None,
     ) -> "TorchFP8Linear":
         """Quantize an ``nn.Linear``, a Hugging Face ``Conv1D`` or an ``nn.Conv1d/2d/3d``.
 
@@ -345,7 +248,7 @@ class TorchFP8Linear(nn.Module):
 
         Numerics: codes and scales bit-identical to ``quantize_fp8_weight(weight_matrix, ...)``.
         """
-        matrix, conv = _weight_matrix(module)
+        matrix, conv = _source_matrix(module, where="from_linear")
         with torch.no_grad():
             q, _, _ = quantize_fp8_weight_auto(
                 matrix.detach(),
@@ -370,16 +273,16 @@ class TorchFP8Linear(nn.Module):
         cls,
         module: nn.Module,
         *,
-        format: Any = "float8_e4m3fn",
-        weight_scale_method: Any = "row",
-        weight_block_size: Any = None,
+        format: str | torch.dtype = "float8_e4m3fn",
+        weight_scale_method: str | None = "row",
+        weight_block_size: Sequence[int] | None = None,
         device: torch.device | str | None = None,
     ) -> "TorchFP8Linear":
         """An unfilled module shaped for ``module`` (convolution geometry included), to load into.
 
         Numerics: none; buffers are zeros (codes, bias) and ones (scales) until loaded.
         """
-        matrix, conv = _weight_matrix(module)
+        matrix, conv = _source_matrix(module, where="empty_like")
         layer = cls(
             matrix.shape[1],
             matrix.shape[0],
@@ -399,8 +302,8 @@ class TorchFP8Linear(nn.Module):
         scale_inv: Float[Tensor, "*scale"],
         bias: Float[Tensor, "out"] | None = None,  # noqa: F821
         *,
-        weight_scale_method: Any = None,
-        weight_block_size: Any = None,
+        weight_scale_method: str | None = None,
+        weight_block_size: Sequence[int] | None = None,
     ) -> "TorchFP8Linear":
         """Wrap existing FP8 codes and FP32 inverse scales (no copy of the codes when contiguous).
 
@@ -546,8 +449,8 @@ class TorchFP8Linear(nn.Module):
     def optimize(self, *, backend: str = "inductor") -> "TorchFP8Linear":
         """Opt in to the compiled CPU forward (``torch.compile`` of decode-and-multiply).
 
-        Applies to CPU inputs only (CUDA inputs keep their routes). Compilation happens on the
-        first CPU call; if it fails, a warning is given and the module falls back to
+        Applies to inputs off CUDA (CUDA inputs keep their routes). Compilation happens on the
+        first such call; if it fails, a warning is given and the module falls back to
         ``dequant_matmul`` until ``optimize()`` is called again or the buffers move.
 
         Args:
@@ -558,12 +461,31 @@ class TorchFP8Linear(nn.Module):
 
         Numerics: the decode-and-multiply of ``dequant_matmul`` (FP32 summation order may differ).
         """
+        runtime = self._runtime
         self._compile_requested = True
         self._compile_backend = backend
-        self._runtime.compiled = None
-        self._runtime.disabled.pop(("compiled_cpu", None), None)
-        self._runtime.warned.discard(("compiled_cpu", None))
+        runtime.compiled = None
+        runtime.disabled.pop(("compiled_cpu", None), None)
+        runtime.warned.discard(("compiled_cpu", None))
+        runtime.runners = {k: v for k, v in runtime.runners.items() if k[0] != "compiled_cpu"}
+        runtime.choices.clear()
         return self
+
+    @property
+    def route_tuning(self) -> FP8RouteTuning:
+        """The row thresholds this module's route policy uses (assigning one drops the cached
+        route choices)."""
+        return self._route_tuning
+
+    @route_tuning.setter
+    def route_tuning(self, tuning: FP8RouteTuning) -> None:
+        if not isinstance(tuning, FP8RouteTuning):
+            raise TypeError(
+                f"TorchFP8Linear.route_tuning must be an FP8RouteTuning, got "
+                f"{type(tuning).__name__}"
+            )
+        self.__dict__["_route_tuning"] = tuning
+        self._runtime.choices.clear()
 
     def extra_repr(self) -> str:
         block = (
@@ -587,7 +509,12 @@ class TorchFP8Linear(nn.Module):
 
     @property
     def last_fallback_reason(self) -> str | None:
-        """Why a faster route was not taken for the last call (``None`` when the fastest ran)."""
+        """Why the fastest candidate route was not taken for the last call (``None``: it was).
+
+        Names each faster route skipped and why (Triton missing, no CUDA, a capability, format,
+        dtype or shape the route does not take, a switch after an error, the opt-in of
+        ``compiled_cpu``); see :func:`floatxq.nn.select_fp8_route`.
+        """
         return self._last[1]
 
     def _set_last(self, route: str, reason: str | None) -> None:
@@ -625,177 +552,129 @@ class TorchFP8Linear(nn.Module):
         if x.shape[0] == 0:  # no rows: nothing to multiply (and no kernel launched)
             self._set_last("dequant_matmul", "x has no rows")
             return x.new_empty((0, self.out_features))
-        route, reason = self._plan(x)
-        out = None
-        if (
-            route in _SCALED_ROUTES
-            and x.shape[0] <= SMALL_M
-            and (
-                x.shape[0] <= _SMALL_M_IN_GRAPHS[route]
-                or not torch.cuda.is_current_stream_capturing()
-            )
-        ):
-            small = self._small_m_runner(x.dtype)
-            if small is not None:
-                try:
-                    out = small(x)
-                    route = "fp8_small_m"
-                except Exception as exc:  # the scaled_mm route takes over for this dtype
-                    self._disable("fp8_small_m", x.dtype, exc, fallback=route)
-        if out is None and route in _SCALED_ROUTES:
+        while True:  # ends: each failure switches a route off, and dequant_matmul never is
+            route, reason = self._choose(x)
             try:
                 out = self._runner(route, x.dtype)(x)
             except Exception as exc:
-                reason = self._disable(route, x.dtype, exc)
-                route = "dequant_matmul"
-        elif route == "compiled_cpu":
-            try:
-                out = self._compiled()(
-                    x, self.weight, self.weight_scale_inv, self._bias_as(x.dtype)
-                )
-            except Exception as exc:
-                reason = self._disable(route, None, exc)
-                route = "dequant_matmul"
-        if out is None:
-            out = _dequant_linear(x, self.weight, self.weight_scale_inv, self._bias_as(x.dtype))
-        self._set_last(route, reason)
-        return out
+                if route == "dequant_matmul":
+                    raise
+                self._switch_off(route, x, exc)
+                continue
+            self._set_last(route, reason)
+            return out
 
-    def _small_m_runner(self, dtype: torch.dtype) -> Callable[[Tensor], Tensor] | None:
-        """The ``fp8_small_m`` call for ``dtype`` inputs, or None (Triton absent, switched off)."""
+    def _choose(self, x: Tensor) -> FP8RouteChoice:
+        """The policy's route for ``x``, cached by what it depends on."""
+        rows, tuning = x.shape[0], self._route_tuning
+        capturing = False
+        if x.is_cuda and tuning.capture_matters(rows, self._scaled_route):
+            capturing = torch.cuda.is_current_stream_capturing()
+        key = (x.device, x.dtype, min(rows, tuning.small_m_rows + 1), capturing)
+        choices = self._runtime.choices
+        choice = choices.get(key)
+        if choice is None:
+            choice = choices[key] = select_fp8_route(self._facts(x, capturing), tuning=tuning)
+        return choice
+
+    def _facts(self, x: Tensor, capturing: bool) -> FP8RouteFacts:
+        """What the route policy needs to know about a call of ``x``, read from this module,
+        this torch, the device and the Triton install."""
+        device, dtype = x.device, x.dtype
+        cuda = device.type == "cuda"
+        disabled = {r: why for (r, d), why in self._runtime.disabled.items() if d in (None, dtype)}
+        return FP8RouteFacts(
+            device_type=device.type,
+            capability=_device_capability(device) if cuda else None,
+            x_dtype=dtype,
+            rows=x.shape[0],
+            in_features=self.in_features,
+            out_features=self.out_features,
+            format=self.format,
+            scale_method=self.weight_scale_method,
+            block_size=self.weight_block_size,
+            small_m_unavailable=triton_unavailable_reason(device) if cuda else None,
+            capturing=capturing,
+            compile_requested=self._compile_requested,
+            disabled=tuple(disabled.items()),
+            has_scaled_mm=fp8_routes.scaled_mm_fn() is not None,
+            has_blockwise_scaled_mm=fp8_routes.scaled_mm_blockwise_api() is not None,
+        )
+
+    def _switch_off(self, route: str, x: Tensor, exc: Exception) -> None:
+        """Switch a route that raised off for ``x``'s dtype (``compiled_cpu``: for every dtype),
+        and warn once naming the route the module now takes."""
+        dtype = None if route == "compiled_cpu" else x.dtype
+        error = f"{type(exc).__name__}: {exc}".strip()
         runtime = self._runtime
-        if ("fp8_small_m", dtype) in runtime.disabled:
-            return None
-        entry = runtime.runners.get(("fp8_small_m", dtype))
-        if entry is None:  # first use on this placement: is Triton there at all?
-            reason = triton_unavailable_reason(self._buffers["weight"].device)
-            if reason is not None:
-                runtime.disabled[("fp8_small_m", dtype)] = reason
-                return None
-        return self._runner("fp8_small_m", dtype)
-
-    def _runner(self, route: str, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
-        """The route's call for ``dtype`` inputs with its weight-side operands bound once."""
-        buffers = self._buffers
-        weight, scale, bias = buffers["weight"], buffers["weight_scale_inv"], buffers.get("bias")
-        entry = self._runtime.runners.get((route, dtype))
-        if entry is not None:
-            bound = entry[1]
-            if bound[0] is weight and bound[1] is scale and bound[2] is bias:
-                return entry[0]
-            self._runtime.prepared.clear()  # a buffer was replaced: the cached operands are stale
-        entry = (_ROUTE_BUILDERS[route](self, dtype), (weight, scale, bias))
-        self._runtime.runners[(route, dtype)] = entry
-        return entry[0]
-
-    def _plan(self, x: Tensor) -> tuple[str, str | None]:
-        """The route for ``x`` and, when it is ``dequant_matmul``, why no faster one applies."""
-        if x.device.type != "cuda":
-            if not self._compile_requested:
-                return "dequant_matmul", (
-                    f"x is on {x.device}: the scaled_mm routes need CUDA, and the compiled CPU "
-                    f"path is opt-in (call optimize())"
-                )
-            off = self._runtime.disabled.get(("compiled_cpu", None))
-            return ("compiled_cpu", None) if off is None else ("dequant_matmul", off)
-        key = (x.device, x.dtype)
-        plan = self._runtime.plans.get(key)
-        if plan is None:
-            route = _METHOD_ROUTE[self.weight_scale_method]
-            reason = self._gate(route, x)
-            if reason is None:
-                reason = self._runtime.disabled.get((route, x.dtype))
-            plan = self._runtime.plans[key] = (
-                (route, None) if reason is None else ("dequant_matmul", reason)
-            )
-        return plan
-
-    def _gate(self, route: str, x: Tensor) -> str | None:
-        """Why ``route`` cannot run for ``x`` (capability, format, dtype, shape), or None."""
-        if _scaled_mm_fn() is None:
-            return f"this torch {torch.__version__} has no torch._scaled_mm"
-        if self.format in FP8_DECODE_ONLY_FORMATS:
-            return f"{self.format} is decode-only: no scaled_mm takes it"
-        if self.format not in _SCALED_MM_FORMATS:
-            return f"{self.format} has no scaled_mm on CUDA (the fnuz formats are ROCm's)"
-        if x.dtype not in _HALF_DTYPES:
-            return f"x is {x.dtype}: the scaled_mm routes take float16/bfloat16 inputs"
-        n, k = self.out_features, self.in_features
-        if n == 0 or k == 0 or n % _SCALED_MM_ALIGN or k % _SCALED_MM_ALIGN:
-            return (
-                f"weight ({n}, {k}): scaled_mm needs in_features and out_features to be positive "
-                f"multiples of {_SCALED_MM_ALIGN}"
-            )
-        cap = _device_capability(x.device)
-        if route == "scaled_mm_tensorwise":
-            if cap < _TENSORWISE_MIN_CAPABILITY:
-                return f"SM {cap[0]}.{cap[1]} < 8.9: no FP8 tensor cores for tensorwise scaled_mm"
-            if self.format == "float8_e5m2":
-                return (
-                    "float8_e5m2 weight: x is quantized to the weight's format (the seed's rule) "
-                    "and scaled_mm cannot multiply two e5m2 operands"
-                )
-            return None
-        if route == "scaled_mm_rowwise":
-            if cap < _ROWWISE_MIN_CAPABILITY:
-                return f"SM {cap[0]}.{cap[1]} < 9.0: rowwise scaled_mm needs Hopper or newer"
-            return None
-        if self.weight_block_size != _BLOCKWISE_BLOCK:
-            return (
-                f"block size {list(self.weight_block_size or ())}: the blockwise scaled_mm route "
-                f"takes [128, 128] blocks only"
-            )
-        if cap[0] != _BLOCKWISE_MAJOR:
-            return (
-                f"SM {cap[0]}.{cap[1]}: torch's blockwise (1x128 x 128x128) scaled_mm runs on "
-                f"SM 9.x only"
-            )
-        if self.format != "float8_e4m3fn":
-            return f"{self.format} weight: blockwise scaled_mm takes float8_e4m3fn only"
-        if _blockwise_recipes() is None:
-            return f"this torch {torch.__version__} has no torch.nn.functional.scaled_mm"
-        return None
-
-    def _disable(
-        self,
-        route: str,
-        dtype: torch.dtype | None,
-        exc: Exception,
-        *,
-        fallback: str = "dequant_matmul",
-    ) -> str:
-        reason = f"{route} raised {type(exc).__name__}: {exc}".strip()
+        runtime.switch_off(route, dtype, f"disabled after an error ({error})")
+        if route == "compiled_cpu":
+            runtime.compiled = None
         key = (route, dtype)
-        self._runtime.disabled[key] = f"disabled after an error: {reason}"
-        self._runtime.plans.clear()
-        if key not in self._runtime.warned:
-            self._runtime.warned.add(key)
+        if key not in runtime.warned:
+            runtime.warned.add(key)
+            fallback = self._choose(x).route
             warnings.warn(
-                f"TorchFP8Linear: {reason}; this module now uses {fallback} for "
+                f"TorchFP8Linear: {route} raised {error}; this module now uses {fallback} for "
                 f"{dtype or 'CPU'} inputs (until its buffers move or are reloaded)",
                 RuntimeWarning,
                 stacklevel=3,
             )
-        if route == "compiled_cpu":
-            self._runtime.compiled = None
-        return self._runtime.disabled[key]
 
-    def _compiled(self) -> Callable[..., Tensor]:
-        if self._runtime.compiled is None:
-            fn = inspect.unwrap(_dequant_linear)
-            self._runtime.compiled = torch.compile(fn, backend=self._compile_backend)
-        return self._runtime.compiled
+    def _runner(self, route: str, dtype: torch.dtype) -> fp8_routes.Runner:
+        """The route's runner for ``dtype`` inputs, its weight-side operands bound once."""
+        buffers = self._buffers
+        weight, scale, bias = buffers["weight"], buffers["weight_scale_inv"], buffers.get("bias")
+        runtime = self._runtime
+        entry = runtime.runners.get((route, dtype))
+        if entry is not None:
+            bound = entry[1]
+            if bound[0] is weight and bound[1] is scale and bound[2] is bias:
+                return entry[0]
+            runtime.prepared.clear()  # a buffer was replaced: the cached operands are stale
+        runner = self._build(route, dtype)
+        runtime.runners[(route, dtype)] = (runner, (weight, scale, bias))
+        return runner
+
+    def _build(self, route: str, dtype: torch.dtype) -> fp8_routes.Runner:
+        """Build ``route``'s runner from this module's buffers (and cached operands)."""
+        weight, bias = self.weight, self._bias_as(dtype)
+        if route == "fp8_small_m":
+            return fp8_routes.small_m_runner(
+                weight, self._direct_weight_scale(), bias, recipe=self._recipe
+            )
+        if route == "scaled_mm_tensorwise":
+            return fp8_routes.tensorwise_runner(
+                weight, self._direct_weight_scale(), bias, format=self.format, out_dtype=dtype
+            )
+        if route == "scaled_mm_rowwise":
+            scale = self._prepared(
+                "rowwise_b", lambda: fp8_routes.rowwise_weight_scale(self._direct_weight_scale())
+            )
+            return fp8_routes.rowwise_runner(weight, scale, bias, out_dtype=dtype)
+        if route == "scaled_mm_blockwise":
+            scale = self._prepared(
+                "blockwise_b",
+                lambda: fp8_routes.blockwise_weight_scale(self._direct_weight_scale()),
+            )
+            return fp8_routes.blockwise_runner(weight, scale, bias, out_dtype=dtype)
+        if route == "compiled_cpu":
+            runtime = self._runtime
+            if runtime.compiled is None:
+                runtime.compiled = fp8_routes.compile_dequant_linear(backend=self._compile_backend)
+            return fp8_routes.compiled_cpu_runner(
+                weight, self.weight_scale_inv, bias, compiled=runtime.compiled
+            )
+        return fp8_routes.dequant_runner(weight, self.weight_scale_inv, bias)
 
     def _bias_as(self, dtype: torch.dtype) -> Tensor | None:
+        """The stored FP16 bias in ``dtype``, cached per placement."""
         if self.bias is None:
             return None
-        key = ("bias", dtype)
-        cached = self._runtime.prepared.get(key)
-        if cached is None:
-            cached = self._runtime.prepared[key] = self.bias.to(dtype)
-        return cached
+        bias = self.bias
+        return self._prepared(("bias", dtype), lambda: bias.to(dtype))
 
-    def _prepared(self, key: str, build: Callable[[], Tensor]) -> Tensor:
+    def _prepared(self, key: Any, build: Callable[[], Tensor]) -> Tensor:
         cached = self._runtime.prepared.get(key)
         if cached is None:
             cached = self._runtime.prepared[key] = build()
@@ -803,89 +682,13 @@ class TorchFP8Linear(nn.Module):
 
     def _direct_weight_scale(self) -> Tensor:
         """``1 / weight_scale_inv`` (IEEE division by a tensor), cached per placement."""
-        s = self.weight_scale_inv
-        return self._prepared("direct", lambda: torch.ones_like(s) / s)
-
-    def _small_m(self, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
-        recipe = _METHOD_RECIPE[self.weight_scale_method]
-        weight, scale, bias = self.weight, self._direct_weight_scale(), self._bias_as(dtype)
-
-        def run(x: Tensor) -> Tensor:
-            return small_m_launch(x, weight, scale, bias, recipe, False)
-
-        return run
-
-    def _tensorwise(self, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
-        mm, name, device = _scaled_mm_fn(), self.format, self.weight.device
-        weight_t, scale_b, bias = self.weight.t(), self._direct_weight_scale(), self._bias_as(dtype)
-
-        def run(x: Tensor) -> Tensor:
-            scale_a = torch.empty((), dtype=torch.float32, device=device)
-            xq = quantize_fp8_input(x, format=name, method="tensor", block=None, scale_out=scale_a)
-            return mm(xq, weight_t, scale_a, scale_b, bias, None, dtype)  # type: ignore[misc]
-
-        return run
-
-    def _rowwise(self, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
-        mm, device = _scaled_mm_fn(), self.weight.device
-        weight_t, bias = self.weight.t(), self._bias_as(dtype)
-        scale_b = self._prepared(
-            "rowwise_b", lambda: self._direct_weight_scale().reshape(1, -1).contiguous()
-        )
-
-        def run(x: Tensor) -> Tensor:
-            scale_a = torch.empty((x.shape[0], 1), dtype=torch.float32, device=device)
-            xq = quantize_fp8_input(
-                x, format="float8_e4m3fn", method="row", block=None, scale_out=scale_a
-            )
-            return mm(xq, weight_t, scale_a, scale_b, bias, None, dtype)  # type: ignore[misc]
-
-        return run
-
-    def _blockwise(self, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
-        fn, recipe_a, recipe_b = _blockwise_recipes()  # type: ignore[misc]
-        device, weight_t, bias = self.weight.device, self.weight.t(), self._bias_as(dtype)
-        scale_b = self._prepared("blockwise_b", self._blockwise_weight_scale)
-        groups = self.in_features // _BLOCKWISE_K_GROUP
-
-        def run(x: Tensor) -> Tensor:
-            m = x.shape[0]
-            # cuBLAS's blockwise kernels refuse row counts that are not a multiple of 16 (M = 1
-            # and 17 fail on the H200 with torch 2.11, 16 and 256 run): pad with zero rows,
-            # whose codes are 0 with scale 1, and drop their outputs.
-            padded_m = -(-m // _BLOCKWISE_M_ALIGN) * _BLOCKWISE_M_ALIGN
-            # scale_a: (M, K/128) with strides (1, M); scale_b: (round_up(K/128, 4), N/128)
-            # with strides (1, round_up(K/128, 4)), entry [kb, nb] = 1 / weight_scale_inv[nb, kb].
-            scale_a = torch.empty((groups, padded_m), dtype=torch.float32, device=device).t()
-            xq = quantize_fp8_input(
-                x, format="float8_e4m3fn", method="block", block=(1, _BLOCKWISE_K_GROUP),
-                scale_out=scale_a, rows_out=padded_m,
-            )  # fmt: skip
-            out = fn(
-                xq, weight_t, scale_a, recipe_a, scale_b, recipe_b, bias=bias, output_dtype=dtype
-            )
-            return out if padded_m == m else out[:m]
-
-        return run
-
-    def _blockwise_weight_scale(self) -> Tensor:
-        direct = self._direct_weight_scale()  # (N/128, K/128)
-        n_blocks, k_blocks = direct.shape
-        padded = -(-k_blocks // 4) * 4
-        grid = torch.ones((n_blocks, padded), dtype=torch.float32, device=direct.device)
-        grid[:, :k_blocks] = direct
-        return grid.t()
+        scale_inv = self.weight_scale_inv
+        return self._prepared("direct", lambda: fp8_routes.direct_weight_scale(scale_inv))
 
     def _conv_forward(self, x: Tensor) -> Tensor:
-        g = typing.cast(ConvGeometry, self.conv)  # forward() only routes convolutions here
-        weight = self.dequantize_weight(dtype=x.dtype).reshape(g.weight_shape)
-        conv = (F.conv1d, F.conv2d, F.conv3d)[g.dims - 1]
-        bias = self._bias_as(x.dtype)
-        if g.padding_mode != "zeros":
-            padded = F.pad(x, g.reversed_padding_repeated_twice, mode=g.padding_mode)
-            out = conv(padded, weight, bias, g.stride, 0, g.dilation, g.groups)
-        else:
-            out = conv(x, weight, bias, g.stride, g.padding, g.dilation, g.groups)
+        geometry = typing.cast(ConvGeometry, self.conv)  # forward() only routes convolutions here
+        weight = self.dequantize_weight(dtype=x.dtype)
+        out = conv_forward(x, weight, self._bias_as(x.dtype), geometry)
         self._set_last(
             "conv_dequant",
             "convolution: no FP8 convolution kernel, the weight is decoded for this call",
@@ -895,13 +698,11 @@ class TorchFP8Linear(nn.Module):
         return out
 
 
-_ROUTE_BUILDERS: dict[str, Callable[[TorchFP8Linear, torch.dtype], Callable[[Tensor], Tensor]]] = {
-    "fp8_small_m": TorchFP8Linear._small_m,
-    "scaled_mm_tensorwise": TorchFP8Linear._tensorwise,
-    "scaled_mm_rowwise": TorchFP8Linear._rowwise,
-    "scaled_mm_blockwise": TorchFP8Linear._blockwise,
-}
-_SCALED_ROUTES = frozenset(_ROUTE_BUILDERS) - {"fp8_small_m"}
+def _source_matrix(module: nn.Module, *, where: str) -> tuple[Tensor, ConvGeometry | None]:
+    """:func:`floatxq.nn.conv.weight_matrix` of a module that is not already FP8."""
+    if isinstance(module, TorchFP8Linear):
+        raise TypeError(f"{where}: the module is already a TorchFP8Linear")
+    return weight_matrix(module, where=where)
 
 
 @functools.cache
@@ -934,44 +735,3 @@ def _move_bytes(fn: Callable[[Tensor], Tensor], tensor: Tensor) -> Tensor:
         probe = fn(torch.empty(0, device=tensor.device))
         return tensor.to(device=probe.device)
     return fn(tensor) if probe.dtype == tensor.dtype else tensor.to(device=probe.device)
-
-
-def _weight_matrix(module: nn.Module) -> tuple[Tensor, ConvGeometry | None]:
-    """The ``(out, in)`` weight matrix a module multiplies by, and its conv geometry if any."""
-    if isinstance(module, TorchFP8Linear):
-        raise TypeError("from_linear: the module is already a TorchFP8Linear")
-    if isinstance(module, nn.Linear):
-        return module.weight, None
-    if isinstance(module, nn.modules.conv._ConvTransposeNd):
-        raise TypeError(
-            f"from_linear: transposed convolutions ({type(module).__name__}) are not supported"
-        )
-    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        weight = module.weight
-        geometry = ConvGeometry(
-            dims=weight.ndim - 2,
-            weight_shape=tuple(weight.shape),
-            stride=tuple(module.stride),
-            padding=module.padding if isinstance(module.padding, str) else tuple(module.padding),
-            dilation=tuple(module.dilation),
-            groups=module.groups,
-            padding_mode=module.padding_mode,
-            reversed_padding_repeated_twice=tuple(module._reversed_padding_repeated_twice),
-        )
-        return weight.reshape(weight.shape[0], -1), geometry
-    hf_conv1d = _hf_conv1d_type()
-    if hf_conv1d is not None and isinstance(module, hf_conv1d):
-        return module.weight.t(), None
-    raise TypeError(
-        f"from_linear: expected nn.Linear, transformers' Conv1D or nn.Conv1d/2d/3d, got "
-        f"{type(module).__name__}"
-    )
-
-
-@functools.cache
-def _hf_conv1d_type() -> type | None:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except Exception:  # transformers missing or broken: no Conv1D to recognize
-        return None
-    return Conv1D

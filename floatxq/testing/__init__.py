@@ -2,17 +2,35 @@
 
 ``floatxq.testing.assertions`` (bitwise, NaN- and signed-zero-aware comparisons) needs only torch.
 ``floatxq.testing.reference`` (independent numpy/ml_dtypes oracles) needs ``ml_dtypes`` and
-``floatxq.testing.strategies`` needs ``hypothesis``, ``floatxq.testing.interpreter`` (Triton
-kernels under ``TRITON_INTERPRET=1`` in a child pytest) needs ``pytest``: they come with the
+``floatxq.testing.strategies`` (shrinkable Hypothesis strategies for weights, activations, INT4
+codes and packed GPTQ words, for testing your own quantizers) needs ``hypothesis``, and
+``floatxq.testing.interpreter`` (Triton kernels under ``TRITON_INTERPRET=1`` in a child pytest)
+needs ``pytest``: they come with the
 ``test`` extra and are imported only when those modules are. ``assert_fp8_linear_close`` is the
-per-element bound every FP8 GEMM path is held to against ``floatxq.fp8_scaled_linear``.
+per-element bound every FP8 GEMM path is held to against ``floatxq.fp8_scaled_linear``, for an
+error model of its accumulation (``FP32_ACCUMULATION``, ``HOPPER_FP8_ACCUMULATION``).
 """
 
 from floatxq.testing.assertions import (
+    FP32_ACCUMULATION,
+    HOPPER_FP8_ACCUMULATION,
+    Accumulation,
+    FP8LinearBound,
     assert_bitwise_equal,
     assert_fp8_linear_close,
     bits_of,
+    fp8_linear_error_bound,
     unchecked,
 )
 
-__all__ = ["assert_bitwise_equal", "assert_fp8_linear_close", "bits_of", "unchecked"]
+__all__ = [
+    "FP32_ACCUMULATION",
+    "HOPPER_FP8_ACCUMULATION",
+    "Accumulation",
+    "FP8LinearBound",
+    "assert_bitwise_equal",
+    "assert_fp8_linear_close",
+    "bits_of",
+    "fp8_linear_error_bound",
+    "unchecked",
+]

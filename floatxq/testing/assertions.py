@@ -1,12 +1,13 @@
-"""Bitwise comparisons (NaN equals NaN, +0 differs from -0) and the FP8 GEMM's stated bound."""
+"""Bitwise comparisons (NaN equals NaN, +0 differs from -0) and the FP8 GEMM's error bounds."""
 
+import dataclasses
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import torch
 
-from floatxq._typing import Shaped, Tensor
+from floatxq._typing import Float, Float32, Float64, FP8Dtype, Shaped, Tensor, checked_record
 
 _UINT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -61,6 +62,224 @@ def unchecked(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+_FP32_UNIT = 2.0**-24
+"""FP32's unit roundoff: a round-to-nearest result is within ``2**-24`` of its exact value."""
+_SPREAD = 2.0
+"""The statistical bound's factor on its estimates (see :func:`fp8_linear_error_bound`)."""
+_X_QUANTIZATION = {"tensorwise": ("tensor", None), "rowwise": ("row", None),
+                   "blockwise": ("block", (1, 128))}  # fmt: skip
+"""How :func:`floatxq.fp8_scaled_linear` quantizes ``x`` per recipe (its docstring states it)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Accumulation:
+    """How a GEMM adds the ``k`` exact FP8 products of one output element: the error model.
+
+    Consecutive stretches of ``chunk`` products (``k`` cut from 0, the last stretch short) are
+    summed with ``chunk_bits`` fraction bits: each product is aligned to the largest magnitude
+    then held and truncated there, in any order. The stretch sums are then added in FP32 with
+    round-to-nearest, in any order. ``chunk = 1`` is plain FP32 accumulation (one FP8 product
+    is exact in FP32).
+
+    Raises:
+      TypeError: a field that is not an int.
+      ValueError: ``chunk < 1`` or ``chunk_bits`` outside ``[1, 52]``.
+
+    Numerics: a description; :func:`fp8_linear_error_bound` turns it into bounds.
+
+    Example:
+      >>> Accumulation(chunk=32, chunk_bits=13).chunk
+      32
+    """
+
+    chunk: int
+    """Products summed before each promotion to FP32 (1: every product added in FP32)."""
+    chunk_bits: int
+    """Fraction bits kept inside a stretch: a truncation there loses less than
+    ``2**-chunk_bits`` times the largest magnitude then held (unused when ``chunk == 1``)."""
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("chunk", 1, None), ("chunk_bits", 1, 52)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"Accumulation: {name} must be an int, got {type(value).__name__}")
+            if value < low or (high is not None and value > high):
+                accepted = f">= {low}" if high is None else f"in [{low}, {high}]"
+                raise ValueError(f"Accumulation: {name} must be {accepted}, got {value}")
+
+
+FP32_ACCUMULATION = Accumulation(chunk=1, chunk_bits=23)
+"""Every product added in FP32 (CPU matmuls, the Triton interpreter, FP32 GEMMs)."""
+HOPPER_FP8_ACCUMULATION = Accumulation(chunk=128, chunk_bits=13)
+"""Hopper FP8 tensor cores (``torch._scaled_mm``, the Triton ``fp8_small_m`` kernel): the MMA
+adds FP8 products in a register of about 13 fraction bits that truncates, and the GEMMs promote
+its sums to FP32 at least every 128 products (the Triton kernel every 32 unless told otherwise,
+blockwise GEMMs at each 128-wide scale block; cuBLAS's tensorwise and rowwise ``scaled_mm``
+measured within this model on an H200)."""
+
+
+@checked_record
+class FP8LinearBound(NamedTuple):
+    """:func:`fp8_linear_error_bound`'s result: the exact value and two bounds per element."""
+
+    exact: Float64[Tensor, "m n"]
+    """``Σ_k code_x · code_w · sx · sw + bias`` in float64, before any rounding."""
+    worst_case: Float64[Tensor, "m n"]
+    """Bound on ``|actual - exact|`` for any data and any summation order of the model."""
+    statistical: Float64[Tensor, "m n"]
+    """The tighter bound for terms of random sign in no particular order (at most
+    ``worst_case``)."""
+
+
+def fp8_linear_error_bound(
+    x: Float[Tensor, "m k"],
+    weight: FP8Dtype[Tensor, "n k"],
+    weight_scale_inv: Float32[Tensor, "*scale"],
+    bias: Float[Tensor, "n"] | None,  # noqa: F821
+    *,
+    recipe: str,
+    accumulation: Accumulation = FP32_ACCUMULATION,
+) -> FP8LinearBound:
+    """How far a GEMM that adds the products as ``accumulation`` says may land from the exact sum.
+
+    With the terms ``t_k = code_x · code_w · sx · sw`` of :func:`floatxq.fp8_scaled_linear`
+    (``x`` quantized as it does; blockwise scales per 128-wide K block), ``S = Σ|t_k|``,
+    ``T = Σ t_k``, ``k`` cut into ``c`` stretches of ``C = accumulation.chunk`` products with
+    sums ``P_j`` and absolute sums ``A_j``, ``b = accumulation.chunk_bits`` and ``u = 2**-24``:
+
+    * ``worst_case = 2C · 2**-b · S + (c + 8) · u · S + 2u · |bias|`` (the first term only for
+      ``C > 1``): a stretch truncates at most ``2C`` times (each product, each partial sum),
+      each time losing less than ``2**-b · A_j``; FP32 addition of ``c`` values loses at most
+      ``(c - 1) · u · S``; the scale products, the bias addition and their FP32 roundings the
+      rest. Valid for any data; for ``C = 1`` it is ``(k + 8) · u · S + 2u · |bias|``.
+    * ``statistical = min(worst_case, 2 · (2**-b · √(Σ A_j²) + u · √(c · (T² + Σ P_j²)))
+      + 3u · (Σ|P_j| + |bias|))``, with ``Σ P_j² = Σ t_k²`` for ``C = 1``. For terms of random
+      sign in no particular order: a stretch truncated at ``2**-b`` of its running maximum
+      errs by about ``√C`` such units, well under ``2**-b · A_j`` (``A_j`` adds ``C``
+      magnitudes), and the stretches' errors are independent and centred, so they add in
+      quadrature (``√(Σ A_j²)``, not ``Σ A_j``); an FP32 addition errs by at most ``u`` times
+      the running sum ``s_i`` (standard deviation under ``u · |s_i| / √3``), and in random order
+      ``Σ s_i² ≈ c · (T²/3 + Σ P_j²/6)``, so ``u · √(c · (T² + Σ P_j²))`` is three standard
+      deviations of the FP32 error; ``3u · (Σ|P_j| + |bias|)`` bounds the FP32 scale products
+      and bias addition. The factor 2 leaves room: emulated truncating accumulation errs by at
+      most 0.75 of the bracket, and on an H200 cuBLAS's ``scaled_mm`` and the Triton kernel
+      needed at most 0.65 of it on the tests' data (K up to 16384). Not valid for sign-biased
+      terms (truncation errors then add up linearly) or for orders that swing the running sum
+      far from ``T``: use ``worst_case`` for such data.
+
+    Both bounds then add the output's own rounding at ``|exact| + bound``: one unit in the
+    last place of ``x.dtype`` (the output may be either neighbour of its FP32 value: rounding to
+    nearest lands within half a unit, the Triton interpreter's conversion truncates) and half
+    a unit of FP32.
+
+    Why one wrong code exceeds the statistical bound: moving ``code_x[m, k]`` one step (1/16 to
+    1/8 of a normal E4M3 code) shifts each ``out[m, n]`` by ``step · |code_w[n, k]| · sx · sw``,
+    a fixed share of one term at any ``k``. For ``k`` random terms of size ``t`` the statistical
+    bound is about ``2 · 2**-b · √(C k) · t`` for truncated stretches and ``3u · k · t`` for FP32
+    sums, plus the output's rounding, which is small where ``|exact|`` is: on random data,
+    up to ``k = 16384``, the row's largest code one step off (Hopper model) or a middle-sized
+    one (FP32) shows in some ``out[m, n]`` (``tests/test_fp8_linear_bound.py``). The
+    worst-case bound, about ``u · k · S`` (``k²`` terms' worth) or ``2C · 2**-b · S``, lets
+    it pass.
+
+    Numerics: float64 on ``x``'s device, about ``m · n · ⌈k / C⌉`` values at once (``m · n ·
+    k / 128`` for blockwise with ``C = 1``).
+
+    Example:
+      >>> from floatxq import quantize_fp8_weight
+      >>> q = quantize_fp8_weight(torch.randn(8, 64))
+      >>> b = fp8_linear_error_bound(torch.randn(2, 64), *q, None, recipe="rowwise")
+      >>> bool((b.statistical <= b.worst_case).all())
+      True
+    """
+    from floatxq.fp8 import fp8_scaled_linear, quantize_fp8_weight
+
+    fp8_scaled_linear(x[:0], weight, weight_scale_inv, bias, recipe=recipe)  # argument checks
+    where = "fp8_linear_error_bound"
+    if not isinstance(accumulation, Accumulation):
+        raise TypeError(
+            f"{where}: accumulation must be an Accumulation, got {type(accumulation).__name__}"
+        )
+    chunk = accumulation.chunk
+    if recipe == "blockwise" and 128 % chunk:
+        raise ValueError(
+            f"{where}: blockwise GEMMs promote at each 128-wide scale block, so chunk must "
+            f"divide 128, got {chunk}"
+        )
+    k, n = x.shape[1], weight.shape[0]
+    method, block = _X_QUANTIZATION[recipe]
+    x_format = str(weight.dtype).removeprefix("torch.") if recipe == "tensorwise" else None
+    xq = quantize_fp8_weight(
+        x, format=x_format or "float8_e4m3fn", weight_scale_method=method, weight_block_size=block
+    )
+    # the direct scales as the GEMMs are given them: FP32 IEEE quotients
+    sx = (torch.ones_like(xq.scale_inv) / xq.scale_inv).double()
+    sw = (torch.ones_like(weight_scale_inv) / weight_scale_inv).double()
+    cx, cw = xq.qweight.float().double(), weight.float().double()
+    width = chunk if chunk > 1 else (128 if recipe == "blockwise" else max(k, 1))
+    parts = _stretch_sums(cx, cw, sx, sw, recipe, width)
+    absolute = _stretch_sums(cx.abs(), cw.abs(), sx, sw, recipe, width)
+    total, s = parts.sum(-1), absolute.sum(-1)
+    if chunk > 1:
+        stretches = parts.shape[-1]
+        squares = parts.square().sum(-1)
+        truncation = 2.0**-accumulation.chunk_bits * absolute.square().sum(-1).sqrt()
+        worst_truncation = 2 * chunk * 2.0**-accumulation.chunk_bits * s
+    else:
+        stretches = k
+        squares = _stretch_sums(cx.square(), cw.square(), sx.square(), sw.square(), recipe, width)
+        squares = squares.sum(-1)
+        truncation = worst_truncation = torch.zeros_like(s)
+    rounded_bias = (
+        bias.to(x.dtype).double() if bias is not None else total.new_zeros(n)
+    )  # as the routes add it
+    b = rounded_bias.abs()
+    u = _FP32_UNIT
+    worst = worst_truncation + (stretches + 8) * u * s + 2 * u * b
+    summing = u * (stretches * (total.square() + squares)).sqrt()
+    statistical = _SPREAD * (truncation + summing) + 3 * u * (parts.abs().sum(-1) + b)
+    statistical = torch.minimum(statistical, worst)
+    exact = total + rounded_bias
+    return FP8LinearBound(
+        exact,
+        worst + _rounding(exact, worst, x.dtype),
+        statistical + _rounding(exact, statistical, x.dtype),
+    )
+
+
+def _stretch_sums(
+    cx: Tensor, cw: Tensor, sx: Tensor, sw: Tensor, recipe: str, width: int
+) -> Tensor:
+    """``(m, n, ⌈k / width⌉)`` sums of ``cx · cw · sx · sw`` over consecutive ``width``-wide
+    stretches of k (blockwise: ``width`` divides 128 or is 128, each stretch in one block)."""
+    (m, k), n = cx.shape, cw.shape[0]
+    stretches = -(-k // width)
+    pad = stretches * width - k
+    if pad:  # (a zero-filled copy: F.pad is slow on CPU)
+        cx = torch.cat([cx, cx.new_zeros(m, pad)], dim=1)
+        cw = torch.cat([cw, cw.new_zeros(n, pad)], dim=1)
+    a, w = cx.reshape(m, stretches, width), cw.reshape(n, stretches, width)
+    sums = torch.einsum("mjc,njc->mnj", a, w)
+    if recipe == "tensorwise":
+        return sums * (sx * sw)
+    if recipe == "rowwise":
+        return sums * (sx[:, None, None] * sw[None, :, None])
+    block = torch.arange(sums.shape[-1], device=cx.device) * width // 128
+    scale = sx[:, None, :] * sw.repeat_interleave(128, dim=0)[None, :n, :]
+    return sums * scale[:, :, block]
+
+
+def _rounding(exact: Tensor, bound: Tensor, dtype: torch.dtype) -> Tensor:
+    """One unit in the last place of ``dtype`` and half of FP32's at ``|exact| + bound``."""
+    magnitude = exact.abs() + bound
+    return _spacing(magnitude, dtype) + 0.5 * _spacing(magnitude, torch.float32)
+
+
+def _spacing(magnitude: Tensor, dtype: torch.dtype) -> Tensor:
+    """The gap between neighbouring ``dtype`` values at ``magnitude`` (subnormals included)."""
+    tiny = torch.finfo(dtype).tiny
+    exponent = torch.floor(torch.log2(magnitude.clamp_min(tiny)))
+    return torch.exp2(exponent - _MANTISSA_BITS[dtype])
 
 
 def assert_fp8_linear_close(
@@ -71,27 +290,33 @@ def assert_fp8_linear_close(
     bias: Shaped[Tensor, "n"] | None,  # noqa: F821
     *,
     recipe: str,
-    accumulator_bits: int = 24,
+    accumulation: Accumulation = FP32_ACCUMULATION,
+    bound: Literal["statistical", "worst_case"] = "statistical",
     msg: str = "",
 ) -> None:
-    """Assert ``actual`` is :func:`floatxq.fp8_scaled_linear` up to its summation order.
+    """Assert ``actual`` is :func:`floatxq.fp8_scaled_linear` up to its GEMM's accumulation error.
 
-    Per element: ``|actual - reference| <= (k + 8) * 2**-p * S + ulp(|reference|)`` where ``S``
-    is the same sum over absolute values (``Σ |code_x · code_w · sx · sw|`` plus ``|bias|``),
-    the bound on any order of accumulation with ``p = accumulator_bits`` significant bits and
-    on the FP32 roundings of the scale products, and ``ulp`` is one unit in the last place of
-    ``x.dtype`` (the two results may round to neighbouring values). ``p = 24`` is FP32; Hopper's
-    FP8 tensor cores add products with fewer bits before a GEMM promotes them to FP32 (cuBLAS's
-    ``scaled_mm`` measured within 2x of the FP32 bound on an H200), so GPU tests of those GEMMs
-    pass 22. Codes that differed from the reference's would break either bound.
+    Per element, ``|actual - exact| <= bound`` (or ``actual`` equals the reference bit for bit,
+    infinities included, or both are NaN), with ``exact`` and the bound of
+    :func:`fp8_linear_error_bound` for ``accumulation``: ``FP32_ACCUMULATION`` (the default)
+    for FP32 sums, ``HOPPER_FP8_ACCUMULATION`` for Hopper FP8 tensor cores (cuBLAS's
+    ``scaled_mm`` and the Triton kernel). ``bound="statistical"`` (the default) is the one a
+    single FP8 code of ``x`` moved by one step exceeds on random data; ``"worst_case"`` holds
+    for any data but grows like ``k · Σ|terms|`` and lets such an error pass at large ``k``.
 
     Raises:
-      AssertionError: naming the worst elements and the bound.
+      AssertionError: a dtype or shape other than the reference's, or elements outside the
+        bound (the worst ones named, with ``error / bound``).
+      ValueError: an unknown ``bound``.
 
-    Numerics: the reference and ``S`` in float64 on ``actual``'s device.
+    Numerics: float64 on ``x``'s device.
     """
-    from floatxq.fp8 import _quantize_x, _scaled_sum, fp8_scaled_linear
+    from floatxq.fp8 import fp8_scaled_linear
 
+    if bound not in ("statistical", "worst_case"):
+        raise ValueError(
+            f"assert_fp8_linear_close: bound must be 'statistical' or 'worst_case', got {bound!r}"
+        )
     prefix = f"{msg}: " if msg else ""
     reference = fp8_scaled_linear(x, weight, weight_scale_inv, bias, recipe=recipe)
     if actual.dtype != reference.dtype or actual.shape != reference.shape:
@@ -99,29 +324,25 @@ def assert_fp8_linear_close(
             f"{prefix}{actual.dtype} {tuple(actual.shape)} != expected {reference.dtype} "
             f"{tuple(reference.shape)}"
         )
-    xq = _quantize_x(x, weight, recipe)
-    sx = torch.ones_like(xq.scale_inv) / xq.scale_inv
-    sw = torch.ones_like(weight_scale_inv) / weight_scale_inv
-    total = _scaled_sum(xq.qweight, weight, sx, sw, recipe, absolute=True)
-    if bias is not None:
-        total = total + bias.to(x.dtype).double().abs()
-    n = weight.shape[0]
-    k = x.shape[1]
-    ref = reference.double()
-    magnitude = ref.abs().clamp_min(torch.finfo(reference.dtype).tiny)
-    ulp = torch.exp2(torch.floor(torch.log2(magnitude)) - _MANTISSA_BITS[reference.dtype])
-    bound = (k + 8) * 2.0**-accumulator_bits * total + ulp
-    error = (actual.double() - ref).abs()
-    bad = ~(error <= bound) & ~(actual.isnan() & reference.isnan())
+    bounds = fp8_linear_error_bound(
+        x, weight, weight_scale_inv, bias, recipe=recipe, accumulation=accumulation
+    )
+    limit = bounds.statistical if bound == "statistical" else bounds.worst_case
+    error = (actual.double() - bounds.exact).abs()
+    same = (actual == reference) | (actual.isnan() & reference.isnan())
+    bad = ~(error <= limit) & ~same
     if not bool(bad.any()):
         return
-    worst = (error - bound).flatten().argsort(descending=True)[:5]
+    n = actual.shape[1]
+    ratio = torch.where(bad, error / limit, torch.zeros_like(error))
+    count = int(bad.sum())
+    worst = ratio.flatten().argsort(descending=True)[: min(count, 5)]
     shown = [
-        (divmod(int(i), n), actual.flatten()[i].item(), reference.flatten()[i].item(),
-         bound.flatten()[i].item())
+        (divmod(int(i), n), actual.flatten()[i].item(), bounds.exact.flatten()[i].item(),
+         round(ratio.flatten()[i].item(), 3))
         for i in worst
     ]  # fmt: skip
     raise AssertionError(
-        f"{prefix}{int(bad.sum())} of {actual.numel()} elements outside the FP32-order bound "
-        f"(index, actual, reference, bound): {shown}"
+        f"{prefix}{count} of {actual.numel()} elements outside the {bound} bound for "
+        f"{accumulation} (index, actual, exact, error / bound): {shown}"
     )

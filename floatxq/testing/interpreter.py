@@ -4,6 +4,9 @@ Triton chooses between its compiler and its interpreter when it is first importe
 interpreted tests of a file run in a child pytest process with the variable set: the parent
 calls :func:`run_interpreted_tests` from one ordinary test, and the interpreted tests carry
 :data:`needs_interpreter` so they run only in that child. Needs ``pytest`` (the test extra).
+
+Without Triton the parent test skips, unless ``FLOATXQ_REQUIRE_TRITON=1`` (CI sets it): then it
+runs and fails, so a CI machine that lost Triton cannot pass without executing the kernels.
 """
 
 import importlib.util
@@ -30,11 +33,13 @@ needs_interpreter = pytest.mark.skipif(
 
 
 def can_interpret() -> bool:
-    """Whether this (parent) process should start the interpreter run: Triton is installed, no
-    CUDA (with CUDA the compiled kernels are tested instead) and not already interpreting."""
-    return not (
-        INTERPRETING or torch.cuda.is_available() or importlib.util.find_spec("triton") is None
-    )
+    """Whether this (parent) process should start the interpreter run: no CUDA (with CUDA the
+    compiled kernels are tested instead), not already interpreting, and Triton installed (or
+    required by ``FLOATXQ_REQUIRE_TRITON=1``, so that its absence fails the run)."""
+    if INTERPRETING or torch.cuda.is_available():
+        return False
+    required = os.environ.get("FLOATXQ_REQUIRE_TRITON", "0") == "1"
+    return required or importlib.util.find_spec("triton") is not None
 
 
 def run_interpreted_tests(path: str, *, expected: int, keyword: str = "interpreted") -> None:

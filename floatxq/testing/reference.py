@@ -98,14 +98,18 @@ def ref_fp8_token_qdq(x: Float[Tensor, "rows k"]) -> Float[Tensor, "rows k"]:
 
 
 # ------------------------------------------------------------------------------------------------
-# NVFP4 (SPEC §4), one block at a time in numpy float32
+# NVFP4 (docs/numerics.md), one block at a time in numpy float32
 # ------------------------------------------------------------------------------------------------
 
 _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 
 
 def ref_e2m1_round(q: float | np.floating) -> tuple[float, int]:
-    """``(signed value, magnitude index)`` of one float32 by SPEC §4's boundary table."""
+    """``(signed value, magnitude index)`` of one float32 by the E2M1 rounding boundaries.
+
+    Magnitudes above a boundary round up; a magnitude exactly on one rounds to the even code
+    (0.25 → 0, 0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2, 3.5 → 4, 5 → 4).
+    """
     m = min(abs(float(q)), 6.0)
     index = 0
     for bound, inclusive in ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
@@ -140,7 +144,7 @@ def _from_bits(bits: int) -> np.float32:
 def ref_nvfp4_block(
     block: np.ndarray, g: float | np.floating, recipe: str
 ) -> tuple[np.float32, np.ndarray, np.float32]:
-    """``(scale, signed values, sse)`` of one 16-value block, following SPEC §4 literally.
+    """``(scale, signed values, sse)`` of one 16-value block, following ``docs/numerics.md``.
 
     ``recipe`` is a *local* algorithm (``nvidia``, ``four_six``, ``least_squares``,
     ``least_squares_grid`` or ``exhaustive``). Sums use the contract's pairwise order.
@@ -158,11 +162,11 @@ def ref_nvfp4_block(
         return _e4m3(np.float32(min(max(t, 2.0**-9), 448.0))) if valid else np.float32(1.0)
 
     best_s, best_q, best_e = None, None, None
-    seeds = []
+    candidates = []
     for m in (6.0,) if recipe == "nvidia" else (4.0, 6.0):
         s = clamp_e4m3(np.float32(amax / np.float32(np.float32(m) * g)), bool(amax > 0))
         q, err = evaluate(s)
-        seeds.append(q)
+        candidates.append(q)
         if best_e is None or err < best_e:
             best_s, best_q, best_e = s, q, err
 
@@ -183,7 +187,7 @@ def ref_nvfp4_block(
         for bits in range(1, 127):
             accept(_from_bits(bits))
         return best_s, best_q, best_e
-    for q in seeds:
+    for q in candidates:
         accept(least_squares(q))
     accept(least_squares(best_q))
     if recipe == "least_squares":
