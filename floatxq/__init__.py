@@ -94,7 +94,9 @@ from floatxq.int4 import (
     unpack_gptq_int4,
 )
 from floatxq.kernels import (
+    FP8ScaledLinearTrace,
     fp8_scaled_linear_kernel,
+    fp8_scaled_linear_kernel_with_codes,
     quantize_fp8_weight_auto,
     quantize_fp8_weight_kernel,
 )
@@ -187,6 +189,7 @@ __all__ = [
     "FP8RouteChoice",
     "FP8RouteFacts",
     "FP8RouteTuning",
+    "FP8ScaledLinearTrace",
     "FP8Tokens",
     "FP8Weight",
     "GPTQConfig",
@@ -223,6 +226,7 @@ __all__ = [
     "fp8_max",
     "fp8_scaled_linear",
     "fp8_scaled_linear_kernel",
+    "fp8_scaled_linear_kernel_with_codes",
     "fp8_token_dequantize",
     "fp8_token_qdq",
     "fp8_token_quantize",

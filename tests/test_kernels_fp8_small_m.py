@@ -3,9 +3,12 @@
 The bound (``floatxq.testing.assert_fp8_linear_close``) is per element: a statistical bound on
 the accumulation error of FP32 sums (interpreter) or Hopper's FP8 MMAs (GPU) plus the output's
 rounding, so an ``x`` code one step off the pure quantizer's (``tests/test_fp8_linear_bound.py``),
-a wrong scale or a dropped tile would fail it. GPU tests run
-the compiled kernel; without CUDA, ``test_interpreter_suite`` reruns the ``interpreted`` tests in
-a child process under ``TRITON_INTERPRET=1`` on small shapes. Argument checks need neither.
+a wrong scale or a dropped tile would fail it. Beside it, the codes and scales the kernel
+quantized ``x`` to (``fp8_scaled_linear_kernel_with_codes``) must equal the pure quantizer's bit
+for bit, so a wrong code fails at any K, and its output must equal the plain entry's bit for bit.
+GPU tests run the compiled kernel; without CUDA, ``test_interpreter_suite`` reruns the
+``interpreted`` tests in a child process under ``TRITON_INTERPRET=1`` on small shapes. Argument
+checks need neither.
 """
 
 import dataclasses
@@ -14,11 +17,17 @@ import pytest
 import torch
 
 import floatxq as fq
-from floatxq.kernels import fp8_scaled_linear_kernel, fp8_small_m
+from floatxq.kernels import (
+    FP8ScaledLinearTrace,
+    fp8_scaled_linear_kernel,
+    fp8_scaled_linear_kernel_with_codes,
+    fp8_small_m,
+)
 from floatxq.kernels.fp8_small_m import DEFAULT_SMALL_M_TUNING, FP8SmallMTiles, FP8SmallMTuning
 from floatxq.testing import (
     FP32_ACCUMULATION,
     HOPPER_FP8_ACCUMULATION,
+    assert_bitwise_equal,
     assert_fp8_linear_close,
     unchecked,
 )
@@ -135,6 +144,56 @@ def _check_steps_past_k(device):
             )  # fmt: skip
 
 
+X_LAYOUT = {
+    "tensorwise": ("tensor", None),
+    "rowwise": ("row", None),
+    "blockwise": ("block", (1, 128)),
+}
+"""How each recipe quantizes ``x`` with the weight formula (docs/numerics.md): per tensor, per
+row, per 1×128 block."""
+
+# (m, n, k) for the codes: no rows, one, a ragged tile, a full 16-row tile, K not a multiple of
+# 16 or 128 (not blockwise), no columns (the kernel still quantizes x), no K.
+CODE_SHAPES = {
+    "interpreter": [(0, 48, 40), (1, 48, 40), (7, 48, 300), (16, 48, 40), (5, 0, 40), (3, 48, 0)],
+    "interpreter_blockwise": [(0, 128, 128), (1, 128, 256), (7, 128, 384), (16, 128, 128)],
+    "gpu": [
+        (0, 256, 300), (1, 256, 40), (1, 1000, 8192), (7, 256, 300), (16, 256, 16384),
+        (16, 1000, 1000), (5, 0, 300), (3, 256, 0),
+    ],
+    "gpu_blockwise": [(0, 256, 256), (1, 256, 16384), (7, 256, 384), (16, 256, 8192)],
+}  # fmt: skip
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_codes(seed, m, n, k, recipe, method, block, name, dtype, device, *, tuning):
+    """The kernel's ``x`` codes and inverse scales are the pure quantizer's bit for bit, and its
+    output is the plain entry's. ``x`` has a zero row, a row of 2**-20 and (bf16/fp32) a row of
+    FP32 subnormals, whose inverse scale is capped at FLT_MAX."""
+    x, codes, scale_inv, bias = _case(seed, m, n, k, recipe, method, block, name, dtype, device)
+    if m > 3 and k and dtype != torch.float16:
+        x[3] = 0.0
+        x[3, ::3] = 2.0**-130
+    direct = torch.ones_like(scale_inv) / scale_inv
+    trace = fp8_scaled_linear_kernel_with_codes(
+        x, codes, direct, bias, recipe=recipe, tuning=tuning
+    )
+    assert isinstance(trace, FP8ScaledLinearTrace)
+    x_method, x_block = X_LAYOUT[recipe]
+    expected = fq.quantize_fp8_weight(x, weight_scale_method=x_method, weight_block_size=x_block)
+    msg = f"{recipe} {name} {(m, n, k)} {dtype} split {tuning.tiles(recipe, m).split_k}"
+    assert_bitwise_equal(trace.x_codes, expected.qweight, msg=f"{msg}: x codes")
+    assert_bitwise_equal(trace.x_scale_inv, expected.scale_inv, msg=f"{msg}: x scale_inv")
+    plain = fp8_scaled_linear_kernel(x, codes, direct, bias, recipe=recipe, tuning=tuning)
+    assert_bitwise_equal(trace.out, plain, msg=f"{msg}: output")
+
+
+def _code_cases(where, recipe):
+    shapes = CODE_SHAPES[f"{where}_blockwise" if recipe == "blockwise" else where]
+    for seed, (m, n, k) in enumerate(shapes):
+        yield seed, m, n, k, DTYPES[seed % 3]
+
+
 def _fits(recipe, n, k):
     return recipe != "blockwise" or (n % 128 == 0 and k % 128 == 0)
 
@@ -171,6 +230,46 @@ def test_kernel_matches_the_reference_on_fuzzed_shapes(
                 seed, m, n, k, recipe, method, block, name, dtype, "cuda", with_bias=False,
                 tuning=tuning,
             )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("recipe", "method", "block", "name"), RECIPES)
+@pytest.mark.parametrize(
+    ("split", "unroll", "together", "piece"),
+    [(1, 16, 2, 4096), (3, 3, 1 << 30, 4096), (2, 16, 1, 16)],
+)
+def test_kernel_codes_equal_the_reference_bitwise(
+    recipe, method, block, name, split, unroll, together, piece
+):
+    # split 3 (for up to 16 rows): K split over programs, each storing its own steps' codes;
+    # unroll 3: chunked amax loads; together 1 with 16-column pieces: the programs reduce x's
+    # amax together (tensorwise and rowwise, where the grid fits the SMs)
+    tuning = _tuning(
+        recipe, split=split, unroll=unroll, coop_min_rows=together, coop_max_piece=piece,
+        split_max_m=16,
+    )  # fmt: skip
+    for seed, m, n, k, dtype in _code_cases("gpu", recipe):
+        _check_codes(seed, m, n, k, recipe, method, block, name, dtype, "cuda", tuning=tuning)
+
+
+@pytest.mark.gpu
+def test_codes_of_strided_x_and_the_shared_amax_path():
+    tuning = dataclasses.replace(DEFAULT_SMALL_M_TUNING, coop_min_rows=1)
+    x, codes, scale_inv, bias = _case(
+        3, 8, 256, 512, "tensorwise", "tensor", None, "float8_e4m3fn", torch.bfloat16, "cuda"
+    )
+    plan = fp8_small_m._plan(x, codes, 1 / scale_inv, True, "tensorwise", tuning, False, True)
+    assert plan[2], "the programs reduce the amax together here"
+    expected = fq.quantize_fp8_weight(x, weight_scale_method="tensor")
+    plain = fp8_scaled_linear_kernel(x, codes, 1 / scale_inv, bias, recipe="tensorwise")
+    for view in (x, x.t().contiguous().t()):  # row-major, column-major
+        for _ in range(2):  # the second launch of a configuration skips Triton's binding
+            trace = fp8_scaled_linear_kernel_with_codes(
+                view, codes, 1 / scale_inv, bias, recipe="tensorwise", tuning=tuning
+            )
+            assert_bitwise_equal(trace.x_codes, expected.qweight)
+            assert_bitwise_equal(trace.x_scale_inv, expected.scale_inv)
+            assert_bitwise_equal(trace.out, plain)
 
 
 @pytest.mark.gpu
@@ -279,7 +378,7 @@ def test_nan_inputs_give_nan_rows():
     reason="needs Triton installed and no CUDA device (with CUDA the compiled kernel is tested)",
 )
 def test_interpreter_suite():
-    run_interpreted_tests(__file__, expected=5)  # every interpreted test below ran
+    run_interpreted_tests(__file__, expected=9)  # every interpreted test below ran
 
 
 OVERFLOW = "ignore:overflow encountered:RuntimeWarning"
@@ -298,6 +397,17 @@ def test_interpreted_kernel_matches_the_reference(recipe, method, block, name):
                 dtype = (torch.bfloat16, torch.float16)[seed % 2]
                 for _ in range(2):  # the second launch: the counters were reset
                     _check(seed, m, n, k, recipe, method, block, name, dtype, "cpu", tuning=tuning)
+
+
+@needs_interpreter
+@pytest.mark.filterwarnings(OVERFLOW)
+@pytest.mark.parametrize(("recipe", "method", "block", "name"), RECIPES)
+def test_interpreted_codes_equal_the_reference_bitwise(recipe, method, block, name):
+    # split 2 for up to 16 rows: every K split stores its own steps' codes (and block scales)
+    for split in (1, 2):
+        tuning = _tuning(recipe, split=split, unroll=3, split_max_m=16)
+        for seed, m, n, k, dtype in _code_cases("interpreter", recipe):
+            _check_codes(seed, m, n, k, recipe, method, block, name, dtype, "cpu", tuning=tuning)
 
 
 @needs_interpreter
@@ -347,12 +457,16 @@ def _bad(**changes):
 def test_kernel_rejects_bad_arguments_before_launching(args, error, match):
     with pytest.raises(error, match=match):
         unchecked(fp8_scaled_linear_kernel)(**args)
+    with pytest.raises(error, match=match):
+        unchecked(fp8_scaled_linear_kernel_with_codes)(**args)
 
 
 def test_kernel_on_cpu_names_what_is_missing(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(TypeError, match="one CUDA device"):
+    with pytest.raises(TypeError, match="fp8_scaled_linear_kernel: .*one CUDA device"):
         fp8_scaled_linear_kernel(**_bad())
+    with pytest.raises(TypeError, match="fp8_scaled_linear_kernel_with_codes: .*one CUDA"):
+        fp8_scaled_linear_kernel_with_codes(**_bad())
 
 
 def test_tuning_records_reject_what_the_kernel_cannot_launch():

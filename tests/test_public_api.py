@@ -70,7 +70,13 @@ def test_every_public_name_of_the_owning_modules_is_reexported():
 
 def test_kernel_entry_points_are_reexported():
     # floatxq.kernels keeps its availability helpers to itself; the entry points are top-level
-    for name in ("quantize_fp8_weight_kernel", "quantize_fp8_weight_auto"):
+    for name in (
+        "quantize_fp8_weight_kernel",
+        "quantize_fp8_weight_auto",
+        "fp8_scaled_linear_kernel",
+        "fp8_scaled_linear_kernel_with_codes",
+        "FP8ScaledLinearTrace",
+    ):
         assert getattr(fq, name) is getattr(floatxq.kernels, name)
 
 

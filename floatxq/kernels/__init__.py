@@ -19,9 +19,11 @@ from floatxq.kernels._triton import (
     triton_unavailable_reason,
 )
 from floatxq.kernels.fp8_small_m import (
+    FP8ScaledLinearTrace,
     FP8SmallMTiles,
     FP8SmallMTuning,
     fp8_scaled_linear_kernel,
+    fp8_scaled_linear_kernel_with_codes,
 )
 from floatxq.kernels.fp8_weight import (
     FP8WeightTuning,
@@ -30,10 +32,12 @@ from floatxq.kernels.fp8_weight import (
 )
 
 __all__ = [
+    "FP8ScaledLinearTrace",
     "FP8SmallMTiles",
     "FP8SmallMTuning",
     "FP8WeightTuning",
     "fp8_scaled_linear_kernel",
+    "fp8_scaled_linear_kernel_with_codes",
     "quantize_fp8_input",
     "quantize_fp8_weight_auto",
     "quantize_fp8_weight_kernel",

@@ -160,6 +160,8 @@ def fp8_small_m_kernel(
     part_ptr,
     count_ptr,
     sync_ptr,
+    xq_ptr,
+    xs_ptr,
     M,
     N,
     K,
@@ -192,6 +194,7 @@ def fp8_small_m_kernel(
     COOP_K: tl.constexpr,
     COOP_ITERS: tl.constexpr,
     SLOTS: tl.constexpr,
+    STORE_X: tl.constexpr,
 ):
     """``out[m-tile, n-tile]`` of :func:`floatxq.fp8_scaled_linear` (see
     :mod:`floatxq.kernels.fp8_small_m`).
@@ -209,6 +212,12 @@ def fp8_small_m_kernel(
     partial tile at ``part_ptr[split, m, n]``, then bumps the tile's counter; the program that
     arrives last sums the partials in split order (so the result never depends on arrival
     order), runs the epilogue and resets the counter to 0 for the next launch.
+
+    STORE_X also writes what the K loop quantized ``x`` to: its int8 codes at ``xq_ptr[m, k]``
+    and its inverse scales at ``xs_ptr`` (``()``, ``[m]`` or ``[m, K / 128]`` by MODE), each
+    element once (by the programs of the first N tile, every K split storing its own steps).
+    Off, the pointers are ``None`` (Triton makes them compile-time constants) and the kernel is
+    the one without the stores.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -235,6 +244,12 @@ def fp8_small_m_kernel(
             x_ptr, pid_m, M, K, stride_xm, stride_xk, MODE, FMAX, FLT_MAX, TINY_BITS,
             BLOCK_M, AMAX_M, AMAX_K, AMAX_UNROLL, M_ITERS, A_CHUNKS,
         )  # fmt: skip
+    if STORE_X:  # x's inverse scale(s), stored by the programs of the first N tile and split
+        lead = (offs_m * 0 + pid_n + pid_k) == 0  # (a vector: see the split-K store mask)
+        if MODE == 0:
+            tl.store(xs_ptr + offs_m * 0, inv, mask=lead & (offs_m == 0))
+        elif MODE == 1:
+            tl.store(xs_ptr + offs_m, inv, mask=lead & m_ok)
 
     # 2. K loop: quantize x's tile to E4M3 codes in registers, then one tensor-core product
     # out.T[n, m] += W[n, k] · xq.T[k, m] ("swap AB": the weight tile is the MMA's tall operand,
@@ -263,7 +278,21 @@ def fp8_small_m_kernel(
             )  # fmt: skip
         y = xv * inv[:, None]
         y = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
-        xq = fp8_encode(y, CONVERT, 3, 7, False).to(tl.float8e4nv, bitcast=True)
+        code = fp8_encode(y, CONVERT, 3, 7, False)
+        xq = code.to(tl.float8e4nv, bitcast=True)
+        if STORE_X:  # each code once: the first N tile's programs, every split its own steps
+            first = m_ok & ((offs_m * 0 + pid_n) == 0)
+            tl.store(
+                xq_ptr + offs_m.to(tl.int64)[:, None] * K + kk[None, :],
+                code,
+                mask=first[:, None] & k_ok[None, :],
+            )
+            if MODE == 2:
+                tl.store(
+                    xs_ptr + offs_m.to(tl.int64) * (K // 128) + k0 // 128,
+                    inv,
+                    mask=first & (offs_m * 0 + k0 < K),
+                )
         if W_E5M2:  # E4M3 x E5M2 (rowwise only): both decoded exactly to FP16
             acc = tl.dot(w.to(tl.float16), tl.trans(xq.to(tl.float16)), acc)
         elif MODE != 2:

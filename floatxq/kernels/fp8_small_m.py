@@ -27,15 +27,20 @@ in the tests: 24 bits for FP32 sums, 22 for Hopper's FP8 MMA). Tiles, splits and
 pass's shape come from a frozen :class:`FP8SmallMTuning` record (defaults measured, see
 benchmarks/RESULTS.md). The Triton sources live in :mod:`floatxq.kernels._fp8_small_m_jit`,
 imported on the first launch.
+
+The output alone cannot show every ``x`` code: one code off by a step moves a large-K sum by less
+than its accumulation error can. :func:`fp8_scaled_linear_kernel_with_codes` runs the same
+kernel with a compile-time switch that also stores the codes and inverse scales it quantized
+``x`` to, so tests compare them with :func:`floatxq.quantize_fp8_weight`'s bit for bit.
 """
 
 import dataclasses
 import functools
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
-from floatxq._typing import Float, Float32, FP8Dtype, Tensor
+from floatxq._typing import Float, Float8e4m3fn, Float32, FP8Dtype, Tensor, checked_record
 from floatxq.formats import FLOAT32_MAX, fp8_max
 from floatxq.fp8 import _scaled_linear_arguments
 from floatxq.kernels import fp8_weight
@@ -48,9 +53,11 @@ from floatxq.kernels._triton import (
 
 __all__ = [
     "DEFAULT_SMALL_M_TUNING",
+    "FP8ScaledLinearTrace",
     "FP8SmallMTiles",
     "FP8SmallMTuning",
     "fp8_scaled_linear_kernel",
+    "fp8_scaled_linear_kernel_with_codes",
 ]
 
 _X_TENSOR, _X_ROW, _X_BLOCK = 0, 1, 2
@@ -225,7 +232,84 @@ def fp8_scaled_linear_kernel(
       ... ).shape
       torch.Size([1, 256])
     """
-    where = "fp8_scaled_linear_kernel"
+    _check_arguments(x, weight, weight_scale, bias, recipe, where="fp8_scaled_linear_kernel")
+    return _launch(x, weight, weight_scale, bias, recipe, tuning=tuning)
+
+
+@checked_record
+class FP8ScaledLinearTrace(NamedTuple):
+    """:func:`fp8_scaled_linear_kernel`'s output and what it quantized ``x`` to on the way."""
+
+    out: Float[Tensor, "m n"]
+    """``(m, n)`` in ``x.dtype``: bit for bit what ``fp8_scaled_linear_kernel`` returns."""
+    x_codes: Float8e4m3fn[Tensor, "m k"]
+    """``(m, k)`` E4M3 codes of ``x`` that the tensor cores multiplied."""
+    x_scale_inv: Float32[Tensor, "*x_scale"]
+    """FP32 inverse scales of ``x`` (multiply to quantize): ``()`` tensorwise, ``(m,)`` rowwise,
+    ``(m, k/128)`` blockwise, the layout of :func:`floatxq.quantize_fp8_weight` on ``x``."""
+
+
+def fp8_scaled_linear_kernel_with_codes(
+    x: Float[Tensor, "m k"],
+    weight: FP8Dtype[Tensor, "n k"],
+    weight_scale: Float32[Tensor, "*scale"],
+    bias: Float[Tensor, "n"] | None = None,  # noqa: F821
+    *,
+    recipe: Literal["tensorwise", "rowwise", "blockwise"],
+    tuning: FP8SmallMTuning = DEFAULT_SMALL_M_TUNING,
+) -> FP8ScaledLinearTrace:
+    """:func:`fp8_scaled_linear_kernel`, also returning the ``x`` codes and scales it computed.
+
+    The same kernel and launch shape, compiled with its stores of what the K loop quantized
+    ``x`` to switched on (each element written once, by the programs of the first output tile
+    of every K split). For tests: an output can hide one wrong code in its accumulation error,
+    the codes cannot.
+
+    Args:
+      x, weight, weight_scale, bias, recipe, tuning: as :func:`fp8_scaled_linear_kernel`.
+
+    Returns:
+      ``FP8ScaledLinearTrace(out, x_codes, x_scale_inv)``.
+
+    Raises:
+      ValueError, TypeError, RuntimeError: as :func:`fp8_scaled_linear_kernel`.
+
+    Numerics: ``out`` is bit for bit ``fp8_scaled_linear_kernel``'s; ``x_codes`` and
+    ``x_scale_inv`` are bit for bit ``quantize_fp8_weight(x, weight_scale_method=...)`` with
+    ``"tensor"``, ``"row"`` or ``"block"`` 1×128 by recipe (an empty ``x`` has scale 1).
+
+    Example:
+      >>> w = floatxq.quantize_fp8_weight(torch.randn(256, 512, device="cuda"))  # doctest: +SKIP
+      >>> t = fp8_scaled_linear_kernel_with_codes(  # doctest: +SKIP
+      ...     torch.randn(2, 512, device="cuda"), w.qweight, 1 / w.scale_inv, recipe="rowwise"
+      ... )
+      >>> t.out.shape, t.x_codes.dtype, t.x_scale_inv.shape  # doctest: +SKIP
+      (torch.Size([2, 256]), torch.float8_e4m3fn, torch.Size([2]))
+    """
+    _check_arguments(
+        x, weight, weight_scale, bias, recipe, where="fp8_scaled_linear_kernel_with_codes"
+    )
+    m, k = x.shape
+    scale_shape = {"tensorwise": (), "rowwise": (m,), "blockwise": (m, k // _BLOCK_K_GROUP)}
+    codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale_inv = torch.empty(scale_shape[recipe], dtype=torch.float32, device=x.device)
+    out = _launch(
+        x, weight, weight_scale, bias, recipe, tuning=tuning,
+        trace=(codes.view(torch.int8), scale_inv),
+    )  # fmt: skip
+    return FP8ScaledLinearTrace(out, codes, scale_inv)
+
+
+def _check_arguments(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    recipe: str,
+    *,
+    where: str,
+) -> None:
+    """The kernel's argument checks (recipe, dtypes, shapes, devices), before any launch."""
     for label, t in (("x", x), ("weight", weight), ("weight_scale", weight_scale)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {label} must be a tensor, got {type(t).__name__}")
@@ -239,7 +323,6 @@ def fp8_scaled_linear_kernel(
     devices = {t.device for t in (x, weight, weight_scale) + ((bias,) if bias is not None else ())}
     if len(devices) != 1 or (x.device.type != "cuda" and not triton_interpret_enabled()):
         raise TypeError(f"{where}: every tensor must be on one CUDA device, got {devices}")
-    return _launch(x, weight, weight_scale, bias, recipe, tuning=tuning)
 
 
 _WORKSPACES: dict[Any, tuple[Tensor, Tensor, Tensor]] = {}
@@ -276,9 +359,11 @@ def _plan(
     recipe: str,
     tuning: FP8SmallMTuning,
     interpret: bool,
+    store_x: bool = False,
 ) -> tuple[tuple[int, int, int], int, bool, tuple[Any, ...], dict[str, Any]]:
-    """``(grid, split, together, arguments after the eight tensors, launch options)`` of one
-    launch (``together``: the programs reduce x's amax together behind a grid barrier)."""
+    """``(grid, split, together, arguments after the ten pointers, launch options)`` of one
+    launch (``together``: the programs reduce x's amax together behind a grid barrier;
+    ``store_x``: the kernel also stores x's codes and scales, one N tile even for ``n = 0``)."""
     (m, k), n = x.shape, weight.shape[0]
     mode = _RECIPE_MODE[recipe]
     tiles = tuning.tiles(recipe, m)
@@ -288,7 +373,7 @@ def _plan(
         block_n = min(block_n, 128)
     steps = -(-k // block_k)
     block_m = tuning.block_m_one_row if m == 1 else _BLOCK_M
-    tiles_n = -(-n // block_n)
+    tiles_n = max(1, -(-n // block_n))  # (n = 0 launches only to store x's codes)
     split = max(1, min(tiles.split_k, steps))
     split = -(-steps // -(-steps // split))  # no split left without steps (4 steps, 3 -> 2)
     # x's amax: reduced by all programs together behind a grid barrier (a cooperative launch:
@@ -327,7 +412,7 @@ def _plan(
         min(tiles.imprecise_k, block_k),
         block_m, block_n, block_k, amax_m, amax_k, unroll,
         -(-m // amax_m) if mode == _X_TENSOR else 1, -(-amax_tiles // unroll),
-        -(-steps // split), split, together, coop_k, coop_iters, _COOP_BANK,
+        -(-steps // split), split, together, coop_k, coop_iters, _COOP_BANK, store_x,
     )  # fmt: skip
     options: dict[str, Any] = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     if together:
@@ -355,12 +440,19 @@ def _launch(
     recipe: str,
     *,
     tuning: FP8SmallMTuning = DEFAULT_SMALL_M_TUNING,
+    trace: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """The launch, arguments already checked (``TorchFP8Linear`` calls this directly)."""
+    """The launch, arguments already checked (``TorchFP8Linear`` calls this directly).
+
+    ``trace``: contiguous ``(codes as int8, scale_inv)`` buffers the kernel also fills with
+    what it quantized ``x`` to (:func:`fp8_scaled_linear_kernel_with_codes`).
+    """
     (m, k), n = x.shape, weight.shape[0]
     device = x.device
     out = torch.empty((m, n), dtype=x.dtype, device=device)
-    if m == 0 or n == 0:
+    if trace is not None and (m == 0 or k == 0):
+        trace[1].fill_(1.0)  # no element: amax 0, scale_inv 1 (the codes are empty)
+    if m == 0 or (n == 0 and (trace is None or k == 0)):
         return out
     if k == 0:
         return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
@@ -371,12 +463,12 @@ def _launch(
         x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype,
         weight_scale.stride(), None if bias is None else bias.dtype, recipe, device, interpret,
         # (hashing a record field by field costs microseconds: the default is keyed by None)
-        None if tuning is DEFAULT_SMALL_M_TUNING else tuning,
+        None if tuning is DEFAULT_SMALL_M_TUNING else tuning, trace is not None,
     )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(
-            x, weight, weight_scale, bias is not None, recipe, tuning, interpret
+            x, weight, weight_scale, bias is not None, recipe, tuning, interpret, trace is not None
         )
     grid, split, together, tail, options = plan
     guard, index = launch_device(device)
@@ -387,10 +479,11 @@ def _launch(
             )
         else:  # neither split-K nor the shared amax: no workspace (nothing reads these)
             part = counts = sync = out
+        stores = trace if trace is not None else (None, None)  # None: compile-time constants
         args = (
             x, weight, weight_scale, bias if bias is not None else weight_scale, out, part,
-            counts, sync, *tail,
+            counts, sync, *stores, *tail,
         )  # fmt: skip
-        aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:8])
+        aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:10] if a is not None)
         _launcher(interpret)((key, aligned), grid, args, options, index)
     return out
