@@ -9,6 +9,7 @@ return and the pure functions accept.
 
 import enum
 import math
+import typing
 from collections.abc import Mapping
 from typing import Literal
 
@@ -371,15 +372,7 @@ NVFP4LocalRecipe = Literal[
 ]
 """The per-block algorithm of a recipe: its name without the ``_headroom`` global-scale step."""
 
-NVFP4_RECIPES: tuple[NVFP4Recipe, ...] = (
-    "nvidia",
-    "nvidia_headroom",
-    "four_six",
-    "least_squares",
-    "least_squares_headroom",
-    "least_squares_grid",
-    "exhaustive",
-)
+NVFP4_RECIPES: tuple[NVFP4Recipe, ...] = typing.get_args(NVFP4Recipe)
 """Canonical NVFP4 block-scale recipes; ``exhaustive`` (all 126 positive E4M3 scales) is new."""
 
 NVFP4_LEGACY_RECIPE_ALIASES: Mapping[str, NVFP4Recipe] = {

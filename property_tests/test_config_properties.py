@@ -1,23 +1,20 @@
 """Properties of FP8Config and GPTQConfig: payload round trips, true fields, validation, rules.
 
-Expected values come from the small tables and the oracle below, written independently of
-floatxq.config: alias tables, GPT-QModel's rule order (keys starting with "-" first, then the
-others, each in the order given) and ``re.match`` on the key without its ``+:`` / ``-:`` prefix.
+Expected values come from the small tables and the oracle below (and the payload keys of
+``floatxq.testing.reference``), written independently of floatxq.config: alias tables,
+GPT-QModel's rule order (keys starting with "-" first, then the others, each in the order given)
+and ``re.match`` on the key without its ``+:`` / ``-:`` prefix.
 Configs are built in the test bodies, not in strategies: the test-time annotation check (beartype)
 samples container items with ``random``, which Hypothesis forbids inside strategies.
 """
 
-import contextlib
 import dataclasses
 import json
 import math
 import re
-import typing
 from typing import Any
 
-import jaxtyping
 import pytest
-from beartype.door import is_bearable
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -29,6 +26,8 @@ from floatxq.lifecycle.payload import (
     gptq_config_from_payload,
     gptq_config_to_payload,
 )
+from floatxq.testing import assert_fields_match_annotations, production_checks
+from floatxq.testing.reference import FP8_PAYLOAD_KEYS
 from floatxq.testing.strategies import FP8_ALIASES, FP8_ENCODABLE
 
 # --------------------------------------------------------------------------------------------
@@ -67,21 +66,6 @@ PATTERNS = (
     r"",
 )
 
-FP8_ALWAYS_KEYS = {
-    "bits",
-    "group_size",
-    "desc_act",
-    "lm_head",
-    "method",
-    "quant_method",
-    "format",
-    "checkpoint_format",
-    "pack_dtype",
-    "weight_scale_method",
-    "weight_scale_semantics",
-    "sym",
-}
-
 GPTQ_FIELDS = (
     "bits",
     "group_size",
@@ -104,25 +88,6 @@ GPTQ_META_SETTINGS = (
     "act_group_aware",
     "mse",
 )
-
-
-@contextlib.contextmanager
-def production_checks():
-    """The errors users get without the test-time annotation check (a fixture cannot wrap
-    each Hypothesis example)."""
-    before = jaxtyping.config.jaxtyping_disable
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", before)
-
-
-def assert_fields_match_annotations(config) -> None:
-    hints = typing.get_type_hints(type(config))
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        assert is_bearable(value, hints[field.name]), (field.name, value, hints[field.name])
 
 
 def first_matching_key(dynamic, module):
@@ -382,7 +347,7 @@ def test_fp8_payload_round_trips_and_reads_legacy_spellings(kwargs, data):
 def test_fp8_payload_fields_follow_the_inputs(base, dynamic):
     kwargs, fmt, scale_method, block = base
     payload = fp8_config_to_payload(FP8Config(**kwargs, dynamic=dynamic))
-    expected_keys = set(FP8_ALWAYS_KEYS)
+    expected_keys = set(FP8_PAYLOAD_KEYS)
     if block is not None:
         expected_keys.add("weight_block_size")
     if dynamic:

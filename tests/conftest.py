@@ -16,3 +16,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def production_checks():
+    """The test run's annotation check off: the errors users get from floatxq's own checks."""
+    from floatxq.testing import production_checks as checks_off
+
+    with checks_off():
+        yield

@@ -7,7 +7,6 @@ import typing
 import jaxtyping
 import pytest
 import torch
-from beartype.door import is_bearable
 
 from floatxq.config import (
     BACKEND,
@@ -26,24 +25,8 @@ from floatxq.lifecycle.payload import (
     payload_format,
     payload_method,
 )
-
-
-@pytest.fixture
-def unchecked():
-    """Switch the test-time annotation check off, to see the errors users get in production."""
-    before = jaxtyping.config.jaxtyping_disable
-    jaxtyping.config.update("jaxtyping_disable", True)
-    yield
-    jaxtyping.config.update("jaxtyping_disable", before)
-
-
-def assert_fields_match_annotations(config) -> None:
-    """Every field of a built config holds a value of its declared (narrow) type."""
-    hints = typing.get_type_hints(type(config))
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        assert is_bearable(value, hints[field.name]), (field.name, value, hints[field.name])
-
+from floatxq.testing import assert_fields_match_annotations
+from floatxq.testing.reference import FP8_PAYLOAD_KEYS
 
 # --------------------------------------------------------------------------------------------
 # Enums
@@ -146,6 +129,20 @@ def test_every_field_annotation_is_true(cfg):
         assert isinstance(cfg.dynamic, DynamicRules)
 
 
+def test_the_field_check_and_the_production_switch_can_fail():
+    from floatxq.testing import production_checks as checks_off  # the fixture has this name
+
+    cfg = FP8Config()
+    object.__setattr__(cfg, "lm_head", 1)  # what a missing normalization would leave behind
+    with pytest.raises(AssertionError, match="field lm_head holds 1"):
+        assert_fields_match_annotations(cfg)
+    before = jaxtyping.config.jaxtyping_disable
+    with pytest.raises(KeyError), checks_off():
+        assert jaxtyping.config.jaxtyping_disable
+        raise KeyError("the setting is restored on the way out")
+    assert jaxtyping.config.jaxtyping_disable == before
+
+
 @pytest.mark.parametrize(
     ("alias", "canonical"),
     [
@@ -181,7 +178,7 @@ def test_unknown_format_and_other_format_members():
         FP8Config(format=FORMAT.GPTQ)
 
 
-def test_format_of_wrong_kind(unchecked):
+def test_format_of_wrong_kind(production_checks):
     with pytest.raises(TypeError, match="format"):
         FP8Config(format=8)
 
@@ -213,7 +210,7 @@ def test_scale_layout_errors(kwargs, fragment):
         FP8Config(**kwargs)
 
 
-def test_lm_head_must_be_bool(unchecked):
+def test_lm_head_must_be_bool(production_checks):
     assert FP8Config(lm_head=True).lm_head is True
     with pytest.raises(TypeError, match="lm_head"):
         FP8Config(lm_head="yes")
@@ -228,7 +225,7 @@ def test_meta_is_frozen_json():
     assert FP8Config(meta={}) == FP8Config()
 
 
-def test_meta_errors(unchecked):
+def test_meta_errors(production_checks):
     with pytest.raises(TypeError, match="meta"):
         FP8Config(meta=[("a", 1)])
     with pytest.raises(TypeError, match="meta"):
@@ -237,7 +234,7 @@ def test_meta_errors(unchecked):
         FP8Config(meta={"x": object()})
 
 
-def test_production_errors_without_the_annotation_check(unchecked):
+def test_production_errors_without_the_annotation_check(production_checks):
     with pytest.raises(TypeError, match=r"meta: expected a mapping.*list"):
         FP8Config(meta=[("a", 1)])
     with pytest.raises(TypeError, match=r"meta: mapping keys must be strings, got int 1"):
@@ -279,21 +276,6 @@ def test_replace_normalizes_like_the_constructor():
 # FP8 payloads (floatxq.lifecycle.payload)
 # --------------------------------------------------------------------------------------------
 
-_ALWAYS = {
-    "bits",
-    "group_size",
-    "desc_act",
-    "lm_head",
-    "method",
-    "quant_method",
-    "format",
-    "checkpoint_format",
-    "pack_dtype",
-    "weight_scale_method",
-    "weight_scale_semantics",
-    "sym",
-}
-
 
 def test_payload_of_a_row_config_exact():
     assert fp8_config_to_payload(FP8Config(format="e5m2")) == {
@@ -314,7 +296,7 @@ def test_payload_of_a_row_config_exact():
 
 def test_payload_of_a_block_config():
     payload = fp8_config_to_payload(FP8Config(weight_block_size=(128, 64), lm_head=True))
-    assert set(payload) == _ALWAYS | {"weight_block_size"}
+    assert set(payload) == FP8_PAYLOAD_KEYS | {"weight_block_size"}
     assert payload["weight_block_size"] == [128, 64]
     assert type(payload["weight_block_size"]) is list
     assert payload["weight_scale_method"] == "block"
@@ -331,7 +313,7 @@ def test_payload_with_dynamic_and_meta():
         meta={"damp": [0.1, 0.2]},
     )
     payload = fp8_config_to_payload(cfg)
-    assert set(payload) == _ALWAYS | {"dynamic", "meta"}
+    assert set(payload) == FP8_PAYLOAD_KEYS | {"dynamic", "meta"}
     assert payload["meta"] == {"damp": [0.1, 0.2]}
     assert list(payload["dynamic"].items()) == [
         ("-:lm_head", {}),
@@ -594,7 +576,7 @@ def test_rule_normalization_stored():
         (["format", "e5m2"], TypeError, "dynamic"),
     ],
 )
-def test_rule_errors_name_the_rule(rule, error, fragment, unchecked):
+def test_rule_errors_name_the_rule(rule, error, fragment, production_checks):
     with pytest.raises(error, match=fragment):
         FP8Config(dynamic={".*q": rule})
 
@@ -606,7 +588,7 @@ def test_invalid_regex_names_the_key():
         FP8Config(dynamic={"-:[": {}})
 
 
-def test_rule_key_and_dynamic_kind_errors(unchecked):
+def test_rule_key_and_dynamic_kind_errors(production_checks):
     with pytest.raises(TypeError, match="dynamic"):
         DynamicRules.from_mapping({3: {}})
     with pytest.raises(TypeError, match="dynamic"):

@@ -23,7 +23,6 @@ test; only the quantization of ``x`` is floatxq's (its codes are pinned elsewher
 import functools
 import math
 
-import jaxtyping
 import numpy
 import pytest
 import torch
@@ -305,15 +304,6 @@ def test_bounds_on_exact_products_and_empty_shapes():
         bias = torch.full((n,), 3.0)
         b = fp8_linear_error_bound(torch.ones(m, k), *q, bias, recipe="rowwise")
         assert b.exact.shape == (m, n) and bool((b.exact == 3.0).all())
-
-
-@pytest.fixture
-def production_checks():
-    """The test run's annotation check off: the errors users get from the functions' own checks."""
-    before = jaxtyping.config.jaxtyping_disable
-    jaxtyping.config.update("jaxtyping_disable", True)
-    yield
-    jaxtyping.config.update("jaxtyping_disable", before)
 
 
 @pytest.mark.parametrize(

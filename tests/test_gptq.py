@@ -13,7 +13,6 @@ import inspect
 import statistics
 import warnings
 
-import jaxtyping
 import pytest
 import torch
 
@@ -34,15 +33,6 @@ from floatxq.lifecycle import gptq_solve_options
 from floatxq.testing import assert_bitwise_equal, unchecked
 
 Opts = GPTQSolveOptions
-
-
-@pytest.fixture
-def no_annotation_check():
-    """Switch the test-time annotation check off, to see the errors users get in production."""
-    before = jaxtyping.config.jaxtyping_disable
-    jaxtyping.config.update("jaxtyping_disable", True)
-    yield
-    jaxtyping.config.update("jaxtyping_disable", before)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -94,7 +84,7 @@ def test_options_are_frozen_keyword_only_and_hashable():
         ({"mse": 0}, TypeError, r"mse must be a float, got int 0"),
     ],
 )
-def test_options_reject_bad_fields_naming_them(no_annotation_check, kwargs, error, message):
+def test_options_reject_bad_fields_naming_them(production_checks, kwargs, error, message):
     with pytest.raises(error, match=message):
         Opts(**kwargs)
 

@@ -2,27 +2,15 @@
 
 import dataclasses
 import json
-import typing
 import warnings
 
-import jaxtyping
 import pytest
-from beartype.door import is_bearable
 
 from floatxq.config import FORMAT, METHOD, GPTQConfig
 from floatxq.gptq import GPTQSolveOptions
 from floatxq.lifecycle.gptq import gptq_solve_options
 from floatxq.lifecycle.payload import gptq_config_from_payload, gptq_config_to_payload
-
-
-@pytest.fixture
-def unchecked():
-    """Switch the test-time annotation check off, to see the errors users get in production."""
-    before = jaxtyping.config.jaxtyping_disable
-    jaxtyping.config.update("jaxtyping_disable", True)
-    yield
-    jaxtyping.config.update("jaxtyping_disable", before)
-
+from floatxq.testing import assert_fields_match_annotations
 
 DEFAULT_PAYLOAD = {
     "bits": 4,
@@ -75,10 +63,7 @@ def test_features_without_an_implementation_are_not_fields(name):
     ],
 )
 def test_every_field_annotation_is_true(cfg):
-    hints = typing.get_type_hints(GPTQConfig)
-    for field in dataclasses.fields(cfg):
-        value = getattr(cfg, field.name)
-        assert is_bearable(value, hints[field.name]), (field.name, value)
+    assert_fields_match_annotations(cfg)
     assert type(cfg.format) is str and type(cfg.damp_auto_increment) is float
 
 
@@ -138,7 +123,9 @@ def test_desc_act_and_group_aware_both_set_is_an_error():
         ({"meta": [1]}, TypeError, "meta: expected a mapping"),
     ],
 )
-def test_validation_names_the_field_and_the_accepted_values(kwargs, error, match, unchecked):
+def test_validation_names_the_field_and_the_accepted_values(
+    kwargs, error, match, production_checks
+):
     with pytest.raises(error, match=match):
         GPTQConfig(**kwargs)
 
@@ -273,12 +260,12 @@ def test_reading_empty_unavailable_features_is_fine():
         ({"dynamic": {"a": {"fmt": "e4m3"}}}, ValueError, r"unsupported GPTQ override"),
     ],
 )
-def test_reading_rejects(payload, error, match, unchecked):
+def test_reading_rejects(payload, error, match, production_checks):
     with pytest.raises(error, match=match):
         gptq_config_from_payload(payload)
 
 
-def test_production_type_errors(unchecked):
+def test_production_type_errors(production_checks):
     with pytest.raises(TypeError, match="payload: expected a mapping, got list"):
         gptq_config_from_payload([("bits", 4)])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"module_name: expected a str, got int 3"):
@@ -352,6 +339,6 @@ def test_solver_options_of_a_resolved_config():
         gptq_solve_options(cfg)
 
 
-def test_solver_options_need_a_gptq_config(unchecked):
+def test_solver_options_need_a_gptq_config(production_checks):
     with pytest.raises(TypeError, match="config: expected a GPTQConfig, got GPTQSolveOptions"):
         gptq_solve_options(GPTQSolveOptions())  # type: ignore[arg-type]

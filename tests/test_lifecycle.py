@@ -281,18 +281,7 @@ def test_backends():
             fq.load(model, quantize_config=fq.FP8Config(), backend=name)
 
 
-@pytest.fixture
-def unchecked():
-    """Switch the test-time annotation check off, to see the errors users get in production."""
-    import jaxtyping
-
-    before = jaxtyping.config.jaxtyping_disable
-    jaxtyping.config.update("jaxtyping_disable", True)
-    yield
-    jaxtyping.config.update("jaxtyping_disable", before)
-
-
-def test_gptq_models_are_refused_until_the_gptq_lifecycle_lands(tmp_path, unchecked):
+def test_gptq_models_are_refused_until_the_gptq_lifecycle_lands(tmp_path, production_checks):
     model = _small("llama")
     with pytest.raises(TypeError, match="GPTQConfig; GPTQ models are not available yet"):
         fq.load(model, quantize_config=fq.GPTQConfig())

@@ -30,27 +30,30 @@ from floatxq.formats import (
 
 _NOT_YET = "is not available yet in floatxq"
 
-_FP8_KEYS: frozenset[str] = frozenset(
+_SHARED_KEYS: frozenset[str] = frozenset(
     {
         "bits",
         "group_size",
         "desc_act",
+        "sym",
         "lm_head",
         "method",
         "quant_method",
         "format",
         "checkpoint_format",
         "pack_dtype",
-        "weight_scale_method",
-        "weight_block_size",
-        "weight_scale_semantics",
-        "meta",
         "dynamic",
-        "sym",
-        "smoother",
-        "preprocessors",
+        "meta",
     }
 )
+"""The keys a payload of either method may carry (GPT-QModel's fields common to both)."""
+_FP8_KEYS: frozenset[str] = _SHARED_KEYS | {
+    "weight_scale_method",
+    "weight_block_size",
+    "weight_scale_semantics",
+    "smoother",
+    "preprocessors",
+}
 _FP8_LEGACY_KEYS: frozenset[str] = frozenset({"fmt", "weight_only", "smooth"})
 _FP8_LEGACY_RULE_KEYS: tuple[str, ...] = ("fmt", "bits", "group_size", "weight_scale_semantics")
 
@@ -62,26 +65,12 @@ _GPTQ_META_SETTINGS: tuple[str, ...] = (
     "mse",
 )
 """GPTQConfig fields that a payload keeps in ``meta`` (older payloads: at the top level)."""
-_GPTQ_KEYS: frozenset[str] = frozenset(
-    {
-        "bits",
-        "group_size",
-        "desc_act",
-        "sym",
-        "lm_head",
-        "method",
-        "quant_method",
-        "format",
-        "checkpoint_format",
-        "pack_dtype",
-        "dynamic",
-        "meta",
-        "rotation",
-        "activation",
-        "adapter",
-        *_GPTQ_META_SETTINGS,
-    }
-)
+_GPTQ_KEYS: frozenset[str] = _SHARED_KEYS | {
+    "rotation",
+    "activation",
+    "adapter",
+    *_GPTQ_META_SETTINGS,
+}
 
 
 # --------------------------------------------------------------------------------------------

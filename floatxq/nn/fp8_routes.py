@@ -156,14 +156,9 @@ def tensorwise_runner(
     Numerics: ``_scaled_mm(xq, weight.t(), 1/sx, weight_scale, bias)``, FP32 accumulation, one
     rounding to ``out_dtype``.
     """
-    mm, device, weight_t = scaled_mm_fn(), weight.device, weight.t()
-
-    def run(x: Tensor) -> Tensor:
-        scale_a = torch.empty((), dtype=torch.float32, device=device)
-        xq = quantize_fp8_input(x, format=format, method="tensor", block=None, scale_out=scale_a)
-        return mm(xq, weight_t, scale_a, weight_scale, bias, None, out_dtype)  # type: ignore[misc]
-
-    return run
+    return _scaled_mm_runner(
+        weight, weight_scale, bias, format=format, method="tensor", out_dtype=out_dtype
+    )
 
 
 def rowwise_runner(
@@ -181,13 +176,27 @@ def rowwise_runner(
     Numerics: ``_scaled_mm(xq, weight.t(), (m, 1) scales, (1, n) scales, bias)``, FP32
     accumulation, one rounding to ``out_dtype``.
     """
+    return _scaled_mm_runner(
+        weight, weight_scale, bias, format="float8_e4m3fn", method="row", out_dtype=out_dtype
+    )
+
+
+def _scaled_mm_runner(
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    *,
+    format: str,
+    method: Literal["tensor", "row"],
+    out_dtype: torch.dtype,
+) -> Runner:
+    """``x`` quantized per tensor (a ``()`` scale) or per row (``(m, 1)``), then ``_scaled_mm``."""
     mm, device, weight_t = scaled_mm_fn(), weight.device, weight.t()
 
     def run(x: Tensor) -> Tensor:
-        scale_a = torch.empty((x.shape[0], 1), dtype=torch.float32, device=device)
-        xq = quantize_fp8_input(
-            x, format="float8_e4m3fn", method="row", block=None, scale_out=scale_a
-        )
+        shape = () if method == "tensor" else (x.shape[0], 1)
+        scale_a = torch.empty(shape, dtype=torch.float32, device=device)
+        xq = quantize_fp8_input(x, format=format, method=method, block=None, scale_out=scale_a)
         return mm(xq, weight_t, scale_a, weight_scale, bias, None, out_dtype)  # type: ignore[misc]
 
     return run

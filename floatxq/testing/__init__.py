@@ -9,6 +9,9 @@ needs ``pytest``: they come with the
 ``test`` extra and are imported only when those modules are. ``assert_fp8_linear_close`` is the
 per-element bound every FP8 GEMM path is held to against ``floatxq.fp8_scaled_linear``, for an
 error model of its accumulation (``FP32_ACCUMULATION``, ``HOPPER_FP8_ACCUMULATION``).
+``unchecked`` (one function) and ``production_checks`` (a block) switch the test run's
+jaxtyping/beartype check off, to see the errors users get; ``assert_fields_match_annotations``
+checks that a config's fields hold their declared types.
 """
 
 from floatxq.testing.assertions import (
@@ -17,9 +20,11 @@ from floatxq.testing.assertions import (
     Accumulation,
     FP8LinearBound,
     assert_bitwise_equal,
+    assert_fields_match_annotations,
     assert_fp8_linear_close,
     bits_of,
     fp8_linear_error_bound,
+    production_checks,
     unchecked,
 )
 
@@ -29,8 +34,10 @@ __all__ = [
     "Accumulation",
     "FP8LinearBound",
     "assert_bitwise_equal",
+    "assert_fields_match_annotations",
     "assert_fp8_linear_close",
     "bits_of",
     "fp8_linear_error_bound",
+    "production_checks",
     "unchecked",
 ]

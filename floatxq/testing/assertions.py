@@ -1,11 +1,15 @@
 """Bitwise comparisons (NaN equals NaN, +0 differs from -0) and the FP8 GEMM's error bounds."""
 
+import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, NamedTuple
 
+import jaxtyping
 import torch
+from beartype.door import is_bearable
 
 from floatxq._typing import Float, Float32, Float64, FP8Dtype, Shaped, Tensor, checked_record
 
@@ -59,6 +63,37 @@ def unchecked(fn: Callable[..., Any]) -> Callable[..., Any]:
     Tests of floatxq's own argument checks use it, since the hook rejects a wrong shape first.
     """
     return inspect.unwrap(fn)
+
+
+@contextlib.contextmanager
+def production_checks() -> Iterator[None]:
+    """The test run's jaxtyping/beartype check switched off inside the block; restored after it.
+
+    Unlike :func:`unchecked` (one function), it covers everything the block calls, such as a
+    config's constructor: the errors users get are then those of floatxq's own checks.
+    """
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
+
+
+def assert_fields_match_annotations(record: object) -> None:
+    """Assert every field of the dataclass ``record`` holds a value of its declared type.
+
+    For configs whose fields are normalized when built: ``"e4m3"`` given for a ``FORMAT`` field
+    must be stored as the enum member, not as the string.
+
+    Raises:
+      AssertionError: naming the field, its value and its declared type.
+    """
+    hints = typing.get_type_hints(type(record))
+    for field in dataclasses.fields(record):
+        value = getattr(record, field.name)
+        if not is_bearable(value, hints[field.name]):
+            raise AssertionError(f"field {field.name} holds {value!r}, not a {hints[field.name]}")
 
 
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}

@@ -22,6 +22,24 @@ ML_DTYPES: dict[str, Any] = {
 }
 """ml_dtypes scalar type for each canonical FP8 name."""
 
+FP8_PAYLOAD_KEYS: frozenset[str] = frozenset(
+    {
+        "bits",
+        "group_size",
+        "desc_act",
+        "lm_head",
+        "method",
+        "quant_method",
+        "format",
+        "checkpoint_format",
+        "pack_dtype",
+        "weight_scale_method",
+        "weight_scale_semantics",
+        "sym",
+    }
+)
+"""The keys every GPT-QModel FP8 ``quantize_config`` payload carries, whatever the config."""
+
 
 def ml_decode_codes(codes: np.ndarray, name: str) -> np.ndarray:
     """Decode uint8 codes of format ``name`` to float32 with ml_dtypes."""
