@@ -188,3 +188,17 @@ def test_nvfp4_recipe_errors():
     for bad in ("mse", "NVIDIA", None, 3):
         with pytest.raises(ValueError, match="Unsupported NVFP4 scale recipe.*'least_squares'"):
             fq.normalize_nvfp4_recipe(bad)
+
+
+def test_normalize_fp8_weight_format_refuses_only_the_decode_only_format():
+    spellings = [*formats._FP8_ALIASES, torch.float8_e4m3fn, torch.float8_e8m0fnu]
+    for spelling in spellings:
+        name = fq.normalize_fp8_format(spelling)
+        if name == "float8_e8m0fnu":
+            with pytest.raises(ValueError, match=r"^weight\.fmt: .*decode-only"):
+                fq.normalize_fp8_weight_format(spelling, where="weight.fmt")
+        else:
+            assert fq.normalize_fp8_weight_format(spelling) == name
+            assert name in typing.get_args(formats.FP8WeightFormat)
+    with pytest.raises(ValueError, match=r"^where: unsupported FP8 format"):
+        fq.normalize_fp8_weight_format("e3m4", where="where")
