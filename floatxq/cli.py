@@ -85,8 +85,14 @@ def quantize(
     exclude: list[str] | None = typer.Option(None, help="Regex of modules to leave alone."),
     device: str | None = typer.Option(None, help="Device to quantize on (cpu, cuda)."),
     overwrite: bool = typer.Option(False, help="Replace an existing --out directory."),
+    layout: str = typer.Option(
+        "compressed-tensors",
+        help="Checkpoint layout: compressed-tensors (transformers with compressed-tensors, vLLM), "
+        "hf (transformers/DeepSeek fine-grained FP8: tensor or block scales) or gptqmodel "
+        "(GPT-QModel's inverse-scale files; transformers refuses them).",
+    ),
 ) -> None:
-    """Quantize a model's linear layers and save the checkpoint."""
+    """Quantize a model's linear layers and save the checkpoint in a chosen layout."""
     import floatxq
 
     if method.strip().lower() != "fp8":
@@ -103,19 +109,21 @@ def quantize(
         source.quantize_config = config
         start = time.perf_counter()
         source.quantize(progress=True)
-        written = source.save(out, overwrite=overwrite)
+        written = source.save(out, layout=layout, overwrite=overwrite)
     except (ValueError, TypeError, FileExistsError, FileNotFoundError) as exc:
         raise _fail(str(exc)) from None
     typer.echo(
         f"quantized {len(source.quantized_modules)} modules ({config.format}, "
-        f"{config.weight_scale_method}) in {time.perf_counter() - start:.1f} s -> {written}"
+        f"{config.weight_scale_method}) in {time.perf_counter() - start:.1f} s -> {written} "
+        f"(layout {layout})"
     )
 
 
 @app.command()
 def inspect(path: Path = typer.Argument(..., help="A model directory.")) -> None:
-    """What a checkpoint is: declared format, scale convention, layers and scales."""
-    from floatxq.lifecycle.inspect import SCALE_CONVENTIONS, inspect_checkpoint
+    """What a checkpoint is: layout, declared format, scale convention, layers and scales."""
+    from floatxq.lifecycle.inspect import inspect_checkpoint
+    from floatxq.lifecycle.layouts import READ_LAYOUTS, SCALE_CONVENTIONS
 
     try:
         report = inspect_checkpoint(path)
@@ -123,7 +131,10 @@ def inspect(path: Path = typer.Argument(..., help="A model directory.")) -> None
         raise _fail(str(exc)) from None
     typer.echo(f"path:        {report.path}")
     typer.echo(f"model type:  {report.model_type}")
+    typer.echo(f"layout:      {report.layout}: {READ_LAYOUTS.get(report.layout, '')}")
+    typer.echo(f"decided by:  {report.evidence}")
     typer.echo(f"method:      {report.method or 'none (not quantized)'}")
+    typer.echo(f"family:      {report.family}")
     typer.echo(f"format:      {report.format}")
     typer.echo(f"convention:  {report.convention}: {SCALE_CONVENTIONS.get(report.convention, '')}")
     typer.echo(f"quantized:   {len(report.quantized_layers)} layers")

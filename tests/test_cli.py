@@ -27,16 +27,40 @@ def quantized_tiny(tmp_path_factory):
 def test_quantize_tiny_block_scales(quantized_tiny):
     out, output = quantized_tiny
     assert "quantized 56 modules (float8_e4m3fn, block)" in output
-    qc = json.loads((out / "quantize_config.json").read_text())
-    assert qc["weight_block_size"] == [128, 128] and qc["weight_scale_method"] == "block"
+    assert "(layout compressed-tensors)" in output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    weights = qc["config_groups"]["group_0"]["weights"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "float-quantized"
+    assert weights["strategy"] == "block" and weights["block_structure"] == [128, 128]
+    assert not (out / "quantize_config.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("layout", "method", "convention"),
+    [("gptqmodel", "fp8", "floatxq_fp8"), ("hf", "fp8", "deepseek_fp8")],
+)
+def test_quantize_layout_option(tmp_path, layout, method, convention):
+    out = tmp_path / layout
+    code, output = _run(
+        "quantize", "tiny", "--out", str(out), "--block-size", "128", "128", "--layout", layout
+    )
+    assert code == 0, output
+    code, output = _run("inspect", str(out))
+    assert code == 0, output
+    assert f"layout:      {layout}:" in output and f"convention:  {convention}:" in output
+    assert f"method:      {method}" in output
+    assert (out / "quantize_config.json").exists() == (layout == "gptqmodel")
+    code, output = _run("quantize", "tiny", "--out", str(tmp_path / "bad"), "--layout", "hf")
+    assert code == 2 and "row" in output  # the default row scales have no hf form
 
 
 def test_inspect_reports_convention_and_layouts(quantized_tiny):
     out, _ = quantized_tiny
     code, output = _run("inspect", str(out))
     assert code == 0, output
-    assert "method:      fp8" in output
-    assert "convention:  floatxq_fp8: inverse weight_scale_inv" in output
+    assert "layout:      compressed-tensors:" in output
+    assert "method:      compressed-tensors" in output and "family:      fp8" in output
+    assert "convention:  direct_fp8: direct weight_scale: multiply to decode" in output
     assert "quantized:   56 layers" in output
     assert "scales block 128x128: 56 layers" in output
     assert "F8_E4M3 x56" in output

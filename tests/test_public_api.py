@@ -30,7 +30,9 @@ OWNERS = (
     floatxq.int4,
     floatxq.nn,
     floatxq.nvfp4,
+    floatxq.nvfp4_layouts,
     floatxq.nvfp4_report,
+    floatxq.sources,
     floatxq.swizzle,
 )
 

@@ -1,9 +1,24 @@
-"""Load → quantize → save → load: the only code that mutates models, and the payloads it writes."""
+"""Load → quantize → save → load: the only code that mutates models, the checkpoint layouts it
+reads and writes, and the payloads in them."""
 
 from floatxq.lifecycle.checkpoint import CheckpointError
 from floatxq.lifecycle.evaluate import EvalReport, evaluate_lm
+from floatxq.lifecycle.export import (
+    CHECKPOINT_LAYOUTS,
+    DEFAULT_LAYOUT,
+    CheckpointLayout,
+    LayoutExport,
+    export_layout,
+    normalize_layout,
+)
 from floatxq.lifecycle.gptq import gptq_solve_options
 from floatxq.lifecycle.inspect import CheckpointReport, inspect_checkpoint
+from floatxq.lifecycle.layouts import (
+    READ_LAYOUTS,
+    SCALE_CONVENTIONS,
+    LayoutDecision,
+    decide_layout,
+)
 from floatxq.lifecycle.model import QuantizedModel, load
 from floatxq.lifecycle.payload import (
     fp8_config_from_payload,
@@ -15,11 +30,20 @@ from floatxq.lifecycle.payload import (
 )
 
 __all__ = [
+    "CHECKPOINT_LAYOUTS",
+    "DEFAULT_LAYOUT",
+    "READ_LAYOUTS",
+    "SCALE_CONVENTIONS",
     "CheckpointError",
+    "CheckpointLayout",
     "CheckpointReport",
     "EvalReport",
+    "LayoutDecision",
+    "LayoutExport",
     "QuantizedModel",
+    "decide_layout",
     "evaluate_lm",
+    "export_layout",
     "fp8_config_from_payload",
     "fp8_config_to_payload",
     "gptq_config_from_payload",
@@ -27,6 +51,7 @@ __all__ = [
     "gptq_solve_options",
     "inspect_checkpoint",
     "load",
+    "normalize_layout",
     "payload_format",
     "payload_method",
 ]

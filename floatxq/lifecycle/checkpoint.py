@@ -292,3 +292,30 @@ def iter_tensors(
             raise
         except Exception as exc:
             raise CheckpointError(f"checkpoint: cannot read {file} ({exc})") from None
+
+
+def header_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The safetensors ``__metadata__`` string maps of every shard, merged (headers only).
+
+    Raises:
+      CheckpointError: a truncated or unreadable shard, or two shards that give one key
+        different values (named).
+    """
+    merged: dict[str, str] = {}
+    origin: dict[str, str] = {}
+    for file in shard_files(path):
+        _check_header(file)
+        try:
+            with safe_open(str(file), framework="pt") as reader:
+                metadata = reader.metadata() or {}
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint: cannot read {file} ({exc})") from None
+        for key, value in metadata.items():
+            if key in merged and merged[key] != value and key != "format":
+                raise CheckpointError(
+                    f"checkpoint: safetensors metadata {key!r} differs between {origin[key]} and "
+                    f"{file.name}"
+                )
+            merged.setdefault(key, value)
+            origin.setdefault(key, file.name)
+    return merged

@@ -10,27 +10,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from floatxq.lifecycle.checkpoint import CONFIG_FILE, QUANTIZE_CONFIG_FILE, read_json, tensor_infos
+from floatxq.lifecycle.checkpoint import (
+    CONFIG_FILE,
+    QUANTIZE_CONFIG_FILE,
+    header_metadata,
+    read_json,
+    tensor_infos,
+)
+from floatxq.lifecycle.layouts import decide_layout
 from floatxq.lifecycle.payload import payload_format, payload_method
-
-SCALE_CONVENTIONS: dict[str, str] = {
-    "floatxq_fp8": (
-        "inverse weight_scale_inv: multiply to quantize, divide to decode (floatxq / GPT-QModel)"
-    ),
-    "deepseek_fp8": "weight_scale_inv multiplies to decode (DeepSeek / fine-grained FP8)",
-    "direct_fp8": "direct weight_scale: multiply to decode",
-    "modelopt_nvfp4": (
-        "ModelOpt NVFP4: E4M3 weight_scale and FP32 weight_scale_2 both multiply to decode"
-    ),
-    "compressed_tensors_nvfp4": (
-        "compressed-tensors NVFP4: E4M3 weight_scale multiplies, weight_global_scale divides"
-    ),
-    "gptq": "GPTQ INT4: fp16 scales multiply (code - zero)",
-    "none": "no quantized tensors",
-    "undeclared": (
-        "quantized tensors but no quantization_config: the direction is unknown (not guessed)"
-    ),
-}
 
 
 class CheckpointReport(NamedTuple):
@@ -41,8 +29,14 @@ class CheckpointReport(NamedTuple):
     method: str | None
     """Declared quantization method (``quantization_config``), None for a plain model."""
     format: str | None
+    layout: str
+    """Who wrote it: a key of :data:`~floatxq.lifecycle.layouts.READ_LAYOUTS`."""
     convention: str
     """A key of :data:`SCALE_CONVENTIONS`."""
+    family: str | None
+    """The native family GPT-QModel's detector names (``fp8``, ``nvfp4``, ``mxfp4``, ...)."""
+    evidence: str
+    """The file and field the layout was decided from."""
     quantized_layers: tuple[str, ...]
     scale_layouts: dict[str, int]
     """Layout description → number of layers (``row``, ``block 128x128``, ``tensor``)."""
@@ -53,39 +47,94 @@ class CheckpointReport(NamedTuple):
     quantize_config_file: bool
 
 
-def _layout_of(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> str:
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _layout_of(
+    weight: tuple[int, ...], scale: tuple[int, ...], block: tuple[int, int] | None
+) -> str:
+    """How one FP8 module's scales are laid out, from header shapes."""
     from floatxq.fp8 import infer_scale_layout
 
+    count = 1
+    for dim in scale:
+        count *= dim
+    rows, cols = weight
+    if count == 1:
+        return "tensor"
+    if scale in ((rows,), (rows, 1)):
+        return "row"
+    if block is not None and len(scale) == 2:
+        if scale == (_ceil_div(rows, block[0]), _ceil_div(cols, block[1])):
+            ragged = rows % block[0] or cols % block[1]
+            return f"block {block[0]}x{block[1]}" + (" (ragged edge)" if ragged else "")
     try:
-        layout, block = infer_scale_layout(weight_shape, scale_shape)
+        layout, found = infer_scale_layout(weight, scale)
     except ValueError:
-        return f"unrecognized {scale_shape}"
-    return f"block {block[0]}x{block[1]}" if layout == "block" and block else layout
+        return f"unrecognized {scale}"
+    return f"block {found[0]}x{found[1]}" if layout == "block" and found else layout
 
 
-def _convention(qconfig: dict[str, Any] | None, names: set[str]) -> str:
-    has = lambda suffix: any(n.endswith(suffix) for n in names)
-    if qconfig is None:
-        return "none" if not (has(".weight_scale_inv") or has(".qweight")) else "undeclared"
-    method = payload_method(qconfig) or ""
-    if method == "fp8":
-        if "weight_scale_semantics" in qconfig or "checkpoint_format" in qconfig:
-            return "floatxq_fp8"
-        return "deepseek_fp8" if has(".weight_scale_inv") else "direct_fp8"
-    if method in ("modelopt",) or has(".weight_scale_2"):
-        return "modelopt_nvfp4"
-    if method == "compressed-tensors" or has(".weight_global_scale"):
-        return "compressed_tensors_nvfp4"
-    if method == "gptq" or has(".qweight"):
-        return "gptq"
-    return f"unknown method {method!r}"
+def _declared_block(qconfig: dict[str, Any] | None) -> tuple[int, int] | None:
+    if not qconfig:
+        return None
+    candidates = [qconfig.get("weight_block_size")]
+    for group in (qconfig.get("config_groups") or {}).values():
+        if isinstance(group, dict) and isinstance(group.get("weights"), dict):
+            candidates.append(group["weights"].get("block_structure"))
+    for value in candidates:
+        if isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value):
+            return (value[0], value[1])
+    return None
+
+
+_MODULE_MARKERS = (
+    ".weight_scale_inv",
+    ".weight_scale",
+    ".weight_packed",
+    ".comfy_quant",
+    "._weight_qdata",
+)
+
+
+def _module_scales(by_name: dict[str, Any], block: tuple[int, int] | None) -> dict[str, str]:
+    """Quantized module -> scale layout, from tensor names and header shapes only."""
+    found: dict[str, str] = {}
+    for name, info in sorted(by_name.items()):
+        marker = next((m for m in _MODULE_MARKERS if name.endswith(m)), None)
+        if marker is None:
+            continue
+        prefix = name[: -len(marker)]
+        if prefix in found:
+            continue
+        weight = by_name.get(f"{prefix}.weight")
+        scale = by_name.get(f"{prefix}.weight_scale")
+        if marker == "._weight_qdata":
+            found[prefix] = "nvfp4 block 16 (torchao)"
+        elif f"{prefix}.weight_scale_2" in by_name or f"{prefix}.weight_global_scale" in by_name:
+            found[prefix] = "nvfp4 block 16"
+        elif marker == ".comfy_quant":
+            found[prefix] = "comfy"
+        elif f"{prefix}.weight_packed" in by_name or (
+            scale is not None and scale.dtype in ("U8", "F8_E8M0")
+        ):
+            found[prefix] = "mx block 32"
+        elif weight is not None and len(weight.shape) == 2:
+            found[prefix] = _layout_of(tuple(weight.shape), tuple(info.shape), block)
+    return found
 
 
 def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
     """Describe a local model directory from its ``config.json`` and safetensors headers.
 
+    The layout and scale convention are decided exactly as :func:`floatxq.load` decides them
+    (:func:`floatxq.lifecycle.layouts.decide_layout`), so a directory ``load`` refuses is
+    refused here with the same error.
+
     Raises:
-      CheckpointError (a ValueError): missing/corrupt ``config.json`` or shards.
+      CheckpointError (a ValueError): missing/corrupt files, or metadata that is undeclared,
+        unknown or contradictory.
 
     Numerics: none; metadata only.
     """
@@ -95,18 +144,11 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
     if qconfig is not None and not isinstance(qconfig, dict):
         qconfig = None
     infos = tensor_infos(root)
+    decision = decide_layout(root, payload, infos, header_metadata=header_metadata(root))
     by_name = {info.name: info for info in infos}
-    names = set(by_name)
-    layers = []
-    layouts: Counter[str] = Counter()
-    for name, info in sorted(by_name.items()):
-        for suffix in (".weight_scale_inv", ".weight_scale"):
-            if name.endswith(suffix):
-                prefix = name[: -len(suffix)]
-                weight = by_name.get(f"{prefix}.weight")
-                if weight is not None and len(weight.shape) == 2:
-                    layers.append(prefix)
-                    layouts[_layout_of(weight.shape, info.shape)] += 1
+    scales = _module_scales(by_name, _declared_block(qconfig))
+    layers = list(scales)
+    layouts: Counter[str] = Counter(scales.values())
     sizes = {
         "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1,
         "F8_E5M2FNUZ": 1, "F8_E8M0": 1, "F16": 2, "BF16": 2, "I16": 2, "F32": 4, "I32": 4,
@@ -125,7 +167,10 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
         model_type=payload.get("model_type"),
         method=method,
         format=None if fmt is None else str(fmt),
-        convention=_convention(qconfig, names),
+        layout=decision.layout,
+        convention=decision.convention,
+        family=decision.family,
+        evidence=decision.evidence,
         quantized_layers=tuple(layers),
         scale_layouts=dict(layouts),
         dtypes=dict(Counter(info.dtype for info in infos)),

@@ -17,19 +17,18 @@ import torch
 from torch import nn
 
 from floatxq.config import BACKEND, METHOD, FP8Config, GPTQConfig
-from floatxq.fp8 import infer_scale_layout
 from floatxq.lifecycle.checkpoint import (
     CONFIG_FILE,
     TOKENIZER_FILES,
     CheckpointError,
-    TensorInfo,
     iter_tensors,
     read_json,
     tensor_infos,
     write_checkpoint,
 )
+from floatxq.lifecycle.export import DEFAULT_LAYOUT
 from floatxq.lifecycle.fp8 import quantize_fp8_modules
-from floatxq.lifecycle.payload import fp8_config_from_payload, fp8_config_to_payload, payload_method
+from floatxq.lifecycle.payload import fp8_config_from_payload, payload_method
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
 
@@ -111,61 +110,113 @@ def _load_plain(path: Path, *, device: Any, dtype: Any) -> nn.Module:
     return model.eval()
 
 
-def _load_quantized(path: Path, config_payload: Mapping[str, Any], *, device: Any, dtype: Any):
-    qpayload = config_payload["quantization_config"]
-    if not isinstance(qpayload, Mapping):
-        raise CheckpointError(f"load: {path / CONFIG_FILE} 'quantization_config' is not an object")
-    method = payload_method(qpayload)
-    if method == METHOD.GPTQ:
-        raise CheckpointError(f"load: {path / CONFIG_FILE} declares method 'gptq'; {_GPTQ_NOT_YET}")
-    if method != METHOD.FP8:
-        raise CheckpointError(
-            f"load: {path / CONFIG_FILE} quantization_config method {method!r} is not supported; "
-            f"accepted: 'fp8'"
-        )
-    try:
-        qconfig = fp8_config_from_payload(qpayload)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"load: {path / CONFIG_FILE} quantization_config: {exc}") from None
-    infos = {info.name: info for info in tensor_infos(path)}
-    model = _build_from_config(config_payload, device=device, dtype=dtype)
-    modules = dict(model.named_modules())
-    for name, info in infos.items():
-        if not name.endswith(".weight_scale_inv"):
-            continue
-        prefix = name[: -len(".weight_scale_inv")]
-        weight = infos.get(f"{prefix}.weight")
-        if weight is None:
-            raise CheckpointError(f"load: {info.file} has {name} but no {prefix}.weight")
-        if prefix not in modules:
-            raise CheckpointError(
-                f"load: tensor {name} names no module of the {type(model).__name__}"
-            )
-        if len(weight.shape) != 2:
-            raise CheckpointError(f"load: {prefix}.weight must be 2-D, got {weight.shape}")
+def _model_dtype(config_payload: Mapping[str, Any], dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    name = config_payload.get("dtype", config_payload.get("torch_dtype"))
+    found = getattr(torch, str(name), None) if isinstance(name, str) else None
+    return found if isinstance(found, torch.dtype) and found.is_floating_point else torch.float32
+
+
+def _gptqmodel_config(path: Path, qpayload: Mapping[str, Any]) -> FP8Config:
+    """The FP8Config of a floatxq / GPT-QModel directory.
+
+    GPT-QModel reads ``quantize_config.json`` first; floatxq reads both files (``config.json``
+    without floatxq's refusal marker) and refuses them when they describe different configs, so
+    neither file is silently ignored.
+    """
+    from floatxq.lifecycle.checkpoint import QUANTIZE_CONFIG_FILE
+    from floatxq.lifecycle.layouts import GPTQMODEL_MARKER_PREFIX
+
+    def parse(file: Path, payload: Mapping[str, Any]) -> FP8Config:
         try:
-            layout, block = infer_scale_layout(weight.shape, info.shape)
-        except ValueError as exc:
-            raise CheckpointError(f"load: {name} in {info.file}: {exc}") from None
-        resolved = qconfig.resolve(prefix) or qconfig
-        original = modules[prefix]
-        fp8 = TorchFP8Linear.empty_like(
-            original,
-            format=_stored_fp8_format(weight, resolved.format),
-            weight_scale_method=layout,
-            weight_block_size=block if layout == "block" else None,
-            device=device,
+            return fp8_config_from_payload(payload)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"load: {file} quantization payload: {exc}") from None
+
+    config_file = path / CONFIG_FILE
+    payload = dict(qpayload)
+    scheme = payload.get("activation_scheme")
+    if isinstance(scheme, str) and scheme.strip().lower().startswith(GPTQMODEL_MARKER_PREFIX):
+        del payload["activation_scheme"]
+    from_config = parse(config_file, payload)
+    quantize_file = path / QUANTIZE_CONFIG_FILE
+    if not quantize_file.is_file():
+        return from_config
+    from_quantize = parse(quantize_file, read_json(quantize_file, what="load"))
+    if from_quantize != from_config:
+        raise CheckpointError(
+            f"load: {quantize_file} and {config_file} describe different FP8 configs "
+            f"({from_quantize!r} vs {from_config!r}); refusing to pick one"
         )
-        if tuple(fp8.weight.shape) != tuple(weight.shape):
-            raise CheckpointError(
-                f"load: {prefix}.weight in {weight.file} is {weight.shape}, but the model's "
-                f"{type(original).__name__} {prefix!r} needs {tuple(fp8.weight.shape)}"
-            )
-        model.set_submodule(prefix, fp8)
-    state = dict(iter_tensors(path, device=device if device is not None else "cpu"))
-    result = model.load_state_dict(state, strict=False)
+    return from_quantize
+
+
+def _load_quantized(
+    path: Path, config_payload: Mapping[str, Any], *, device: Any, dtype: Any
+) -> "tuple[nn.Module | None, FP8Config | None, Any]":
+    from floatxq.lifecycle.checkpoint import header_metadata
+    from floatxq.lifecycle.fp8 import LINEAR_TYPES
+    from floatxq.lifecycle.layouts import (
+        _torchao_metadata,
+        decide_layout,
+        module_sources,
+        read_module,
+        refuse_activation_scales,
+    )
+    from floatxq.sources import (
+        MODELOPT_ACTIVATION_REFUSAL,
+        modelopt_activation_quantization,
+        read_hf_quant_config,
+    )
+
+    infos = tensor_infos(path)
+    metadata = header_metadata(path)
+    decision = decide_layout(path, config_payload, infos, header_metadata=metadata)
+    if decision.layout == "dense":
+        return None, None, decision
+    names = [info.name for info in infos]
+    qpayload = config_payload.get("quantization_config") or {}
+    if decision.layout == "modelopt":
+        declared = dict(read_hf_quant_config(path, strict=True) or {})
+        declared.update(qpayload)
+        declared.setdefault("quant_method", "modelopt")
+        mode = modelopt_activation_quantization(declared, names)
+        if mode is not None:
+            raise CheckpointError(f"load: {path}: " + MODELOPT_ACTIVATION_REFUSAL.format(mode=mode))
+    refuse_activation_scales(decision, names, path)
+    qconfig = _gptqmodel_config(path, qpayload) if decision.layout == "gptqmodel" else None
+    model_dtype = _model_dtype(config_payload, dtype)
+    model = _build_from_config(config_payload, device=None, dtype=dtype)
+    modules = dict(model.named_modules())
+    linear_names = [n for n, m in modules.items() if isinstance(m, LINEAR_TYPES)]
+    files = {info.name: info.file for info in infos}
+    state = dict(iter_tensors(path))
+    sources, rest = module_sources(state, linear_names, layout=decision.layout)
+    torchao = _torchao_metadata(metadata) if decision.layout == "torchao" else None
+    built_names: list[str] = []
+    for source in sources:
+        first = next(iter(source.tensors))
+        file = files.get(f"{source.name}.{first}", files.get(f"{source.name}.weight.{first}", "?"))
+        built = read_module(
+            decision,
+            source,
+            modules[source.name],
+            qconfig=qpayload,
+            dtype=model_dtype,
+            file=file,
+            metadata=torchao,
+        )
+        if built is None:
+            rest.update({f"{source.name}.{k}": v for k, v in source.tensors.items()})
+            continue
+        _check_built(source.name, built, modules[source.name], qconfig, file)
+        model.set_submodule(source.name, built)
+        built_names.append(source.name)
+    result = model.load_state_dict(rest, strict=False)
     tied = _tied_names(model)
-    missing = [k for k in result.missing_keys if k not in tied]
+    done = tuple(f"{name}." for name in built_names)
+    missing = [k for k in result.missing_keys if k not in tied and not k.startswith(done)]
     if missing or result.unexpected_keys:
         raise CheckpointError(
             f"load: {path} does not match the model: missing tensors {missing[:8]}, unexpected "
@@ -173,30 +224,62 @@ def _load_quantized(path: Path, config_payload: Mapping[str, Any], *, device: An
         )
     if tied:
         model.tie_weights()
-    return model.eval(), qconfig
+    if device is not None:
+        model = model.to(device)
+    if qconfig is None:
+        qconfig = _describe_fp8(model)
+    return model.eval(), qconfig, decision
 
 
-_SAFETENSORS_FP8 = {
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-}
+def _check_built(
+    name: str, built: nn.Module, original: nn.Module, qconfig: FP8Config | None, file: str
+) -> None:
+    from floatxq.nn.fp8_linear import _source_matrix
 
-
-def _stored_fp8_format(weight: TensorInfo, declared: str) -> str:
-    stored = _SAFETENSORS_FP8.get(weight.dtype)
-    if stored is None:
+    matrix, _ = _source_matrix(original, where="load")
+    expected = tuple(matrix.shape)
+    shape = (getattr(built, "out_features", -1), getattr(built, "in_features", -1))
+    if shape != expected:
         raise CheckpointError(
-            f"load: {weight.name} in {weight.file} has dtype {weight.dtype}; FP8 weights must be "
-            f"one of {sorted(_SAFETENSORS_FP8)}"
+            f"load: {name}.weight in {file} holds a {shape} weight, but the model's "
+            f"{type(original).__name__} {name!r} needs {expected}"
         )
-    if stored != declared:
-        raise CheckpointError(
-            f"load: {weight.name} in {weight.file} is {stored} but quantization_config declares "
-            f"format {declared!r}"
-        )
-    return stored
+    if qconfig is not None and isinstance(built, TorchFP8Linear):
+        resolved = qconfig.resolve(name) or qconfig
+        if built.format != resolved.format:
+            raise CheckpointError(
+                f"load: {name}.weight in {file} is {built.format} but the quantization config "
+                f"declares format {resolved.format!r}"
+            )
+
+
+def _describe_fp8(model: nn.Module) -> FP8Config | None:
+    """An FP8Config describing the TorchFP8Linear modules of a model read from another layout:
+    the most common (format, scale method, block) as the base, exact-name rules for the others."""
+    import re as _re
+    from collections import Counter
+
+    fp8 = {n: m for n, m in model.named_modules() if isinstance(m, TorchFP8Linear)}
+    if not fp8:
+        return None
+    key = lambda m: (m.format, m.weight_scale_method, m.weight_block_size)
+    base, _ = Counter(key(m) for m in fp8.values()).most_common(1)[0]
+    dynamic = {}
+    for name, module in fp8.items():
+        if key(module) != base:
+            fmt, method, block = key(module)
+            dynamic[f"+:^{_re.escape(name)}$"] = {
+                "format": fmt,
+                "weight_scale_method": method,
+                "weight_block_size": list(block) if block else None,
+            }
+    return FP8Config(
+        format=base[0],
+        weight_scale_method=base[1],
+        weight_block_size=list(base[2]) if base[2] else None,
+        lm_head=any(n.split(".")[-1] == "lm_head" for n in fp8),
+        dynamic=dynamic or None,
+    )
 
 
 def _tied_names(model: nn.Module) -> set[str]:
@@ -206,6 +289,14 @@ def _tied_names(model: nn.Module) -> set[str]:
     getter = getattr(model, "get_output_embeddings", None)
     head = getter() if callable(getter) else None
     return {f"{n}.weight" for n, m in model.named_modules() if head is not None and m is head}
+
+
+def _quantized_types() -> tuple[type, ...]:
+    try:
+        from floatxq.nn.fp4_linear import TorchFP4Linear
+    except ImportError:  # pragma: no cover - the module lands with the interop work
+        return (TorchFP8Linear,)
+    return (TorchFP8Linear, TorchFP4Linear)
 
 
 class QuantizedModel:
@@ -232,10 +323,12 @@ class QuantizedModel:
         self.backend = backend
         self.quantized = quantized
         self.quantized_modules: list[str] = (
-            [n for n, m in model.named_modules() if isinstance(m, TorchFP8Linear)]
+            [n for n, m in model.named_modules() if isinstance(m, _quantized_types())]
             if quantized
             else []
         )
+        self.layout: Any = None
+        """The :class:`~floatxq.lifecycle.layouts.LayoutDecision` a checkpoint was read with."""
         self.source = source
         self.device = device
         self.quantize_seconds: float | None = None
@@ -292,33 +385,47 @@ class QuantizedModel:
         self,
         path: str | os.PathLike[str],
         *,
+        layout: str = DEFAULT_LAYOUT,
         max_shard_size: int | str = "4GB",
         overwrite: bool = False,
     ) -> Path:
-        """Write safetensors shards, ``config.json`` (with ``quantization_config``) and
-        ``quantize_config.json`` into ``path`` atomically (temporary directory, then rename).
+        """Write the model in a checkpoint ``layout`` atomically (temporary directory, rename).
+
+        Args:
+          path: the directory to create.
+          layout: ``"compressed-tensors"`` (default: transformers with the compressed-tensors
+            package, vLLM and SGLang read it), ``"hf"`` (transformers' / DeepSeek's fine-grained
+            FP8: tensor or block scales) or ``"gptqmodel"`` (GPT-QModel's inverse-scale files,
+            byte-exact; transformers and vLLM refuse them). ``docs/interop.md`` has the table.
+          max_shard_size: bytes per safetensors shard (an int or like ``"4GB"``).
+          overwrite: replace an existing directory (only once the new one is complete).
 
         Raises:
           RuntimeError: the model is not quantized. FileExistsError: ``path`` exists.
+          ValueError: a layout that cannot hold the model's modules (named), or an unknown one.
 
-        Numerics: bytes as stored (FP8 codes, FP32 inverse scales, FP16 biases).
+        Numerics: FP8 codes and NVFP4 bytes are written as they are. Layouts whose scales
+        multiply store the FP32 reciprocal of floatxq's inverse scales (exact for powers of two,
+        else within half an FP32 ulp); ``gptqmodel`` stores them unchanged.
         """
-        if not self.quantized or self.quantize_config is None:
+        from floatxq.lifecycle.export import export_layout
+
+        if not self.quantized:
             raise RuntimeError("save: quantize() the model first (or load a quantized checkpoint)")
-        qdict = fp8_config_to_payload(self.quantize_config)
         config_obj = getattr(self.model, "config", None)
         if config_obj is None or not hasattr(config_obj, "to_dict"):
             raise TypeError("save: the model has no Hugging Face config to write as config.json")
+        exported = export_layout(self.model, self.quantize_config, layout)
         config = config_obj.to_dict()
-        config["quantization_config"] = qdict
+        config["quantization_config"] = exported.quantization_config
         extra = {}
         if self.source is not None:
             extra = {n: self.source / n for n in TOKENIZER_FILES if (self.source / n).is_file()}
         return write_checkpoint(
             path,
-            self.model.state_dict(),
+            exported.state,
             config=config,
-            quantize_config=qdict,
+            quantize_config=exported.quantize_config,
             extra_files=extra,
             max_shard_bytes=_parse_size(max_shard_size),
             overwrite=overwrite,
@@ -399,8 +506,8 @@ def load(
     if not path.is_dir():
         raise CheckpointError(f"load: {path} is not a model directory (no hub downloads here)")
     payload = read_json(path / CONFIG_FILE, what="load")
-    if "quantization_config" in payload:
-        model, qconfig = _load_quantized(path, payload, device=dev, dtype=dtype)
+    model, qconfig, decision = _load_quantized(path, payload, device=dev, dtype=dtype)
+    if model is not None:
         chosen = _resolve_backend(backend)
         if quantize_config is not None:
             warnings.warn(
@@ -408,14 +515,11 @@ def load(
                 UserWarning,
                 stacklevel=2,
             )
-        return QuantizedModel(
+        loaded = QuantizedModel(
             model, quantize_config=qconfig, backend=chosen, quantized=True, source=path, device=dev
         )
-    if any(info.name.endswith(".weight_scale_inv") for info in tensor_infos(path)):
-        raise CheckpointError(
-            f"load: {path / CONFIG_FILE} has no 'quantization_config' but the tensors hold FP8 "
-            f"scales (weight_scale_inv): the checkpoint's quantization is undeclared"
-        )
+        loaded.layout = decision
+        return loaded
     config = _as_fp8_config(quantize_config) if quantize_config is not None else None
     chosen = _resolve_backend(backend)
     model = _load_plain(path, device=dev, dtype=dtype)

@@ -1,0 +1,476 @@
+"""Checkpoint layouts: the tensors and payloads a save writes for each reader of FP8 / NVFP4 files.
+
+floatxq keeps FP8 weights with INVERSE scales (``weight_scale_inv``: decode divides). Other
+readers multiply, and transformers reads ``quant_method: "fp8"`` with a ``weight_scale_inv`` as
+its own fine-grained FP8, where that tensor multiplies: GPT-QModel's files loaded there decode
+silently wrong. So a save picks a layout, and each layout writes what its reader expects:
+
+* ``compressed-tensors`` (default): E4M3 weights with tensor, row or block scales
+  (``float-quantized``) and NVFP4 modules (``nvfp4-pack-quantized``), both at once as
+  ``mixed-precision``. Read by transformers (with the compressed-tensors package), vLLM, SGLang.
+* ``hf``: transformers' / DeepSeek's fine-grained FP8: E4M3 weights with tensor scales, or with
+  block scales of one block size for the whole model. Read by transformers (vLLM reads the block
+  form; it takes per-tensor ``fp8`` scales under another name, ``weight_scale``).
+* ``gptqmodel``: every FP8 module floatxq holds, byte for byte (inverse scales). Read by floatxq
+  and GPT-QModel.
+
+``gptqmodel`` writes the model's own tensors and GPT-QModel's payload; its ``config.json``
+``quantization_config`` also carries ``activation_scheme`` = :data:`GPTQMODEL_REFUSAL_MARKER`,
+a value transformers and vLLM reject (``Activation scheme ... not supported``) before they read a
+weight, so neither loads those files wrong. floatxq and GPT-QModel read ``quantize_config.json``
+first. A model that a layout cannot hold is refused with a ``ValueError`` naming the module and
+the layouts that hold it, never written approximately.
+
+Bias: ``TorchFP8Linear`` stores its bias in float16 and casts it to the input's dtype per call;
+``hf`` and ``compressed-tensors`` write every quantized module's bias in the model's dtype (the
+floating dtype holding most of the model's parameters, which is what transformers loads a dense
+bias into), so a loaded model adds the bias floatxq adds when it runs in that dtype. ``gptqmodel``
+keeps the stored float16 bias.
+
+Numerics: codes and NVFP4 bytes are written unchanged. Scales that multiply are the FP32
+reciprocal ``fl(1/s)`` of floatxq's inverse scale ``s`` (FP8), and CT's dividing
+``weight_global_scale`` is ``fl(1/g)`` of the multiplying NVFP4 tensor scale ``g``. One IEEE
+division: exact when the scale is a power of two, otherwise ``|fl(1/s) - 1/s| <= 2**-24 * |1/s|``,
+so a multiplying reader's FP32 decode ``fl(code * fl(1/s))`` lies within ``3 * 2**-24``
+relative (about 1.5 FP32 ulp) of floatxq's ``fl(code / s)`` before both are rounded into the
+model dtype: the decoded weights agree, except that an element whose exact value lies that close
+to a rounding boundary of the model dtype may round one ulp apart.
+"""
+
+import typing
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple
+
+import torch
+from torch import nn
+
+from floatxq._typing import Float, Float32, Tensor
+from floatxq.config import FP8Config
+from floatxq.lifecycle.payload import fp8_config_to_payload
+from floatxq.nn.fp8_linear import TorchFP8Linear
+
+__all__ = [
+    "CHECKPOINT_LAYOUTS",
+    "DEFAULT_LAYOUT",
+    "GPTQMODEL_REFUSAL_MARKER",
+    "CheckpointLayout",
+    "LayoutExport",
+    "export_layout",
+    "normalize_layout",
+]
+
+CheckpointLayout = Literal["compressed-tensors", "hf", "gptqmodel"]
+"""The checkpoint layouts a save can write (see the module docstring's table)."""
+CHECKPOINT_LAYOUTS: tuple[str, ...] = typing.get_args(CheckpointLayout)
+DEFAULT_LAYOUT: CheckpointLayout = "compressed-tensors"
+LAYOUT_ALIASES: Mapping[str, str] = {
+    "ct": "compressed-tensors",
+    "compressed_tensors": "compressed-tensors",
+    "transformers": "hf",
+    "deepseek": "hf",
+}
+"""Other spellings :func:`normalize_layout` accepts, and the layout each names."""
+
+GPTQMODEL_REFUSAL_MARKER = (
+    "unsupported: weight_scale_inv here is an inverse scale (decode divides); load with floatxq "
+    "or GPT-QModel"
+)
+"""``activation_scheme`` of a ``gptqmodel`` export's ``config.json``: readers that take
+``quant_method: "fp8"`` as multiplying scales refuse this value instead of misreading the files."""
+
+_E4M3 = "float8_e4m3fn"
+_CT_METHOD = "compressed-tensors"
+_CT_FLOAT_FORMAT = "float-quantized"
+_CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
+_CT_MIXED_FORMAT = "mixed-precision"
+_CT_STRATEGY = {"tensor": "tensor", "row": "channel", "block": "block"}
+"""floatxq's FP8 scale method → compressed-tensors' weight strategy."""
+_NVFP4_GROUP = 16
+
+
+class LayoutExport(NamedTuple):
+    """What a save writes for one layout.
+
+    Fields:
+      state: every tensor to write, by name; tensors not part of a quantized module are the
+        model's own (``model.state_dict()``'s), the rest new tensors in the layout's names.
+      quantization_config: ``config.json``'s ``quantization_config``.
+      quantize_config: ``quantize_config.json``'s payload (``gptqmodel`` only), else None.
+    """
+
+    state: dict[str, Tensor]
+    quantization_config: dict[str, Any]
+    quantize_config: dict[str, Any] | None
+
+
+def normalize_layout(value: Any) -> CheckpointLayout:
+    """The canonical layout name for ``value`` (case and surrounding spaces ignored).
+
+    Accepts ``"compressed-tensors"``, ``"hf"``, ``"gptqmodel"`` and the aliases ``"ct"``,
+    ``"compressed_tensors"`` (compressed-tensors), ``"transformers"``, ``"deepseek"`` (hf).
+
+    Raises:
+      TypeError: ``value`` is not a string. ValueError: an unknown name (the accepted ones are
+        listed).
+
+    Numerics: names only.
+
+    Example:
+      >>> normalize_layout(" CT "), normalize_layout("transformers")
+      ('compressed-tensors', 'hf')
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"layout: expected a string, got {type(value).__name__} {value!r}")
+    name = str.lower(str.strip(value))
+    name = LAYOUT_ALIASES.get(name, name)
+    if name not in CHECKPOINT_LAYOUTS:
+        accepted = ", ".join(repr(n) for n in (*CHECKPOINT_LAYOUTS, *LAYOUT_ALIASES))
+        raise ValueError(f"layout: unknown checkpoint layout {value!r}; accepted: {accepted}")
+    return typing.cast(CheckpointLayout, name)
+
+
+# --------------------------------------------------------------------------------------------
+# The model's modules
+# --------------------------------------------------------------------------------------------
+
+
+def _fp4_linear_class() -> type | None:
+    """``TorchFP4Linear`` when its module imports (the class is looked up lazily)."""
+    try:
+        from floatxq.nn.fp4_linear import TorchFP4Linear
+    except ImportError:
+        return None
+    return TorchFP4Linear
+
+
+class _Modules(NamedTuple):
+    """The model's quantized and dense linear modules by name, in ``named_modules`` order (a
+    shared module under each of its names)."""
+
+    fp8: list[tuple[str, TorchFP8Linear]]
+    nvfp4: list[tuple[str, nn.Module]]
+    quantized: list[tuple[str, nn.Module]]
+    """The FP8 and NVFP4 modules together."""
+    dense: list[str]
+
+
+def _modules(model: nn.Module) -> _Modules:
+    fp4_class = _fp4_linear_class()
+    found = _Modules([], [], [], [])
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, TorchFP8Linear):
+            found.fp8.append((name, module))
+            found.quantized.append((name, module))
+        elif fp4_class is not None and isinstance(module, fp4_class):
+            found.nvfp4.append((name, module))
+            found.quantized.append((name, module))
+        elif isinstance(module, nn.Linear):
+            found.dense.append(name)
+    return found
+
+
+def _fp8_scheme(module: TorchFP8Linear) -> tuple[str, str, tuple[int, int] | None]:
+    """(format, scale method, block size) of an FP8 module."""
+    block = module.weight_block_size if module.weight_scale_method == "block" else None
+    return module.format, module.weight_scale_method, block
+
+
+def _describe_fp8(module: TorchFP8Linear) -> str:
+    fmt, method, block = _fp8_scheme(module)
+    scales = f"block scales {list(block)}" if block is not None else f"{method} scales"
+    what = f"{fmt} weights with {scales}"
+    if module.conv is not None:
+        what += ", a convolution flattened to (out, in*k)"
+    return what
+
+
+def _fp8_layouts(module: TorchFP8Linear) -> list[str]:
+    """The layouts that hold an FP8 module."""
+    fmt, method, _ = _fp8_scheme(module)
+    plain_e4m3 = fmt == _E4M3 and module.conv is None
+    held = []
+    if plain_e4m3:
+        held.append("compressed-tensors")
+    if plain_e4m3 and method in ("tensor", "block"):
+        held.append("hf")
+    held.append("gptqmodel")
+    return held
+
+
+def _refuse(layout: str, name: str, what: str, why: str, held: list[str]) -> ValueError:
+    where = ", ".join(repr(n) for n in held)
+    return ValueError(
+        f"export: layout {layout!r} cannot hold module {name!r} ({what}): {why}; layouts that "
+        f"hold it: {where}"
+    )
+
+
+def _check_fp8(layout: str, modules: _Modules, why: str) -> None:
+    for name, module in modules.fp8:
+        held = _fp8_layouts(module)
+        if layout not in held:
+            raise _refuse(layout, name, _describe_fp8(module), why, held)
+
+
+def _check_no_nvfp4(layout: str, modules: _Modules, why: str) -> None:
+    if modules.nvfp4:
+        name = modules.nvfp4[0][0]
+        raise _refuse(layout, name, "NVFP4 weights", why, ["compressed-tensors"])
+
+
+def _require_quantized(layout: str, modules: _Modules) -> None:
+    if not modules.quantized:
+        raise ValueError(
+            f"export: layout {layout!r} describes quantized modules, and the model has none "
+            f"(no TorchFP8Linear or TorchFP4Linear); quantize() it first"
+        )
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype | None:
+    """The floating dtype holding most of the model's parameters (quantized modules hold
+    buffers, so these are the dense ones), or None when it has none."""
+    counts: Counter[torch.dtype] = Counter()
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] += p.numel()
+    return counts.most_common(1)[0][0] if counts else None
+
+
+# --------------------------------------------------------------------------------------------
+# Scales
+# --------------------------------------------------------------------------------------------
+
+
+def _reciprocal(scale: Float32[Tensor, "*s"]) -> Float32[Tensor, "*s"]:
+    """``fl(1 / scale)`` in FP32: one IEEE division, exact for powers of two."""
+    return torch.ones_like(scale, dtype=torch.float32) / scale.to(torch.float32)
+
+
+def _multiplying_fp8_scale(module: TorchFP8Linear, layout: str) -> Float32[Tensor, "*s"]:
+    """The module's scales as a multiplying reader of ``layout`` shapes them."""
+    direct = _reciprocal(module.weight_scale_inv)
+    method = module.weight_scale_method
+    if layout == "hf":
+        return direct.reshape(()) if method == "tensor" else direct
+    if method == "tensor":
+        return direct.reshape(1)
+    if method == "row":
+        return direct.reshape(-1, 1)
+    return direct
+
+
+def _bias(bias: Float[Tensor, "out"], dtype: torch.dtype | None) -> Float[Tensor, "out"]:  # noqa: F821
+    return bias if dtype is None or bias.dtype == dtype else bias.to(dtype)
+
+
+def _converted_state(model: nn.Module, modules: _Modules, layout: str) -> dict[str, Tensor]:
+    """``model.state_dict()`` with each quantized module's tensors in ``layout``'s names."""
+    dtype = _model_dtype(model)
+    renamed: dict[str, dict[str, tuple[str, Tensor] | None]] = {}
+    for name, module in modules.fp8:
+        scale_name = "weight_scale_inv" if layout == "hf" else "weight_scale"
+        entries: dict[str, tuple[str, Tensor] | None] = {
+            "weight": ("weight", module.weight),
+            "weight_scale_inv": (scale_name, _multiplying_fp8_scale(module, layout)),
+        }
+        if module.bias is not None:
+            entries["bias"] = ("bias", _bias(module.bias, dtype))
+        renamed[name] = entries
+    for name, module in modules.nvfp4:
+        entries = {
+            "weight": ("weight_packed", module.weight),
+            "weight_scale": ("weight_scale", module.weight_scale),
+            "weight_scale_2": (
+                "weight_global_scale",
+                _reciprocal(module.weight_scale_2).reshape(1),
+            ),
+        }
+        if module.bias is not None:
+            entries["bias"] = ("bias", _bias(module.bias, dtype))
+        renamed[name] = entries
+    state: dict[str, Tensor] = {}
+    for key, tensor in model.state_dict().items():
+        prefix, _, leaf = key.rpartition(".")
+        entry = renamed.get(prefix, {}).get(leaf)
+        if entry is None:
+            state[key] = tensor
+            continue
+        new_leaf, new_tensor = entry
+        state[f"{prefix}.{new_leaf}" if prefix else new_leaf] = new_tensor
+    return state
+
+
+# --------------------------------------------------------------------------------------------
+# Payloads
+# --------------------------------------------------------------------------------------------
+
+
+def _hf_payload(modules: _Modules) -> dict[str, Any]:
+    """transformers' fine-grained FP8 payload; every FP8 module must share one scale layout."""
+    first_name, first = modules.fp8[0]
+    _, method, block = _fp8_scheme(first)
+    for name, module in modules.fp8[1:]:
+        if _fp8_scheme(module)[1:] != (method, block):
+            raise ValueError(
+                f"export: layout 'hf' writes one weight_block_size for the whole model "
+                f"(transformers' fine-grained FP8), but module {first_name!r} has "
+                f"{_describe_fp8(first)} and module {name!r} has {_describe_fp8(module)}; "
+                f"layouts that hold both: 'compressed-tensors', 'gptqmodel'"
+            )
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block) if block is not None else None,
+        "modules_to_not_convert": list(modules.dense),
+    }
+
+
+def _ct_fp8_weights(method: str, block: tuple[int, int] | None) -> dict[str, Any]:
+    weights: dict[str, Any] = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "group_size": None,
+        "strategy": _CT_STRATEGY[method],
+    }
+    if block is not None:
+        weights["block_structure"] = list(block)
+    weights["dynamic"] = False
+    return weights
+
+
+def _ct_nvfp4_weights() -> dict[str, Any]:
+    return {
+        "num_bits": 4,
+        "type": "float",
+        "symmetric": True,
+        "group_size": _NVFP4_GROUP,
+        "strategy": "tensor_group",
+        "dynamic": False,
+        "scale_dtype": "torch.float8_e4m3fn",
+    }
+
+
+def _ct_payload(modules: _Modules) -> dict[str, Any]:
+    """compressed-tensors' payload: one config group per distinct scheme (numbered in module
+    order), weight-only."""
+    schemes: dict[Any, tuple[str, dict[str, Any], list[str]]] = {}
+    for name, module in modules.quantized:
+        if isinstance(module, TorchFP8Linear):
+            _, method, block = _fp8_scheme(module)
+            key: tuple[Any, ...] = ("fp8", method, block)
+            if key not in schemes:
+                schemes[key] = (_CT_FLOAT_FORMAT, _ct_fp8_weights(method, block), [])
+        else:
+            key = ("nvfp4",)
+            if key not in schemes:
+                schemes[key] = (_CT_NVFP4_FORMAT, _ct_nvfp4_weights(), [])
+        schemes[key][2].append(name)
+    one = len(schemes) == 1
+    groups = {
+        f"group_{i}": {
+            "targets": ["Linear"] if one else names,
+            "weights": weights,
+            "input_activations": None,
+            "output_activations": None,
+            "format": fmt,
+        }
+        for i, (fmt, weights, names) in enumerate(schemes.values())
+    }
+    formats = {fmt for fmt, _, _ in schemes.values()}
+    return {
+        "quant_method": _CT_METHOD,
+        "format": formats.pop() if len(formats) == 1 else _CT_MIXED_FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "ignore": list(modules.dense),
+        "moe_sparsity_config": None,
+        "sparsity_config": {},
+        "transform_config": {},
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------
+
+
+def export_layout(model: nn.Module, quantize_config: FP8Config | None, layout: str) -> LayoutExport:
+    """The tensors and payloads that save ``model`` in a checkpoint ``layout``.
+
+    Reads the model (``TorchFP8Linear`` / ``TorchFP4Linear`` modules, dense ``nn.Linear``
+    modules) and returns new tensors and dicts; the model is not changed.
+
+    * ``"gptqmodel"``: ``model.state_dict()`` as it is; ``quantize_config`` =
+      :func:`~floatxq.lifecycle.payload.fp8_config_to_payload`; ``quantization_config`` = that
+      payload with ``activation_scheme`` = :data:`GPTQMODEL_REFUSAL_MARKER`.
+    * ``"hf"``: ``<m>.weight`` (E4M3 codes) and ``<m>.weight_scale_inv`` (FP32 scale that
+      MULTIPLIES: ``()`` for tensor scales, the ``(out/br, in/bc)`` grid for block scales);
+      payload ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+      "weight_block_size", "modules_to_not_convert"}`` (the dense ``nn.Linear`` names).
+    * ``"compressed-tensors"``: FP8 modules as ``float-quantized`` (``<m>.weight``, FP32
+      multiplying ``<m>.weight_scale``: ``(1,)`` tensor, ``(out, 1)`` channel, block grid);
+      NVFP4 modules as ``nvfp4-pack-quantized`` (``<m>.weight_packed``, ``<m>.weight_scale``
+      E4M3, FP32 ``<m>.weight_global_scale`` ``(1,)`` that DIVIDES); ``mixed-precision`` when
+      both occur. One config group per distinct scheme, targeting ``"Linear"`` when there is one
+      scheme, else the exact module names; ``ignore`` lists the dense ``nn.Linear`` modules; no
+      activation quantization (the files are weight-only).
+
+    ``hf`` and ``compressed-tensors`` write quantized modules' biases in the model's dtype.
+
+    Args:
+      model: the quantized model.
+      quantize_config: its FP8 config (required by ``"gptqmodel"``, unused by the others).
+      layout: a name :func:`normalize_layout` accepts.
+
+    Raises:
+      ValueError: an unknown layout; a module the layout cannot hold (named, with the layouts
+        that hold it): ``hf`` takes E4M3 with tensor or block scales and one block size for the
+        model, ``compressed-tensors`` E4M3 and NVFP4, ``gptqmodel`` FP8 only; convolutions go to
+        ``gptqmodel`` only; ``hf`` or ``compressed-tensors`` for a model with no quantized module.
+      TypeError: ``"gptqmodel"`` without an ``FP8Config``.
+
+    Numerics: codes, NVFP4 bytes and ``gptqmodel`` tensors unchanged; multiplying scales are
+    one FP32 reciprocal of floatxq's (bound in the module docstring); biases rounded once into
+    the model dtype.
+
+    Example:
+      >>> model = nn.Sequential(TorchFP8Linear.from_linear(nn.Linear(64, 32)), nn.Linear(32, 8))
+      >>> out = export_layout(model, FP8Config(), "ct")
+      >>> out.quantization_config["ignore"], sorted(out.state)[:3]
+      (['1'], ['0.bias', '0.weight', '0.weight_scale'])
+    """
+    name = normalize_layout(layout)
+    modules = _modules(model)
+    if name == "gptqmodel":
+        if not isinstance(quantize_config, FP8Config):
+            raise TypeError(
+                f"export: layout 'gptqmodel' writes GPT-QModel's payload from an FP8Config; got "
+                f"quantize_config={type(quantize_config).__name__}"
+            )
+        _check_no_nvfp4(name, modules, "GPT-QModel's FP8 payload describes FP8 modules only")
+        payload = fp8_config_to_payload(quantize_config)
+        config = {**payload, "activation_scheme": GPTQMODEL_REFUSAL_MARKER}
+        return LayoutExport(dict(model.state_dict()), config, payload)
+    _require_quantized(name, modules)
+    if name == "hf":
+        _check_no_nvfp4(name, modules, "transformers' fine-grained FP8 holds FP8 weights only")
+        _check_fp8(
+            name,
+            modules,
+            "transformers' fine-grained FP8 holds float8_e4m3fn linear weights with tensor or "
+            "block scales",
+        )
+        quantization_config = _hf_payload(modules)
+    else:
+        _check_fp8(
+            name,
+            modules,
+            "compressed-tensors' float-quantized FP8 holds float8_e4m3fn linear weights",
+        )
+        quantization_config = _ct_payload(modules)
+    return LayoutExport(_converted_state(model, modules, name), quantization_config, None)

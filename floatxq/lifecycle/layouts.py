@@ -1,0 +1,819 @@
+"""Which checkpoint layout a directory holds, decided from its metadata, and how each is read.
+
+A *layout* is who wrote the files and therefore what their tensors mean. The same tensor name can
+mean opposite things: ``weight_scale_inv`` divides in floatxq's and GPT-QModel's files and
+multiplies in transformers' / DeepSeek's. So the layout (and with it the scale *convention*) is
+decided from metadata only, never from magnitudes:
+
+1. ``config.json``'s ``quantization_config`` (its ``quant_method``, then its format keys), and
+   ``quantize_config.json`` when present;
+2. the ModelOpt sidecar ``hf_quant_config.json``;
+3. markers that stand in for metadata: safetensors header metadata (torchao) and Comfy's
+   ``<module>.comfy_quant`` tensors.
+
+Anything left undecided, or metadata that contradicts itself, is refused with
+:class:`~floatxq.lifecycle.checkpoint.CheckpointError` naming the file and field. Reading then
+turns each module's tensors into the module that runs them: FP8 sources become
+:class:`~floatxq.nn.fp8_linear.TorchFP8Linear` (codes untouched; multiplying scales turned into
+inverse ones with one FP32 reciprocal each, exact for powers of two), NVFP4 sources become
+:class:`~floatxq.nn.fp4_linear.TorchFP4Linear` (bytes untouched, scales unswizzled and nibbles
+reordered where the producer differs), and MX sources or ragged block grids are decoded to dense
+``nn.Linear`` weights, one module at a time. ``docs/interop.md`` has the table.
+"""
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from floatxq.lifecycle.checkpoint import (
+    CONFIG_FILE,
+    QUANTIZE_CONFIG_FILE,
+    CheckpointError,
+    TensorInfo,
+    read_json,
+)
+from floatxq.lifecycle.payload import payload_method
+
+SIDECAR_FILE = "hf_quant_config.json"
+GPTQMODEL_MARKER_PREFIX = "unsupported"
+"""How floatxq's ``gptqmodel`` layout's ``activation_scheme`` starts: a value transformers and
+vLLM refuse, so neither reads the inverse scales as multiplying ones."""
+
+READ_LAYOUTS: dict[str, str] = {
+    "gptqmodel": "floatxq / GPT-QModel FP8 (quantize_config.json; inverse weight_scale_inv)",
+    "hf": "transformers / DeepSeek / Qwen fine-grained FP8 (quant_method fp8)",
+    "compressed-tensors": "compressed-tensors (llm-compressor, vLLM)",
+    "modelopt": "NVIDIA ModelOpt (quant_method modelopt or hf_quant_config.json)",
+    "quark": "AMD Quark (quant_method quark)",
+    "torchao": "torchao safetensors (tensor subclass metadata)",
+    "comfy": "Comfy NVFP4 (<module>.comfy_quant markers)",
+    "mimo": "MiMo mixed MXFP4/FP8 source (model_type mimo_v2)",
+    "dense": "not quantized",
+}
+"""Every layout floatxq reads, and who writes it."""
+
+SCALE_CONVENTIONS: dict[str, str] = {
+    "floatxq_fp8": (
+        "inverse weight_scale_inv: multiply to quantize, divide to decode (floatxq / GPT-QModel)"
+    ),
+    "deepseek_fp8": "weight_scale_inv multiplies to decode (DeepSeek / fine-grained FP8)",
+    "direct_fp8": "direct weight_scale: multiply to decode",
+    "modelopt_nvfp4": (
+        "ModelOpt NVFP4: E4M3 weight_scale and FP32 weight_scale_2 both multiply to decode"
+    ),
+    "compressed_tensors_nvfp4": (
+        "compressed-tensors NVFP4: E4M3 weight_scale multiplies, weight_global_scale divides"
+    ),
+    "torchao_nvfp4": "torchao NVFP4: E4M3 scale and FP32 per_tensor_scale multiply to decode",
+    "comfy_nvfp4": (
+        "Comfy NVFP4: high nibble first, swizzled E4M3 weight_scale, weight_scale_2 multiplies"
+    ),
+    "mx_e8m0": "MX: E8M0 block scales (2**(byte-127)) multiply to decode",
+    "mimo_mixed": "MiMo: FP8 weight_scale_inv multiplies; MXFP4 experts with E8M0 scales",
+    "gptq": "GPTQ INT4: fp16 scales multiply (code - zero)",
+    "none": "no quantized tensors",
+    "undeclared": (
+        "quantized tensors but no quantization_config: the direction is unknown (not guessed)"
+    ),
+}
+"""Scale conventions by key: what a checkpoint's scale tensors mean."""
+
+
+class LayoutDecision(NamedTuple):
+    """What a checkpoint directory holds, decided from its metadata."""
+
+    layout: str
+    """A key of :data:`READ_LAYOUTS`."""
+    convention: str
+    """A key of :data:`SCALE_CONVENTIONS`."""
+    family: str | None
+    """The native family (:func:`floatxq.sources.native_floatx_source_format`), or None."""
+    scheme: str | None
+    """The declared scheme: a compressed-tensors format, a ModelOpt ``quant_algo``, an FP8 dtype."""
+    evidence: str
+    """Which file and field decided it."""
+
+
+def _lower(value: Any) -> str:
+    return str.lower(str.strip(str(value))) if value is not None else ""
+
+
+def _has_suffix(names: Sequence[str], *suffixes: str) -> bool:
+    return any(name.endswith(suffixes) for name in names)
+
+
+def _ct_formats(qconfig: Mapping[str, Any]) -> set[str]:
+    formats = {_lower(qconfig.get("format"))} - {""}
+    groups = qconfig.get("config_groups") or {}
+    if isinstance(groups, Mapping):
+        for group in groups.values():
+            if isinstance(group, Mapping) and group.get("format"):
+                formats.add(_lower(group["format"]))
+    return formats
+
+
+def _is_gptqmodel_payload(payload: Mapping[str, Any]) -> bool:
+    scheme = payload.get("activation_scheme")
+    marked = isinstance(scheme, str) and _lower(scheme).startswith(GPTQMODEL_MARKER_PREFIX)
+    return marked or any(
+        key in payload for key in ("weight_scale_semantics", "checkpoint_format", "method")
+    )
+
+
+def _decide_fp8(
+    root: Path, qconfig: Mapping[str, Any], quantize_config: Mapping[str, Any] | None
+) -> LayoutDecision:
+    from floatxq.sources import is_mimo_mixed_source
+
+    config_file = root / CONFIG_FILE
+    if _lower(qconfig.get("store_dtype")) == "mxfp4" or is_mimo_mixed_source(
+        read_json(config_file, what="load")
+    ):
+        return LayoutDecision(
+            "mimo", "mimo_mixed", "mimo_mixed", "fp8+mxfp4", f"{config_file}: store_dtype mxfp4"
+        )
+    inverse = _is_gptqmodel_payload(qconfig)
+    scheme = qconfig.get("activation_scheme")
+    hf_keys = [k for k in ("fmt", "activation_scheme", "scale_fmt") if k in qconfig]
+    if inverse and isinstance(scheme, str) and _lower(scheme) in ("dynamic", "static"):
+        raise CheckpointError(
+            f"load: {config_file} quantization_config is contradictory: GPT-QModel/floatxq keys "
+            f"(inverse weight_scale_inv) together with transformers' activation_scheme "
+            f"{scheme!r} (multiplying weight_scale_inv); refusing to guess the scale direction"
+        )
+    if quantize_config is not None and payload_method(quantize_config) == "fp8":
+        if not _is_gptqmodel_payload(quantize_config):
+            raise CheckpointError(
+                f"load: {root / QUANTIZE_CONFIG_FILE} declares method 'fp8' without GPT-QModel's "
+                f"keys (weight_scale_semantics / checkpoint_format); its scale direction is unknown"
+            )
+        if not inverse:
+            raise CheckpointError(
+                f"load: {root / QUANTIZE_CONFIG_FILE} declares GPT-QModel's inverse scales but "
+                f"{config_file} declares transformers' fine-grained FP8 ({', '.join(hf_keys)}), "
+                f"where weight_scale_inv multiplies; the two files contradict each other"
+            )
+    fmt = qconfig.get("format", qconfig.get("fmt"))
+    if inverse:
+        evidence = (
+            f"{root / QUANTIZE_CONFIG_FILE if quantize_config is not None else config_file}: "
+            f"quant_method fp8 with GPT-QModel's keys"
+        )
+        return LayoutDecision("gptqmodel", "floatxq_fp8", "fp8", _lower(fmt) or None, evidence)
+    return LayoutDecision(
+        "hf",
+        "deepseek_fp8",
+        "fp8",
+        _lower(fmt) or "e4m3",
+        f"{config_file}: quant_method fp8 without GPT-QModel's keys (transformers' format)",
+    )
+
+
+def _decide_compressed_tensors(root: Path, qconfig: Mapping[str, Any]) -> LayoutDecision:
+    formats = _ct_formats(qconfig)
+    where = f"{root / CONFIG_FILE}: compressed-tensors format {sorted(formats)}"
+    supported = {
+        "float-quantized": "direct_fp8",
+        "naive-quantized": "direct_fp8",
+        "nvfp4-pack-quantized": "compressed_tensors_nvfp4",
+        "mxfp4-pack-quantized": "mx_e8m0",
+        "mxfp8-quantized": "mx_e8m0",
+    }
+    formats.discard("mixed-precision")
+    if not formats:
+        raise CheckpointError(
+            f"load: {root / CONFIG_FILE} compressed-tensors payload has no format"
+        )
+    unknown = sorted(f for f in formats if f not in supported)
+    if unknown:
+        raise CheckpointError(
+            f"load: {root / CONFIG_FILE} uses compressed-tensors format(s) {unknown}; floatxq "
+            f"reads {sorted(supported)} (INT pack-quantized GPTQ/AWQ weights are not available "
+            f"yet)"
+        )
+    conventions = sorted({supported[f] for f in formats})
+    convention = conventions[0] if len(conventions) == 1 else "+".join(conventions)
+    family = None
+    if any("mx" in f for f in formats):
+        family = "mxfp4" if "mxfp4-pack-quantized" in formats else "mxfp8"
+    elif "nvfp4-pack-quantized" in formats:
+        family = "nvfp4"
+    elif formats & {"float-quantized", "naive-quantized"}:
+        family = "fp8"
+    return LayoutDecision(
+        "compressed-tensors", convention, family, ",".join(sorted(formats)), where
+    )
+
+
+def decide_layout(
+    root: str | os.PathLike[str],
+    config: Mapping[str, Any],
+    infos: Sequence[TensorInfo],
+    *,
+    header_metadata: Mapping[str, str] | None = None,
+) -> LayoutDecision:
+    """Decide a checkpoint's layout and scale convention from its metadata.
+
+    Args:
+      root: the model directory (sidecar files are looked up there; named in errors).
+      config: its ``config.json`` payload.
+      infos: its tensors' headers (names and dtypes; no data).
+      header_metadata: the merged safetensors ``__metadata__`` maps.
+
+    Raises:
+      CheckpointError: a quant_method floatxq does not read, contradictory metadata (e.g.
+        ``quantize_config.json`` and ``config.json`` disagree on the scale direction), or
+        quantized tensors with no declaration at all.
+
+    Numerics: none; metadata only.
+    """
+    from floatxq.sources import native_floatx_source_format, read_hf_quant_config
+
+    base = Path(root)
+    names = [info.name for info in infos]
+    qconfig = config.get("quantization_config")
+    if qconfig is not None and not isinstance(qconfig, Mapping):
+        raise CheckpointError(f"load: {base / CONFIG_FILE} 'quantization_config' is not an object")
+    quantize_file = base / QUANTIZE_CONFIG_FILE
+    quantize_config = read_json(quantize_file, what="load") if quantize_file.is_file() else None
+    sidecar = read_hf_quant_config(base, strict=True)
+    family = native_floatx_source_format(config, model_local_path=base)
+    if qconfig is not None:
+        method = payload_method(qconfig) or ""
+        if method == "fp8":
+            return _decide_fp8(base, qconfig, quantize_config)
+        if method == "compressed-tensors":
+            return _decide_compressed_tensors(base, qconfig)
+        if method == "modelopt":
+            algo = qconfig.get("quant_algo") or (sidecar or {}).get("quant_algo")
+            return _modelopt_decision(base, algo, names, family, f"{base / CONFIG_FILE}")
+        if method == "quark":
+            convention = "mx_e8m0" if family in ("mxfp4", "mxfp8", "mixed-mx") else "direct_fp8"
+            return LayoutDecision(
+                "quark", convention, family, family, f"{base / CONFIG_FILE}: quant_method quark"
+            )
+        if method == "torchao":
+            return _torchao_decision(base, header_metadata, family, declared=True)
+        if method == "gptq":
+            raise CheckpointError(
+                f"load: {base / CONFIG_FILE} declares method 'gptq'; GPTQ models are not "
+                f"available yet in floatxq.load"
+            )
+        raise CheckpointError(
+            f"load: {base / CONFIG_FILE} quantization_config quant_method {method!r} is not read "
+            f"by floatxq; accepted: 'fp8', 'compressed-tensors', 'modelopt', 'quark', 'torchao'"
+        )
+    if sidecar is not None:
+        algo = sidecar.get("quant_algo")
+        return _modelopt_decision(base, algo, names, family, f"{base / SIDECAR_FILE}")
+    if header_metadata and _torchao_metadata(header_metadata) is not None:
+        return _torchao_decision(base, header_metadata, family, declared=False)
+    if _has_suffix(names, ".comfy_quant"):
+        return LayoutDecision(
+            "comfy", "comfy_nvfp4", "nvfp4", "nvfp4", "<module>.comfy_quant marker tensors"
+        )
+    fp8_names = {"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
+    quantized = _has_suffix(
+        names, ".weight_scale_inv", ".weight_scale", ".weight_packed", ".qweight"
+    ) or any(info.dtype in fp8_names for info in infos)
+    if quantized:
+        raise CheckpointError(
+            f"load: {base / CONFIG_FILE} has no 'quantization_config' (and there is no "
+            f"{SIDECAR_FILE}) but the tensors are quantized (FP8 codes or scale tensors): the "
+            f"checkpoint's quantization is undeclared, and floatxq does not guess a scale "
+            f"direction"
+        )
+    return LayoutDecision("dense", "none", None, None, f"{base / CONFIG_FILE}: no quantization")
+
+
+def _modelopt_decision(
+    root: Path, algo: Any, names: Sequence[str], family: str | None, where: str
+) -> LayoutDecision:
+    scheme = str(algo) if algo is not None else None
+    upper = (scheme or "").upper()
+    if "FP4" in upper or _has_suffix(names, ".weight_scale_2"):
+        convention = "modelopt_nvfp4"
+    else:
+        convention = "direct_fp8"
+    if upper == "MIXED_PRECISION":
+        convention = "modelopt_nvfp4+direct_fp8"
+    return LayoutDecision("modelopt", convention, family, scheme, f"{where}: ModelOpt {scheme}")
+
+
+def _torchao_metadata(metadata: Mapping[str, str]) -> dict[str, Any] | None:
+    """torchao's per-tensor JSON metadata (by tensor-subclass name), or None."""
+    raw = metadata.get("tensor_names")
+    if raw is None:
+        return None
+    try:
+        names = json.loads(raw)
+    except json.JSONDecodeError:
+        raise CheckpointError(
+            "load: safetensors metadata 'tensor_names' (torchao) is not valid JSON"
+        ) from None
+    found: dict[str, Any] = {}
+    for name in names if isinstance(names, list) else []:
+        entry = metadata.get(name)
+        if entry is None:
+            raise CheckpointError(
+                f"load: torchao safetensors metadata names tensor {name!r} but has no entry for it"
+            )
+        try:
+            found[name] = json.loads(entry)
+        except json.JSONDecodeError:
+            raise CheckpointError(
+                f"load: torchao safetensors metadata for {name!r} is not valid JSON"
+            ) from None
+    return found
+
+
+def _torchao_decision(
+    root: Path, metadata: Mapping[str, str] | None, family: str | None, *, declared: bool
+) -> LayoutDecision:
+    entries = _torchao_metadata(metadata or {}) or {}
+    types = sorted({str(e.get("_type")) for e in entries.values() if isinstance(e, Mapping)})
+    if set(types) - {"NVFP4Tensor", "Tensor"}:
+        raise CheckpointError(
+            f"load: {root} holds torchao tensors of type(s) {types}; floatxq reads torchao's "
+            f"NVFP4Tensor"
+        )
+    where = f"{root / CONFIG_FILE}: quant_method torchao" if declared else "safetensors metadata"
+    return LayoutDecision("torchao", "torchao_nvfp4", family or "nvfp4", "NVFP4Tensor", where)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading modules
+# ----------------------------------------------------------------------------------------------
+
+_ACTIVATION_SUFFIXES = (
+    ".input_scale",
+    ".input_global_scale",
+    ".k_scale",
+    ".v_scale",
+    ".input_zero_point",
+    ".output_scale",
+)
+
+
+class ModuleSource(NamedTuple):
+    """One module's tensors, as stored (names without the module prefix)."""
+
+    name: str
+    tensors: dict[str, torch.Tensor]
+
+
+def refuse_activation_scales(decision: LayoutDecision, names: Sequence[str], root: Path) -> None:
+    """Refuse checkpoints whose tensors carry activation-quantization scales.
+
+    floatxq runs weight-only sources (its FP8 routes quantize activations dynamically, per call);
+    a static activation scale in the files is part of the producer's numerics that floatxq would
+    drop, so such checkpoints are refused rather than run differently.
+
+    Raises:
+      CheckpointError: naming the first such tensor and the layout.
+    """
+    found = [n for n in names if n.endswith(_ACTIVATION_SUFFIXES)]
+    if not found:
+        return
+    raise CheckpointError(
+        f"load: {root} ({decision.layout}) carries activation-quantization scales, e.g. "
+        f"{found[0]!r} ({len(found)} tensors); floatxq loads weight-only checkpoints (W8A16 FP8, "
+        f"W4A16 NVFP4, dynamic FP8 activations) and does not run static activation quantization"
+    )
+
+
+def _fp8_module(
+    source: ModuleSource,
+    original: nn.Module,
+    scale_key: str,
+    *,
+    multiply: bool,
+    block: tuple[int, int] | None,
+    dtype: torch.dtype,
+    where: str,
+) -> nn.Module:
+    """A TorchFP8Linear for codes + scales, or a dense Linear when the grid is ragged."""
+    from floatxq.fp8 import decode_e8m0, direct_to_inverse_scale
+    from floatxq.nn.fp8_linear import TorchFP8Linear
+    from floatxq.sources import decode_fp8_block_grid
+
+    weight = source.tensors["weight"]
+    bias = source.tensors.get("bias")
+    scale = source.tensors[scale_key]
+    where = f"{source.name}.{scale_key} in {where.partition(' in ')[2]}"
+    if weight.ndim != 2:
+        raise CheckpointError(f"load: {where}: the weight must be 2-D, got {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    e8m0 = getattr(torch, "float8_e8m0fnu", None)
+    if scale.dtype in (torch.uint8, e8m0):
+        scale = decode_e8m0(scale)
+    if not scale.is_floating_point():
+        raise CheckpointError(f"load: {where} scale has dtype {scale.dtype}; expected floating")
+    scale32 = scale.to(torch.float32)
+    count = scale32.numel()
+    if (
+        block is not None
+        and count > 1
+        and scale32.ndim == 2
+        and (rows % block[0] or cols % block[1])
+    ):
+        # a ragged grid [ceil(N/br), ceil(K/bc)]: no TorchFP8Linear layout holds it exactly
+        try:
+            dense = decode_fp8_block_grid(
+                weight, scale32 if multiply else 1.0 / scale32, block=block, dtype=dtype, name=where
+            )
+        except ValueError as exc:
+            raise CheckpointError(f"load: {where}: {exc}") from None
+        return _dense_linear(original, dense, bias, dtype)
+    if count == 1:
+        method, layout_block, shaped = "tensor", None, scale32.reshape(())
+    elif scale32.ndim == 2 and scale32.shape[1] == 1 and scale32.shape[0] == rows and block is None:
+        method, layout_block, shaped = "row", None, scale32.reshape(rows)
+    elif scale32.ndim == 1 and scale32.shape[0] == rows and block is None:
+        method, layout_block, shaped = "row", None, scale32
+    else:
+        if block is None:
+            raise CheckpointError(
+                f"load: {where} scale shape {tuple(scale.shape)} for a {(rows, cols)} weight "
+                f"needs a declared block size, and the metadata gives none"
+            )
+        expected = (rows // block[0], cols // block[1])
+        if tuple(scale32.shape) != expected:
+            raise CheckpointError(
+                f"load: {where} scale grid {tuple(scale.shape)} does not fit a {(rows, cols)} "
+                f"weight with block {list(block)} (expected {expected})"
+            )
+        method, layout_block, shaped = "block", block, scale32
+    try:
+        inverse = direct_to_inverse_scale(shaped) if multiply else shaped
+        layer = TorchFP8Linear.from_quantized(
+            weight,
+            inverse,
+            bias,
+            weight_scale_method=method,
+            weight_block_size=layout_block,
+        )
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"load: {where}: {exc}") from None
+    layer.conv = None
+    return layer
+
+
+def _dense_linear(
+    original: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> nn.Linear:
+    out_features, in_features = weight.shape
+    layer = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+    del original
+    return layer
+
+
+def _fp4_module(w: Any, bias: torch.Tensor | None, dtype: torch.dtype, where: str) -> nn.Module:
+    from floatxq.nn.fp4_linear import TorchFP4Linear
+
+    try:
+        return TorchFP4Linear.from_nvfp4(w, bias, dtype=dtype)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"load: {where}: {exc}") from None
+
+
+def _require(source: ModuleSource, keys: Sequence[str], where: str) -> None:
+    missing = [k for k in keys if k not in source.tensors]
+    if missing:
+        raise CheckpointError(
+            f"load: {where} lacks {', '.join(f'{source.name}.{k}' for k in missing)} "
+            f"(has {sorted(source.tensors)})"
+        )
+
+
+def _extra(source: ModuleSource, allowed: Sequence[str], where: str) -> None:
+    extra = sorted(set(source.tensors) - set(allowed))
+    if extra:
+        raise CheckpointError(
+            f"load: {where} has tensors floatxq does not know for this layout: "
+            f"{', '.join(f'{source.name}.{k}' for k in extra)}"
+        )
+
+
+def _block_of(value: Any, where: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
+        raise CheckpointError(
+            f"load: {where} weight_block_size must be two positive ints, got {value!r}"
+        )
+    return (int(value[0]), int(value[1]))
+
+
+def _ct_block(qconfig: Mapping[str, Any], where: str) -> tuple[int, int] | None:
+    blocks = set()
+    for group in (qconfig.get("config_groups") or {}).values():
+        weights = group.get("weights") if isinstance(group, Mapping) else None
+        if isinstance(weights, Mapping) and _lower(weights.get("strategy")) == "block":
+            block = _block_of(weights.get("block_structure"), where)
+            if block is not None:
+                blocks.add(block)
+    if len(blocks) > 1:
+        raise CheckpointError(
+            f"load: {where} declares several block structures {sorted(blocks)}; floatxq reads "
+            f"compressed-tensors FP8 checkpoints with one block size"
+        )
+    return next(iter(blocks)) if blocks else None
+
+
+def read_module(
+    decision: LayoutDecision,
+    source: ModuleSource,
+    original: nn.Module,
+    *,
+    qconfig: Mapping[str, Any] | None,
+    dtype: torch.dtype,
+    file: str,
+    metadata: Mapping[str, Any] | None = None,
+) -> nn.Module | None:
+    """The module that runs one quantized module's tensors under ``decision``'s convention.
+
+    Returns None when the module's tensors are plain (nothing quantized about it).
+
+    Raises:
+      CheckpointError: missing, unknown or mis-shaped tensors (named with their file).
+    """
+    from floatxq.nvfp4_layouts import (
+        nvfp4_from_comfy,
+        nvfp4_from_compressed_tensors,
+        nvfp4_from_modelopt,
+        nvfp4_from_torchao,
+    )
+    from floatxq.sources import decode_mx_weight
+
+    where = f"{source.name} in {file}"
+    keys = set(source.tensors)
+    weight = source.tensors.get("weight")
+    bias = source.tensors.get("bias")
+    qconfig = qconfig or {}
+    layout = decision.layout
+    fp8 = weight is not None and weight.dtype in _FP8_DTYPES
+    if layout == "gptqmodel":
+        if "weight_scale_inv" not in keys and not fp8:
+            return None
+        _require(source, ("weight", "weight_scale_inv"), where)
+        _extra(source, ("weight", "weight_scale_inv", "bias"), where)
+        return _fp8_module(
+            source,
+            original,
+            "weight_scale_inv",
+            multiply=False,
+            block=_inferred_block(weight, source.tensors["weight_scale_inv"]),
+            dtype=dtype,
+            where=where,
+        )
+    if layout == "hf":
+        if "weight_scale_inv" not in keys and not fp8:
+            return None
+        _require(source, ("weight", "weight_scale_inv"), where)
+        _extra(source, ("weight", "weight_scale_inv", "bias", "activation_scale"), where)
+        if "activation_scale" in keys:
+            raise CheckpointError(
+                f"load: {where} carries a static activation_scale; floatxq loads weight-only and "
+                f"dynamic-activation FP8 checkpoints"
+            )
+        block = _block_of(qconfig.get("weight_block_size"), f"{file} quantization_config")
+        return _fp8_module(
+            source,
+            original,
+            "weight_scale_inv",
+            multiply=True,
+            block=block,
+            dtype=dtype,
+            where=where,
+        )
+    if layout == "mimo":
+        raise CheckpointError(
+            f"load: {where}: MiMo mixed sources need the mimo_v2 architecture, which transformers "
+            f"does not have; decode their tensors with floatxq.sources.decode_mimo_weight"
+        )
+    if layout == "comfy":
+        if "comfy_quant" not in keys:
+            return None
+        marker = _comfy_marker(source.tensors["comfy_quant"], where)
+        if marker != "nvfp4":
+            raise CheckpointError(
+                f"load: {where} Comfy format {marker!r} is not read by floatxq; accepted: 'nvfp4'"
+            )
+        _require(source, ("weight", "weight_scale", "weight_scale_2"), where)
+        _extra(source, ("weight", "weight_scale", "weight_scale_2", "comfy_quant", "bias"), where)
+        shape = (original.out_features, original.in_features)
+        w = _nvfp4(
+            nvfp4_from_comfy,
+            where,
+            source.tensors["weight"],
+            source.tensors["weight_scale"],
+            source.tensors["weight_scale_2"],
+            shape=shape,
+        )
+        return _fp4_module(w, bias, dtype, where)
+    if layout == "torchao":
+        return _torchao_module(source, original, metadata or {}, dtype, where, nvfp4_from_torchao)
+    # compressed-tensors, modelopt, quark: weight + weight_scale (+ weight_scale_2 / global)
+    if "weight_packed" in keys:
+        packed = source.tensors["weight_packed"]
+        if "weight_global_scale" in keys:
+            _require(source, ("weight_packed", "weight_scale", "weight_global_scale"), where)
+            _extra(source, ("weight_packed", "weight_scale", "weight_global_scale", "bias"), where)
+            w = _nvfp4(
+                nvfp4_from_compressed_tensors,
+                where,
+                packed,
+                source.tensors["weight_scale"],
+                source.tensors["weight_global_scale"],
+            )
+            return _fp4_module(w, bias, dtype, where)
+        _require(source, ("weight_packed", "weight_scale"), where)
+        _extra(source, ("weight_packed", "weight_scale", "weight_shape", "bias"), where)
+        return _mx_dense(source, original, packed, "e2m1", bias, dtype, where, decode_mx_weight)
+    if "weight_scale" not in keys:
+        if fp8:
+            raise CheckpointError(
+                f"load: {where} holds FP8 codes but no {source.name}.weight_scale"
+            )
+        return None
+    _require(source, ("weight", "weight_scale"), where)
+    scale = source.tensors["weight_scale"]
+    if "weight_scale_2" in keys:
+        _extra(source, ("weight", "weight_scale", "weight_scale_2", "bias"), where)
+        w = _nvfp4(nvfp4_from_modelopt, where, weight, scale, source.tensors["weight_scale_2"])
+        return _fp4_module(w, bias, dtype, where)
+    _extra(source, ("weight", "weight_scale", "weight_zero_point", "bias"), where)
+    _check_zero_point(source, where)
+    if scale.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)):
+        element = str(weight.dtype).removeprefix("torch.")  # type: ignore[union-attr]
+        return _mx_dense(source, original, weight, element, bias, dtype, where, decode_mx_weight)
+    if not fp8:
+        raise CheckpointError(
+            f"load: {where} weight has dtype {weight.dtype if weight is not None else None}; a "
+            f"{layout} FP8 weight must be an FP8 dtype"
+        )
+    block = (
+        _ct_block(qconfig, f"{file} quantization_config")
+        if layout == "compressed-tensors"
+        else None
+    )
+    if layout == "modelopt" and scale.ndim == 2 and scale.numel() > 1 and scale.shape[1] != 1:
+        block = _inferred_block(weight, scale)
+    return _fp8_module(
+        source, original, "weight_scale", multiply=True, block=block, dtype=dtype, where=where
+    )
+
+
+_FP8_DTYPES = frozenset(
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, n)
+)
+
+
+def _inferred_block(weight: torch.Tensor | None, scale: torch.Tensor) -> tuple[int, int] | None:
+    from floatxq.fp8 import infer_scale_layout
+
+    if weight is None or weight.ndim != 2:
+        return None
+    try:
+        layout, block = infer_scale_layout(tuple(weight.shape), tuple(scale.shape))
+    except ValueError:
+        return None
+    return block if layout == "block" else None
+
+
+def _nvfp4(reader: Any, where: str, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return reader(*args, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"load: {where}: {exc}") from None
+
+
+def _check_zero_point(source: ModuleSource, where: str) -> None:
+    zero = source.tensors.get("weight_zero_point")
+    if zero is not None and zero.numel() and bool((zero != 0).any()):
+        raise CheckpointError(
+            f"load: {where} has a nonzero {source.name}.weight_zero_point; floatxq reads "
+            f"symmetric floating-point weights"
+        )
+
+
+def _mx_dense(
+    source: ModuleSource,
+    original: nn.Module,
+    codes: torch.Tensor,
+    element: str,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    where: str,
+    decode: Any,
+) -> nn.Module:
+    try:
+        dense = decode(
+            codes, source.tensors["weight_scale"], element=element, dtype=dtype, name=where
+        )
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"load: {where}: {exc}") from None
+    return _dense_linear(original, dense, bias, dtype)
+
+
+def _comfy_marker(marker: torch.Tensor, where: str) -> str:
+    try:
+        payload = json.loads(bytes(marker.to(torch.uint8).flatten().tolist()).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RuntimeError):
+        raise CheckpointError(f"load: {where}.comfy_quant is not UTF-8 JSON") from None
+    if not isinstance(payload, Mapping) or "format" not in payload:
+        raise CheckpointError(f"load: {where}.comfy_quant has no 'format'")
+    return _lower(payload["format"])
+
+
+def _torchao_module(
+    source: ModuleSource,
+    original: nn.Module,
+    metadata: Mapping[str, Any],
+    dtype: torch.dtype,
+    where: str,
+    reader: Any,
+) -> nn.Module | None:
+    entry = metadata.get(f"{source.name}.weight")
+    if not isinstance(entry, Mapping) or entry.get("_type") != "NVFP4Tensor":
+        return None
+    data = entry.get("_data", {})
+    data = data if isinstance(data, Mapping) else {}
+    if data.get("act_quant_kwargs"):
+        raise CheckpointError(
+            f"load: {where} torchao NVFP4 weight quantizes activations too "
+            f"(act_quant_kwargs); floatxq loads weight-only NVFP4"
+        )
+    prefix = "_weight_"
+    qdata = source.tensors.get(f"{prefix}qdata")
+    scale = source.tensors.get(f"{prefix}scale")
+    if qdata is None or scale is None:
+        raise CheckpointError(
+            f"load: {where} torchao NVFP4 weight lacks its qdata/scale tensors (has "
+            f"{sorted(source.tensors)})"
+        )
+    per_tensor = source.tensors.get(f"{prefix}per_tensor_scale")
+    if source.tensors.get(f"{prefix}act_per_tensor_scale") is not None:
+        raise CheckpointError(
+            f"load: {where} carries a torchao activation per-tensor scale; floatxq loads "
+            f"weight-only NVFP4"
+        )
+    shape = (original.out_features, original.in_features)
+    w = _nvfp4(
+        reader,
+        where,
+        qdata,
+        scale,
+        per_tensor,
+        shape=shape,
+        is_swizzled_scales=bool(data.get("is_swizzled_scales", False)),
+    )
+    return _fp4_module(w, source.tensors.get("bias"), dtype, where)
+
+
+def module_sources(
+    state: Mapping[str, torch.Tensor], module_names: Sequence[str], *, layout: str
+) -> tuple[list[ModuleSource], dict[str, torch.Tensor]]:
+    """Split a state dict into per-module sources (for ``module_names``) and the rest.
+
+    torchao names a subclass weight's parts ``<module>._weight_qdata`` (and so on), so they fall
+    under their module like any other tensor.
+    """
+    wanted = set(module_names)
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    rest: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        module, _, leaf = name.rpartition(".")
+        if module in wanted:
+            grouped.setdefault(module, {})[leaf] = tensor
+        else:
+            rest[name] = tensor
+    sources = [ModuleSource(name, tensors) for name, tensors in grouped.items()]
+    return sources, rest
+
+
+__all__ = [
+    "READ_LAYOUTS",
+    "SCALE_CONVENTIONS",
+    "LayoutDecision",
+    "ModuleSource",
+    "decide_layout",
+    "module_sources",
+    "read_module",
+    "refuse_activation_scales",
+]

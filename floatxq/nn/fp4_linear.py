@@ -1,0 +1,416 @@
+"""``TorchFP4Linear``: an NVFP4 weight-only linear layer (activations stay in their dtype).
+
+The module holds the buffers of the ModelOpt checkpoint layout (:mod:`floatxq.nvfp4_layouts`):
+
+* ``weight``: uint8 ``(out, in/2)``, two E2M1 codes per byte, the even element in the low nibble;
+* ``weight_scale``: float8_e4m3fn ``(out, in/16)``, row-major block scales (multiply to decode);
+* ``weight_scale_2``: FP32 ``()``, the tensor scale (multiplies to decode);
+* ``bias``: ``(out,)`` in the module's ``dtype``, or ``None``.
+
+The first three are bytes and are never cast: ``.half()``, ``.bfloat16()``, ``.float()`` and
+``.to(dtype)`` leave them as they are and only device moves apply. A module-wide cast to fp16,
+bf16 or fp32 becomes the module's ``dtype`` and casts the bias; any other (``.double()``) leaves
+both alone.
+
+A call decodes the weight in ``x``'s dtype for that call only (no dense copy is kept) and runs
+``F.linear``. On CUDA the call first tries torchao's ``NVFP4Tensor`` (weight-only) when torchao
+imports; if it is missing or raises, the decode runs and ``last_fallback_reason`` says why (an
+error switches the torchao route off until the buffers move or are loaded).
+"""
+
+import functools
+import importlib.util
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from floatxq._typing import Float, Tensor
+from floatxq.formats import NVFP4_BLOCK, NVFP4RecipeName
+from floatxq.nvfp4 import nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
+from floatxq.nvfp4_layouts import NVFP4Weight, nvfp4_from_modelopt
+
+__all__ = ["TorchFP4Linear"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_BYTE_BUFFERS = ("weight", "weight_scale", "weight_scale_2")
+DECODE_ROUTE = "dequant_matmul"
+TORCHAO_ROUTE = "torchao_nvfp4"
+
+
+@functools.cache
+def _torchao_missing() -> str | None:
+    """Why torchao cannot be used (``None`` when it is installed)."""
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed"
+    return None
+
+
+def _check_dtype(dtype: Any, *, where: str) -> torch.dtype:
+    if dtype not in _DTYPES:
+        raise ValueError(
+            f"{where}: dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype}"
+        )
+    return dtype
+
+
+def _stored_bias(
+    bias: Any, out_features: int, dtype: torch.dtype, device: torch.device, *, where: str
+) -> Tensor:
+    """The bias as stored: ``(out,)`` in ``dtype``, finite."""
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+        got = bias.dtype if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise TypeError(f"{where}: bias must be a floating tensor or None, got {got}")
+    if tuple(bias.shape) != (out_features,):
+        raise ValueError(
+            f"{where}: bias must have shape ({out_features},), got {tuple(bias.shape)}"
+        )
+    b = bias.detach().to(device=device, dtype=dtype)
+    if b.numel() and not bool(torch.isfinite(b).all()):
+        raise ValueError(f"{where}: bias holds NaN or infinity once stored as {dtype}")
+    return b
+
+
+def _move_bytes(fn: Callable[[Tensor], Tensor], tensor: Tensor) -> Tensor:
+    """Apply ``fn`` to ``tensor`` when it keeps the dtype (a move, ``to_empty``), else only its
+    device move: bytes are never cast."""
+    try:
+        probe = fn(tensor.new_empty(0))
+    except Exception:  # a cast this dtype does not support: learn the device from FP32
+        probe = fn(torch.empty(0, device=tensor.device))
+        return tensor.to(device=probe.device)
+    return fn(tensor) if probe.dtype == tensor.dtype else tensor.to(device=probe.device)
+
+
+class TorchFP4Linear(nn.Module):
+    """A linear layer whose weight is NVFP4 (E2M1 codes, E4M3 block scales, an FP32 scale).
+
+    ``y = x @ W.T + bias`` with ``W = e2m1(code) * float32(weight_scale) * weight_scale_2``
+    decoded in ``x``'s dtype. The constructor allocates zero codes, zero block scales, a tensor
+    scale of 1 and a zero bias, for ``load_state_dict`` to fill.
+
+    Args:
+      in_features: a multiple of 16 (one block scale per 16 values of a row).
+      out_features: the number of outputs.
+      bias: allocate a bias buffer.
+      dtype: the model dtype (float16, bfloat16, float32): the bias's storage and the default of
+        :meth:`dequantize_weight`; the output always has ``x``'s dtype.
+      device: where the buffers live.
+
+    Raises:
+      TypeError: non-integer sizes. ValueError: negative sizes, ``in_features % 16``, another
+        dtype.
+
+    Numerics: the decode is :func:`floatxq.nvfp4.nvfp4_dequantize` (exact code-scale product,
+    one FP32 rounding for the tensor scale, one rounding into ``x.dtype``), then ``F.linear``.
+    torchao's route (CUDA, when installed) decodes with its own rounding order.
+
+    Example:
+      >>> layer = TorchFP4Linear.from_linear(nn.Linear(32, 8))
+      >>> layer(torch.randn(3, 32)).shape, layer.weight.dtype, layer.weight_scale.shape
+      (torch.Size([3, 8]), torch.uint8, torch.Size([8, 2]))
+    """
+
+    weight: Tensor
+    weight_scale: Tensor
+    weight_scale_2: Tensor
+    bias: Tensor | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        where = "TorchFP4Linear"
+        for arg, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{where}: {arg} must be an int, got {type(value).__name__}")
+            if value < 0:
+                raise ValueError(f"{where}: {arg} must be >= 0, got {value}")
+        if in_features % NVFP4_BLOCK:
+            raise ValueError(
+                f"{where}: in_features must be a multiple of {NVFP4_BLOCK} (one E4M3 block scale "
+                f"per {NVFP4_BLOCK} values), got {in_features}"
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.dtype = _check_dtype(dtype, where=where)
+        blocks = in_features // NVFP4_BLOCK
+        self.register_buffer(
+            "weight",
+            torch.zeros((out_features, in_features // 2), dtype=torch.uint8, device=device),
+        )
+        scales = torch.zeros((out_features, blocks), dtype=torch.uint8, device=device)
+        self.register_buffer("weight_scale", scales.view(torch.float8_e4m3fn))
+        self.register_buffer("weight_scale_2", torch.ones((), dtype=torch.float32, device=device))
+        zeros = torch.zeros(out_features, dtype=dtype, device=device) if bias else None
+        self.register_buffer("bias", zeros)
+        self._set_last("none", None)
+        self._torchao_off: str | None = None
+
+    # ------------------------------------------------------------------------------------------
+    # Construction and export
+    # ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_nvfp4(
+        cls,
+        w: NVFP4Weight,
+        bias: Float[Tensor, "out"] | None = None,  # noqa: F821
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> "TorchFP4Linear":
+        """Wrap a canonical NVFP4 record (its tensors become the buffers, no copy when contiguous).
+
+        Args:
+          w: the weight (:func:`floatxq.nvfp4_layouts.nvfp4_from_modelopt` and friends).
+          bias: ``(out,)`` floating, stored in ``dtype``; ``None`` for no bias.
+          dtype: the model dtype (see the class).
+
+        Raises:
+          TypeError, ValueError: a record with other dtypes or shapes, NaN or negative block
+            scales, a global scale that is not finite and > 0; a bias of another shape, or one
+            that is not finite in ``dtype``.
+
+        Numerics: the weight bytes are kept; the bias is rounded once into ``dtype``.
+        """
+        where = "TorchFP4Linear.from_nvfp4"
+        if not isinstance(w, NVFP4Weight):
+            raise TypeError(f"{where}: w must be an NVFP4Weight, got {type(w).__name__}")
+        dtype = _check_dtype(dtype, where=where)
+        checked = nvfp4_from_modelopt(w.packed, w.block_scales, w.global_scale)
+        out_features, in_features = checked.shape
+        stored_bias = None
+        if bias is not None:
+            stored_bias = _stored_bias(
+                bias, out_features, dtype, checked.packed.device, where=where
+            )
+        layer = cls(in_features, out_features, bias=bias is not None, dtype=dtype, device="meta")
+        layer.weight = checked.packed
+        layer.weight_scale = checked.block_scales
+        layer.weight_scale_2 = checked.global_scale
+        if stored_bias is not None:
+            layer.bias = stored_bias
+        return layer
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, *, recipe: NVFP4RecipeName = "nvidia"
+    ) -> "TorchFP4Linear":
+        """Quantize an ``nn.Linear``: global scale from the weight's amax, then the block search.
+
+        ``global_scale = nvfp4_global_scale(max|W|, recipe=recipe)`` and the codes and block
+        scales of :func:`floatxq.nvfp4.nvfp4_quantize` under it. The bias is kept in the
+        linear's dtype, which becomes the module's ``dtype``.
+
+        Raises:
+          TypeError: not an ``nn.Linear``, or a weight dtype other than fp16/bf16/fp32.
+          ValueError: ``in_features % 16``, a non-finite weight, an unknown recipe.
+
+        Numerics: the bytes of ``nvfp4_quantize(W, nvfp4_global_scale(amax), recipe)``.
+        """
+        where = "TorchFP4Linear.from_linear"
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{where}: linear must be an nn.Linear, got {type(linear).__name__}")
+        weight = linear.weight.detach()
+        if weight.dtype not in _DTYPES:
+            raise TypeError(
+                f"{where}: the linear's weight must be float16, bfloat16 or float32, got "
+                f"{weight.dtype}"
+            )
+        in_features = weight.shape[1]
+        if in_features % NVFP4_BLOCK:
+            raise ValueError(
+                f"{where}: in_features must be a multiple of {NVFP4_BLOCK}, got {in_features}"
+            )
+        with torch.no_grad():
+            amax = weight.abs().amax().float() if weight.numel() else torch.zeros(())
+            g = nvfp4_global_scale(amax, recipe=recipe).to(weight.device)
+            q = nvfp4_quantize(weight, g, recipe)
+        return cls.from_nvfp4(NVFP4Weight(*q), linear.bias, dtype=weight.dtype)
+
+    def to_nvfp4(self) -> NVFP4Weight:
+        """The buffers as a canonical record (the same tensors, not copies).
+
+        Numerics: exact.
+        """
+        return NVFP4Weight(self.weight, self.weight_scale, self.weight_scale_2)
+
+    def dequantize_weight(self, dtype: torch.dtype | None = None) -> Float[Tensor, "out in"]:
+        """The decoded ``(out, in)`` weight in ``dtype`` (default: the module's ``dtype``).
+
+        Numerics: :func:`floatxq.nvfp4.nvfp4_dequantize`.
+        """
+        return nvfp4_dequantize(
+            self.weight, self.weight_scale, self.weight_scale_2, dtype=dtype or self.dtype
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, dtype={self.dtype}"
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Buffers as bytes
+    # ------------------------------------------------------------------------------------------
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "TorchFP4Linear":
+        """``nn.Module._apply`` with the byte buffers moved, never cast; a cast to fp16, bf16 or
+        fp32 becomes the module's ``dtype`` and casts the bias, any other leaves both as they are.
+        """
+        names = (*_BYTE_BUFFERS, "bias")
+        held = {n: self._buffers[n] for n in names if self._buffers.get(n) is not None}
+        for n in held:
+            self._buffers[n] = None
+        try:
+            super()._apply(fn, recurse)
+            cast = fn(torch.empty(0, dtype=self.dtype)).dtype
+        except BaseException:
+            self._buffers.update(held)
+            raise
+        if cast not in _DTYPES:
+            cast = self.dtype
+        for n, tensor in held.items():
+            moved = _move_bytes(fn, tensor)
+            self._buffers[n] = moved.to(cast) if n == "bias" else moved
+        self.dtype = cast
+        self._torchao_off = None
+        return self
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        state_dict = dict(state_dict)
+        rejected = []
+        for name, want, also in (
+            ("weight", torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)),
+            ("weight_scale", torch.float8_e4m3fn, torch.uint8),
+        ):
+            key = prefix + name
+            incoming = state_dict.get(key)
+            if not isinstance(incoming, torch.Tensor) or incoming.dtype == want:
+                continue
+            if incoming.dtype == also:
+                state_dict[key] = incoming.view(want)
+                continue
+            rejected.append(key)
+            error_msgs.append(
+                f"{key}: got dtype {incoming.dtype}; the NVFP4 {name} is {want} bytes (or "
+                f"{also}) and is never converted"
+            )
+        key = prefix + "weight_scale_2"
+        incoming = state_dict.get(key)
+        if isinstance(incoming, torch.Tensor) and incoming.numel() == 1:
+            g = incoming.detach().float().reshape(())
+            if bool(torch.isfinite(g)) and bool(g > 0):
+                state_dict[key] = g
+            else:
+                rejected.append(key)
+                error_msgs.append(
+                    f"{key}: the tensor scale must be finite and > 0, got {g.item()!r}"
+                )
+        for key in rejected:
+            del state_dict[key]
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        for key in rejected:  # reported above, not as "missing"
+            if key in missing_keys:
+                missing_keys.remove(key)
+        # load_state_dict(assign=True) puts the incoming tensors in place: restore the format.
+        if self.weight_scale_2.dtype != torch.float32:
+            self._buffers["weight_scale_2"] = self.weight_scale_2.float()
+        if self.bias is not None and self.bias.dtype != self.dtype:
+            self._buffers["bias"] = self.bias.to(self.dtype)
+        self._torchao_off = None
+
+    # ------------------------------------------------------------------------------------------
+    # Forward
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def last_route(self) -> str:
+        """The route of the last call: ``"dequant_matmul"``, ``"torchao_nvfp4"``, or ``"none"``."""
+        return self._last[0]
+
+    @property
+    def last_fallback_reason(self) -> str | None:
+        """Why the last CUDA call decoded the weight instead of using torchao (``None`` when
+        torchao ran, or off CUDA, where decoding is the only route)."""
+        return self._last[1]
+
+    def _set_last(self, route: str, reason: str | None) -> None:
+        self.__dict__["_last"] = (route, reason)
+
+    def forward(self, x: Float[Tensor, "*batch in"]) -> Float[Tensor, "*batch out"]:
+        """``x @ W.T + bias`` in ``x``'s dtype.
+
+        Raises:
+          TypeError: a non-floating ``x``, or ``x`` on another device than the buffers.
+          ValueError: ``x``'s last axis is not ``in_features``.
+        """
+        where = "TorchFP4Linear"
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{where}: x must be a floating tensor, got {got}")
+        if x.ndim == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{where}: x must have shape (*, {self.in_features}), got {tuple(x.shape)}"
+            )
+        if x.device != self.weight.device:
+            raise TypeError(
+                f"{where}: x is on {x.device} but the module's buffers are on "
+                f"{self.weight.device}; move one of them with .to()"
+            )
+        if math.prod(x.shape[:-1]) == 0:  # no rows: nothing to decode or multiply
+            self._set_last("none", None)
+            return x.new_empty((*x.shape[:-1], self.out_features))
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        if x.is_cuda:
+            out = self._torchao_linear(x, bias)
+            if out is not None:
+                return out
+        else:
+            self._set_last(DECODE_ROUTE, None)
+        return F.linear(x, self.dequantize_weight(x.dtype), bias)
+
+    def _torchao_linear(self, x: Tensor, bias: Tensor | None) -> Tensor | None:
+        """torchao's weight-only NVFP4 linear, or ``None`` (reason recorded) when it cannot run."""
+        reason = _torchao_missing() or self._torchao_off
+        if reason is None:
+            try:
+                from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+
+                weight = NVFP4Tensor(
+                    self.weight,
+                    self.weight_scale,
+                    NVFP4_BLOCK,
+                    x.dtype,
+                    _per_tensor_scale=self.weight_scale_2,
+                    _is_swizzled_scales=False,
+                )
+                out = F.linear(x, weight, bias)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}".strip()
+                reason = self._torchao_off = f"torchao's NVFP4Tensor raised ({error})"
+            else:
+                self._set_last(TORCHAO_ROUTE, None)
+                return out
+        self._set_last(DECODE_ROUTE, f"{reason}; the weight was decoded for this call")
+        return None
