@@ -27,10 +27,14 @@ from floatxq.fp8 import decode_e8m0
 __all__ = [
     "MODELOPT_ACTIVATION_REFUSAL",
     "SOURCE_FAMILIES",
+    "NVFP4SourceLayout",
+    "ScaleDirection",
     "SourceFamily",
     "decode_fp8_block_grid",
     "decode_mimo_weight",
     "decode_mx_weight",
+    "fp4_module_from_source",
+    "fp8_module_from_source",
     "is_mimo_mixed_source",
     "modelopt_activation_quantization",
     "native_floatx_source_format",
@@ -532,3 +536,175 @@ def _companion(
         raise ValueError(f"{where}: missing scale tensor {key}")
     require_tensor(found, name=key, where=where)
     return found.to(weight.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules from source tensors
+# ----------------------------------------------------------------------------------------------
+
+ScaleDirection = Literal["inverse", "multiply"]
+"""How a stored FP8 scale decodes: ``inverse`` divides (floatxq, GPT-QModel), ``multiply``
+multiplies (transformers / DeepSeek ``weight_scale_inv``, compressed-tensors, ModelOpt, Quark)."""
+
+NVFP4SourceLayout = Literal["modelopt", "compressed-tensors", "torchao", "comfy"]
+"""Producers whose NVFP4 weight tensors :func:`fp4_module_from_source` reads."""
+
+
+def _block_or_none(block: object) -> tuple[int, int] | None:
+    return None if block is None else _block_pair(block, where="fp8_module_from_source: block")
+
+
+def fp8_module_from_source(
+    weight: Shaped[Tensor, "out in"],
+    scale: Shaped[Tensor, "*scale"],
+    bias: Float[Tensor, " out"] | None = None,
+    *,
+    direction: ScaleDirection,
+    block: tuple[int, int] | list[int] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.nn.Module:
+    """The module that runs a source's FP8 codes and scales, without repacking the codes.
+
+    The layout follows the scale's shape: one element → tensor; ``[out]`` or ``[out, 1]`` (no
+    ``block``) → row; a ``[out/br, in/bc]`` grid → block. A *ragged* grid ``[ceil(out/br),
+    ceil(in/bc)]`` (``out`` or ``in`` not a multiple of the block) fits no
+    :class:`~floatxq.nn.fp8_linear.TorchFP8Linear` layout and is decoded instead
+    (:func:`decode_fp8_block_grid`) into a dense ``nn.Linear`` of ``dtype``.
+
+    Args:
+      weight: FP8 codes ``[out, in]``.
+      scale: FP32 / bf16 / fp16 scales, or E8M0 bytes (``ue8m0``: powers of two).
+      bias: kept as the module stores biases (FP16 for TorchFP8Linear, ``dtype`` for Linear).
+      direction: ``"inverse"`` or ``"multiply"`` — from the checkpoint's metadata, never from
+        the scale's magnitudes.
+      block: the declared block ``(br, bc)``, needed for ragged grids and for 2-D grids.
+      dtype: the dense dtype of a decoded module.
+
+    Raises:
+      ValueError: a scale shape that fits no layout, non-positive or non-finite scales, a bad
+        direction. TypeError: non-FP8 codes, a non-floating scale.
+
+    Numerics: codes untouched; a multiplying scale ``s`` becomes the inverse ``fl(1/s)``
+    (exact for powers of two, else within 2**-24 relative); a decoded module is
+    ``fl(code * s)`` rounded once to ``dtype``.
+
+    Example:
+      >>> w = torch.tensor([[2.0, -4.0]]).to(torch.float8_e4m3fn)
+      >>> layer = fp8_module_from_source(w, torch.tensor(0.5), direction="multiply")
+      >>> layer.weight_scale_method, layer.dequantize_weight().tolist()
+      ('tensor', [[1.0, -2.0]])
+    """
+    from floatxq.fp8 import direct_to_inverse_scale
+    from floatxq.nn.fp8_linear import TorchFP8Linear
+
+    where = "fp8_module_from_source"
+    if direction not in ("inverse", "multiply"):
+        raise ValueError(f"{where}: direction must be 'inverse' or 'multiply', got {direction!r}")
+    require_tensor(weight, name="weight", where=where)
+    require_tensor(scale, name="scale", where=where)
+    if weight.ndim != 2:
+        raise ValueError(f"{where}: weight must be 2-D [out, in], got {tuple(weight.shape)}")
+    pair = _block_or_none(block)
+    rows, cols = weight.shape
+    s32 = decode_e8m0(scale) if _is_e8m0(scale) else scale
+    if not s32.is_floating_point():
+        raise TypeError(f"{where}: scale must be floating or E8M0 bytes, got {scale.dtype}")
+    s32 = s32.to(torch.float32)
+    count = s32.numel()
+    ragged = pair is not None and (rows % pair[0] or cols % pair[1])
+    if pair is not None and count > 1 and s32.ndim == 2 and ragged:
+        multiplier = s32 if direction == "multiply" else direct_to_inverse_scale(s32)
+        dense = decode_fp8_block_grid(weight, multiplier, block=pair, dtype=dtype)
+        layer = torch.nn.Linear(cols, rows, bias=bias is not None, device="meta")
+        layer.weight = torch.nn.Parameter(dense, requires_grad=False)
+        if bias is not None:
+            layer.bias = torch.nn.Parameter(bias.to(dtype), requires_grad=False)
+        return layer
+    if count == 1:
+        method, layout_block, shaped = "tensor", None, s32.reshape(())
+    elif pair is None and tuple(s32.shape) in ((rows,), (rows, 1)):
+        method, layout_block, shaped = "row", None, s32.reshape(rows)
+    else:
+        if pair is None:
+            raise ValueError(
+                f"{where}: scale shape {tuple(scale.shape)} for a {(rows, cols)} weight is a "
+                f"block grid, and no block size was given"
+            )
+        expected = (rows // pair[0], cols // pair[1])
+        if tuple(s32.shape) != expected:
+            raise ValueError(
+                f"{where}: scale grid {tuple(scale.shape)} does not fit a {(rows, cols)} weight "
+                f"with block {list(pair)} (expected {expected})"
+            )
+        method, layout_block, shaped = "block", pair, s32
+    inverse = direct_to_inverse_scale(shaped) if direction == "multiply" else shaped
+    return TorchFP8Linear.from_quantized(
+        weight, inverse, bias, weight_scale_method=method, weight_block_size=layout_block
+    )
+
+
+def fp4_module_from_source(
+    tensors: Mapping[str, Tensor],
+    *,
+    layout: NVFP4SourceLayout,
+    shape: tuple[int, int],
+    is_swizzled_scales: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.nn.Module:
+    """A :class:`~floatxq.nn.fp4_linear.TorchFP4Linear` from one module's NVFP4 source tensors.
+
+    Tensor names, by ``layout`` (without the module prefix):
+    ``modelopt``: ``weight``, ``weight_scale``, ``weight_scale_2``; ``compressed-tensors``:
+    ``weight_packed``, ``weight_scale``, ``weight_global_scale`` (divides); ``torchao``:
+    ``_weight_qdata``, ``_weight_scale``, ``_weight_per_tensor_scale`` (optional);
+    ``comfy``: ``weight`` (high nibble first), swizzled ``weight_scale``, ``weight_scale_2``.
+    An optional ``bias`` is kept in ``dtype``.
+
+    Raises:
+      ValueError: a missing tensor (named), bad shapes, a global scale that is not finite and
+        positive, an unknown layout. TypeError: wrong dtypes.
+
+    Numerics: codes and E4M3 block scales byte for byte (nibbles reordered, scales
+    unswizzled where the producer differs); compressed-tensors' dividing global scale becomes
+    its FP32 reciprocal.
+    """
+    from floatxq.nn.fp4_linear import TorchFP4Linear
+    from floatxq.nvfp4_layouts import (
+        nvfp4_from_comfy,
+        nvfp4_from_compressed_tensors,
+        nvfp4_from_modelopt,
+        nvfp4_from_torchao,
+    )
+
+    where = "fp4_module_from_source"
+    names = {
+        "modelopt": ("weight", "weight_scale", "weight_scale_2"),
+        "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale"),
+        "torchao": ("_weight_qdata", "_weight_scale"),
+        "comfy": ("weight", "weight_scale", "weight_scale_2"),
+    }
+    if layout not in names:
+        raise ValueError(f"{where}: layout must be one of {sorted(names)}, got {layout!r}")
+    missing = [n for n in names[layout] if n not in tensors]
+    if missing:
+        raise ValueError(f"{where}: {layout} NVFP4 weights need {missing} (got {sorted(tensors)})")
+    t = tensors
+    if layout == "modelopt":
+        w = nvfp4_from_modelopt(t["weight"], t["weight_scale"], t["weight_scale_2"])
+    elif layout == "compressed-tensors":
+        w = nvfp4_from_compressed_tensors(
+            t["weight_packed"], t["weight_scale"], t["weight_global_scale"]
+        )
+    elif layout == "torchao":
+        w = nvfp4_from_torchao(
+            t["_weight_qdata"],
+            t["_weight_scale"],
+            t.get("_weight_per_tensor_scale"),
+            shape=shape,
+            is_swizzled_scales=is_swizzled_scales,
+        )
+    else:
+        w = nvfp4_from_comfy(t["weight"], t["weight_scale"], t["weight_scale_2"], shape=shape)
+    if tuple(w.shape) != tuple(shape):
+        raise ValueError(f"{where}: the weight decodes to {tuple(w.shape)}, expected {shape}")
+    return TorchFP4Linear.from_nvfp4(w, t.get("bias"), dtype=dtype)

@@ -447,9 +447,125 @@ def test_cli_export_of_the_tiny_llama_through_transformers(tmp_path, layout):
         with pytest.raises(ValueError, match="inverse scale"):
             AutoModelForCausalLM.from_pretrained(out)
         return
-    theirs_model = AutoModelForCausalLM.from_pretrained(out)
+    kwargs = {}
+    if layout == "hf":  # what transformers does on CPU by itself; with CUDA it wants `kernels`
+        from transformers import FineGrainedFP8Config
+
+        kwargs["quantization_config"] = FineGrainedFP8Config(dequantize=True)
+    theirs_model = AutoModelForCausalLM.from_pretrained(out, **kwargs)
     with torch.no_grad():
         theirs = theirs_model(ids).logits.float()
     # the defect: transformers read floatxq's inverse scales as multiplying ones (error 1.0)
     assert float((theirs - ours).norm() / ours.norm()) < 2e-2
     assert float((theirs.argmax(-1) == ours.argmax(-1)).float().mean()) > 0.97
+
+
+# ----------------------------------------------------------------------------------------------
+# Converting: read one tool's checkpoint, write another's
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [
+        ("llmcompressor_fp8_dynamic", "gptqmodel"),
+        ("gptqmodel_fp8_block64", "compressed-tensors"),
+        ("gptqmodel_fp8_tensor", "hf"),
+        ("llmcompressor_nvfp4a16", "compressed-tensors"),
+        ("torchao_nvfp4_swizzled", "compressed-tensors"),
+    ],
+)
+def test_a_loaded_source_saves_in_another_layout(tmp_path, name, layout):
+    source = floatxq.load(FIXTURES / name, dtype=torch.float32)
+    out = source.save(tmp_path / "converted", layout=layout)
+    assert inspect_checkpoint(out).layout == layout
+    converted = floatxq.load(out, dtype=torch.float32)
+    with torch.no_grad():
+        _close(converted.model(IDS).logits, source.model(IDS).logits, tol=1e-5)
+    before = dict(source.model.named_modules())
+    for module_name, module in converted.model.named_modules():
+        if isinstance(module, (TorchFP8Linear, TorchFP4Linear)):
+            assert type(before[module_name]) is type(module), module_name
+            assert torch.equal(  # codes are carried over byte for byte
+                module.weight.view(torch.uint8), before[module_name].weight.view(torch.uint8)
+            )
+
+
+def test_modelopt_nvfp4_converts_to_compressed_tensors_that_transformers_reads(dense_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from floatxq.testing.foreign import write_modelopt_nvfp4
+
+    only = write_modelopt_nvfp4(dense_dir, tmp_path / "w4a16")
+    _weight_only_modelopt(only.path)
+    out = floatxq.load(only.path).save(tmp_path / "ct")
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qconfig["format"] == "nvfp4-pack-quantized"
+    theirs = AutoModelForCausalLM.from_pretrained(out)  # bf16, as compressed-tensors runs it
+    with torch.no_grad():
+        got = theirs(IDS).logits.float()
+    # the writer's dense decode of the ModelOpt files, run as a dense bf16 model
+    from transformers import AutoConfig
+
+    payload = json.loads((only.path / "config.json").read_text())
+    payload.pop("quantization_config")
+    reference = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(payload.pop("model_type"), **payload), dtype=torch.bfloat16
+    ).eval()
+    state = load_file(str(dense_dir / "model.safetensors"))
+    state.update({f"{m}.weight": w.bfloat16() for m, w in only.dense.items()})
+    reference.load_state_dict(state)
+    with torch.no_grad():
+        # bf16 weights either way (compressed-tensors decodes e2m1 * block / fl(1/scale_2));
+        # a misread nibble order or global-scale direction would move the logits by O(1)
+        _close(got, reference(IDS).logits.float(), tol=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------
+# On the GPU: the same checkpoints through floatxq's CUDA routes and transformers' FP8 kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(PRODUCERS))
+def test_producer_checkpoint_on_cuda_matches_cpu(name):
+    path = FIXTURES / name
+    ids = torch.randint(0, 128, (3, 40), generator=torch.Generator().manual_seed(0))
+    cpu = floatxq.load(path)
+    cuda = floatxq.load(path, device="cuda")
+    on_cpu = dict(cpu.model.named_modules())
+    for module_name, module in cuda.model.named_modules():
+        if isinstance(module, (TorchFP8Linear, TorchFP4Linear)):  # the same decode, exactly
+            want = on_cpu[module_name].dequantize_weight(dtype=torch.float32)
+            got = module.dequantize_weight(dtype=torch.float32).cpu()
+            assert torch.equal(got, want), module_name
+    with torch.no_grad():
+        want = cpu.model(ids).logits.float()
+        got = cuda.model(ids.cuda()).logits.float().cpu()
+    # bf16 models; CUDA's FP8 routes also quantize activations (about 6% relative noise on this
+    # random model), so the logits are compared loosely: a misread scale moves them by O(1)
+    err = float((got - want).norm() / want.norm())
+    agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+    assert err < 0.15 and agree > 0.9, (err, agree)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["hf", "compressed-tensors"])
+def test_transformers_on_cuda_reads_floatxq_exports(tmp_path, layout):
+    pytest.importorskip("accelerate")
+    # transformers' CUDA FP8 kernels come from the `kernels` hub package; CT decompresses
+    pytest.importorskip("compressed_tensors" if layout == "compressed-tensors" else "kernels")
+    from transformers import AutoModelForCausalLM
+
+    from floatxq.tiny import TINY_LLAMA_DIR
+
+    config = floatxq.FP8Config(weight_block_size=[128, 128])
+    quantized = floatxq.load(TINY_LLAMA_DIR, quantize_config=config).quantize(progress=False)
+    out = quantized.save(tmp_path / layout, layout=layout)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    ours = floatxq.load(out, device="cuda").model
+    theirs = AutoModelForCausalLM.from_pretrained(out, device_map="cuda")
+    with torch.no_grad():
+        a, b = ours(ids).logits.float(), theirs(ids).logits.float()
+    assert float((a - b).norm() / a.norm()) < 5e-2
+    assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.9

@@ -350,7 +350,7 @@ def test_cuda_quantize_save_load_matches_cpu_bytes(tmp_path, model_type):
         assert b.weight.is_cuda
         assert_bitwise_equal(b.weight, a.weight, msg=name)
         assert_bitwise_equal(b.weight_scale_inv, a.weight_scale_inv, msg=name)
-    out = gpu.save(tmp_path / "gpu")
+    out = gpu.save(tmp_path / "gpu", layout="gptqmodel")  # the layout that keeps scale bytes
     loaded = fq.load(out, device="cuda")
     ids = _ids().cuda()
     assert_bitwise_equal(loaded.model(input_ids=ids).logits, gpu.model(input_ids=ids).logits)

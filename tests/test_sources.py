@@ -695,3 +695,91 @@ def test_mimo_refuses_fused_qkv_and_bad_metadata():
     reserved = {_EXPERT + "_scale": torch.tensor([[127], [255]], dtype=torch.uint8)}.get
     with pytest.raises(ValueError, match="255"):
         decode_mimo_weight(_mimo_config(), _EXPERT, packed, reserved)
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules from source tensors
+# ----------------------------------------------------------------------------------------------
+
+
+def _codes(rows: int, cols: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    return (torch.randn(rows, cols) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize(
+    ("scale_shape", "block", "method"),
+    [((), None, "tensor"), ((1,), None, "tensor"), ((64,), None, "row"), ((64, 1), None, "row"),
+     ((2, 4), (32, 32), "block")],
+)  # fmt: skip
+def test_fp8_module_from_source_layouts_and_directions(scale_shape, block, method):
+    from floatxq.nn import TorchFP8Linear
+    from floatxq.sources import fp8_module_from_source
+
+    codes = _codes(64, 128)
+    scale = torch.rand(scale_shape) + 0.5
+    multiplied = fp8_module_from_source(codes, scale, direction="multiply", block=block)
+    divided = fp8_module_from_source(codes, scale, direction="inverse", block=block)
+    assert isinstance(multiplied, TorchFP8Linear) and multiplied.weight_scale_method == method
+    assert multiplied.weight.data_ptr() == codes.data_ptr()  # codes are not repacked
+    full = scale.reshape(-1, 1) if scale.ndim and scale.shape[0] == 64 else scale
+    if method == "block":
+        full = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
+    want = codes.float() * full
+    got = multiplied.dequantize_weight()
+    assert float(((got - want).abs() / want.abs().clamp_min(1e-30)).max()) <= 3 * 2**-24
+    assert torch.equal(divided.dequantize_weight(), codes.float() / full)
+
+
+def test_fp8_module_from_source_ragged_grid_decodes_to_dense():
+    from floatxq.sources import fp8_module_from_source
+
+    codes = _codes(192, 128)
+    scale = torch.tensor([[0.5], [0.25]])  # [ceil(192/128), ceil(128/128)]
+    layer = fp8_module_from_source(
+        codes, scale, direction="multiply", block=(128, 128), dtype=torch.float32
+    )
+    assert type(layer) is torch.nn.Linear
+    want = torch.cat([codes[:128].float() * 0.5, codes[128:].float() * 0.25])
+    assert torch.equal(layer.weight, want)
+
+
+def test_fp8_module_from_source_refusals(production_checks):
+    from floatxq.sources import fp8_module_from_source
+
+    codes = _codes(64, 128)
+    with pytest.raises(ValueError, match="direction"):
+        fp8_module_from_source(codes, torch.tensor(1.0), direction="guess")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no block size"):
+        fp8_module_from_source(codes, torch.ones(2, 4), direction="multiply")
+    with pytest.raises(ValueError, match="does not fit"):
+        fp8_module_from_source(codes, torch.ones(3, 4), direction="multiply", block=(32, 32))
+    with pytest.raises(ValueError, match="finite"):
+        fp8_module_from_source(codes, torch.tensor(float("nan")), direction="multiply")
+
+
+def test_fp4_module_from_source_names_what_is_missing_and_reads_each_layout(production_checks):
+    from floatxq.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+    from floatxq.nvfp4_layouts import nvfp4_to_compressed_tensors, nvfp4_to_modelopt
+    from floatxq.sources import fp4_module_from_source
+
+    torch.manual_seed(1)
+    q = nvfp4_quantize(torch.randn(32, 64), None, recipe="nvidia")
+    from floatxq.nvfp4_layouts import NVFP4Weight
+
+    canonical = NVFP4Weight(q.packed, q.block_scales, q.global_scale)
+    want = nvfp4_dequantize(*q)
+    modelopt = fp4_module_from_source(
+        nvfp4_to_modelopt(canonical), layout="modelopt", shape=(32, 64)
+    )
+    assert torch.equal(modelopt.dequantize_weight(torch.float32), want)
+    ct = fp4_module_from_source(
+        nvfp4_to_compressed_tensors(canonical), layout="compressed-tensors", shape=(32, 64)
+    )
+    err = (ct.dequantize_weight(torch.float32) - want).abs().max() / want.abs().max()
+    assert float(err) <= 2**-23
+    with pytest.raises(ValueError, match="weight_scale_2"):
+        fp4_module_from_source({"weight": q.packed, "weight_scale": q.block_scales},
+                               layout="modelopt", shape=(32, 64))  # fmt: skip
+    with pytest.raises(ValueError, match="layout"):
+        fp4_module_from_source({}, layout="nvidia", shape=(32, 64))  # type: ignore[arg-type]

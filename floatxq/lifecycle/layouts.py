@@ -389,100 +389,46 @@ def refuse_activation_scales(decision: LayoutDecision, names: Sequence[str], roo
 
 def _fp8_module(
     source: ModuleSource,
-    original: nn.Module,
     scale_key: str,
     *,
     multiply: bool,
     block: tuple[int, int] | None,
     dtype: torch.dtype,
-    where: str,
+    file: str,
 ) -> nn.Module:
-    """A TorchFP8Linear for codes + scales, or a dense Linear when the grid is ragged."""
-    from floatxq.fp8 import decode_e8m0, direct_to_inverse_scale
-    from floatxq.nn.fp8_linear import TorchFP8Linear
-    from floatxq.sources import decode_fp8_block_grid
+    """:func:`floatxq.sources.fp8_module_from_source`, its errors naming the tensor and file."""
+    from floatxq.sources import fp8_module_from_source
 
-    weight = source.tensors["weight"]
-    bias = source.tensors.get("bias")
-    scale = source.tensors[scale_key]
-    where = f"{source.name}.{scale_key} in {where.partition(' in ')[2]}"
-    if weight.ndim != 2:
-        raise CheckpointError(f"load: {where}: the weight must be 2-D, got {tuple(weight.shape)}")
-    rows, cols = weight.shape
-    e8m0 = getattr(torch, "float8_e8m0fnu", None)
-    if scale.dtype in (torch.uint8, e8m0):
-        scale = decode_e8m0(scale)
-    if not scale.is_floating_point():
-        raise CheckpointError(f"load: {where} scale has dtype {scale.dtype}; expected floating")
-    scale32 = scale.to(torch.float32)
-    count = scale32.numel()
-    if (
-        block is not None
-        and count > 1
-        and scale32.ndim == 2
-        and (rows % block[0] or cols % block[1])
-    ):
-        # a ragged grid [ceil(N/br), ceil(K/bc)]: no TorchFP8Linear layout holds it exactly
-        try:
-            dense = decode_fp8_block_grid(
-                weight, scale32 if multiply else 1.0 / scale32, block=block, dtype=dtype, name=where
-            )
-        except ValueError as exc:
-            raise CheckpointError(f"load: {where}: {exc}") from None
-        return _dense_linear(original, dense, bias, dtype)
-    if count == 1:
-        method, layout_block, shaped = "tensor", None, scale32.reshape(())
-    elif scale32.ndim == 2 and scale32.shape[1] == 1 and scale32.shape[0] == rows and block is None:
-        method, layout_block, shaped = "row", None, scale32.reshape(rows)
-    elif scale32.ndim == 1 and scale32.shape[0] == rows and block is None:
-        method, layout_block, shaped = "row", None, scale32
-    else:
-        if block is None:
-            raise CheckpointError(
-                f"load: {where} scale shape {tuple(scale.shape)} for a {(rows, cols)} weight "
-                f"needs a declared block size, and the metadata gives none"
-            )
-        expected = (rows // block[0], cols // block[1])
-        if tuple(scale32.shape) != expected:
-            raise CheckpointError(
-                f"load: {where} scale grid {tuple(scale.shape)} does not fit a {(rows, cols)} "
-                f"weight with block {list(block)} (expected {expected})"
-            )
-        method, layout_block, shaped = "block", block, scale32
     try:
-        inverse = direct_to_inverse_scale(shaped) if multiply else shaped
-        layer = TorchFP8Linear.from_quantized(
-            weight,
-            inverse,
-            bias,
-            weight_scale_method=method,
-            weight_block_size=layout_block,
+        return fp8_module_from_source(
+            source.tensors["weight"],
+            source.tensors[scale_key],
+            source.tensors.get("bias"),
+            direction="multiply" if multiply else "inverse",
+            block=block,
+            dtype=dtype,
         )
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"load: {where}: {exc}") from None
-    layer.conv = None
-    return layer
+        raise CheckpointError(f"load: {source.name}.{scale_key} in {file}: {exc}") from None
 
 
-def _dense_linear(
-    original: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
-) -> nn.Linear:
-    out_features, in_features = weight.shape
-    layer = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
-    layer.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
-    if bias is not None:
-        layer.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
-    del original
-    return layer
+def _fp4_module(
+    source: ModuleSource, layout: str, original: nn.Module, dtype: torch.dtype, file: str, **kw: Any
+) -> nn.Module:
+    """:func:`floatxq.sources.fp4_module_from_source`, its errors naming the module and file."""
+    from floatxq.sources import fp4_module_from_source
 
-
-def _fp4_module(w: Any, bias: torch.Tensor | None, dtype: torch.dtype, where: str) -> nn.Module:
-    from floatxq.nn.fp4_linear import TorchFP4Linear
-
+    shape = (original.out_features, original.in_features)
     try:
-        return TorchFP4Linear.from_nvfp4(w, bias, dtype=dtype)
+        return fp4_module_from_source(
+            source.tensors,
+            layout=layout,
+            shape=shape,
+            dtype=dtype,
+            **kw,  # type: ignore[arg-type]
+        )
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"load: {where}: {exc}") from None
+        raise CheckpointError(f"load: {source.name} in {file}: {exc}") from None
 
 
 def _require(source: ModuleSource, keys: Sequence[str], where: str) -> None:
@@ -550,36 +496,13 @@ def read_module(
     Raises:
       CheckpointError: missing, unknown or mis-shaped tensors (named with their file).
     """
-    from floatxq.nvfp4_layouts import (
-        nvfp4_from_comfy,
-        nvfp4_from_compressed_tensors,
-        nvfp4_from_modelopt,
-        nvfp4_from_torchao,
-    )
-    from floatxq.sources import decode_mx_weight
-
     where = f"{source.name} in {file}"
     keys = set(source.tensors)
     weight = source.tensors.get("weight")
-    bias = source.tensors.get("bias")
     qconfig = qconfig or {}
     layout = decision.layout
     fp8 = weight is not None and weight.dtype in _FP8_DTYPES
-    if layout == "gptqmodel":
-        if "weight_scale_inv" not in keys and not fp8:
-            return None
-        _require(source, ("weight", "weight_scale_inv"), where)
-        _extra(source, ("weight", "weight_scale_inv", "bias"), where)
-        return _fp8_module(
-            source,
-            original,
-            "weight_scale_inv",
-            multiply=False,
-            block=_inferred_block(weight, source.tensors["weight_scale_inv"]),
-            dtype=dtype,
-            where=where,
-        )
-    if layout == "hf":
+    if layout in ("gptqmodel", "hf"):
         if "weight_scale_inv" not in keys and not fp8:
             return None
         _require(source, ("weight", "weight_scale_inv"), where)
@@ -589,15 +512,17 @@ def read_module(
                 f"load: {where} carries a static activation_scale; floatxq loads weight-only and "
                 f"dynamic-activation FP8 checkpoints"
             )
-        block = _block_of(qconfig.get("weight_block_size"), f"{file} quantization_config")
+        if layout == "gptqmodel":
+            block = _inferred_block(weight, source.tensors["weight_scale_inv"])
+        else:
+            block = _block_of(qconfig.get("weight_block_size"), f"{file} quantization_config")
         return _fp8_module(
             source,
-            original,
             "weight_scale_inv",
-            multiply=True,
+            multiply=layout == "hf",
             block=block,
             dtype=dtype,
-            where=where,
+            file=file,
         )
     if layout == "mimo":
         raise CheckpointError(
@@ -612,37 +537,20 @@ def read_module(
             raise CheckpointError(
                 f"load: {where} Comfy format {marker!r} is not read by floatxq; accepted: 'nvfp4'"
             )
-        _require(source, ("weight", "weight_scale", "weight_scale_2"), where)
         _extra(source, ("weight", "weight_scale", "weight_scale_2", "comfy_quant", "bias"), where)
-        shape = (original.out_features, original.in_features)
-        w = _nvfp4(
-            nvfp4_from_comfy,
-            where,
-            source.tensors["weight"],
-            source.tensors["weight_scale"],
-            source.tensors["weight_scale_2"],
-            shape=shape,
-        )
-        return _fp4_module(w, bias, dtype, where)
+        tensors = {k: v for k, v in source.tensors.items() if k != "comfy_quant"}
+        return _fp4_module(ModuleSource(source.name, tensors), "comfy", original, dtype, file)
     if layout == "torchao":
-        return _torchao_module(source, original, metadata or {}, dtype, where, nvfp4_from_torchao)
-    # compressed-tensors, modelopt, quark: weight + weight_scale (+ weight_scale_2 / global)
+        return _torchao_module(source, original, metadata or {}, dtype, file)
+    # compressed-tensors, modelopt, quark: weight(_packed) + weight_scale (+ a global scale)
     if "weight_packed" in keys:
-        packed = source.tensors["weight_packed"]
         if "weight_global_scale" in keys:
-            _require(source, ("weight_packed", "weight_scale", "weight_global_scale"), where)
-            _extra(source, ("weight_packed", "weight_scale", "weight_global_scale", "bias"), where)
-            w = _nvfp4(
-                nvfp4_from_compressed_tensors,
-                where,
-                packed,
-                source.tensors["weight_scale"],
-                source.tensors["weight_global_scale"],
-            )
-            return _fp4_module(w, bias, dtype, where)
+            allowed = ("weight_packed", "weight_scale", "weight_global_scale", "bias")
+            _extra(source, allowed, where)
+            return _fp4_module(source, "compressed-tensors", original, dtype, file)
         _require(source, ("weight_packed", "weight_scale"), where)
         _extra(source, ("weight_packed", "weight_scale", "weight_shape", "bias"), where)
-        return _mx_dense(source, original, packed, "e2m1", bias, dtype, where, decode_mx_weight)
+        return _mx_dense(source, source.tensors["weight_packed"], "e2m1", dtype, where)
     if "weight_scale" not in keys:
         if fp8:
             raise CheckpointError(
@@ -653,28 +561,24 @@ def read_module(
     scale = source.tensors["weight_scale"]
     if "weight_scale_2" in keys:
         _extra(source, ("weight", "weight_scale", "weight_scale_2", "bias"), where)
-        w = _nvfp4(nvfp4_from_modelopt, where, weight, scale, source.tensors["weight_scale_2"])
-        return _fp4_module(w, bias, dtype, where)
+        return _fp4_module(source, "modelopt", original, dtype, file)
     _extra(source, ("weight", "weight_scale", "weight_zero_point", "bias"), where)
     _check_zero_point(source, where)
     if scale.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)):
-        element = str(weight.dtype).removeprefix("torch.")  # type: ignore[union-attr]
-        return _mx_dense(source, original, weight, element, bias, dtype, where, decode_mx_weight)
+        assert weight is not None
+        element = "e2m1" if weight.dtype == torch.uint8 else str(weight.dtype).split(".")[-1]
+        return _mx_dense(source, weight, element, dtype, where)
     if not fp8:
         raise CheckpointError(
             f"load: {where} weight has dtype {weight.dtype if weight is not None else None}; a "
             f"{layout} FP8 weight must be an FP8 dtype"
         )
-    block = (
-        _ct_block(qconfig, f"{file} quantization_config")
-        if layout == "compressed-tensors"
-        else None
-    )
-    if layout == "modelopt" and scale.ndim == 2 and scale.numel() > 1 and scale.shape[1] != 1:
+    block = None
+    if layout == "compressed-tensors":
+        block = _ct_block(qconfig, f"{file} quantization_config")
+    elif scale.ndim == 2 and scale.numel() > 1 and scale.shape[1] != 1:
         block = _inferred_block(weight, scale)
-    return _fp8_module(
-        source, original, "weight_scale", multiply=True, block=block, dtype=dtype, where=where
-    )
+    return _fp8_module(source, "weight_scale", multiply=True, block=block, dtype=dtype, file=file)
 
 
 _FP8_DTYPES = frozenset(
@@ -696,13 +600,6 @@ def _inferred_block(weight: torch.Tensor | None, scale: torch.Tensor) -> tuple[i
     return block if layout == "block" else None
 
 
-def _nvfp4(reader: Any, where: str, *args: Any, **kwargs: Any) -> Any:
-    try:
-        return reader(*args, **kwargs)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"load: {where}: {exc}") from None
-
-
 def _check_zero_point(source: ModuleSource, where: str) -> None:
     zero = source.tensors.get("weight_zero_point")
     if zero is not None and zero.numel() and bool((zero != 0).any()):
@@ -713,22 +610,24 @@ def _check_zero_point(source: ModuleSource, where: str) -> None:
 
 
 def _mx_dense(
-    source: ModuleSource,
-    original: nn.Module,
-    codes: torch.Tensor,
-    element: str,
-    bias: torch.Tensor | None,
-    dtype: torch.dtype,
-    where: str,
-    decode: Any,
+    source: ModuleSource, codes: torch.Tensor, element: str, dtype: torch.dtype, where: str
 ) -> nn.Module:
+    """An MX module decoded to a dense ``nn.Linear`` (no MX runtime module exists)."""
+    from floatxq.sources import decode_mx_weight
+
     try:
-        dense = decode(
+        dense = decode_mx_weight(
             codes, source.tensors["weight_scale"], element=element, dtype=dtype, name=where
         )
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"load: {where}: {exc}") from None
-    return _dense_linear(original, dense, bias, dtype)
+    bias = source.tensors.get("bias")
+    out_features, in_features = dense.shape
+    layer = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(dense, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+    return layer
 
 
 def _comfy_marker(marker: torch.Tensor, where: str) -> str:
@@ -746,44 +645,23 @@ def _torchao_module(
     original: nn.Module,
     metadata: Mapping[str, Any],
     dtype: torch.dtype,
-    where: str,
-    reader: Any,
+    file: str,
 ) -> nn.Module | None:
     entry = metadata.get(f"{source.name}.weight")
     if not isinstance(entry, Mapping) or entry.get("_type") != "NVFP4Tensor":
         return None
     data = entry.get("_data", {})
     data = data if isinstance(data, Mapping) else {}
-    if data.get("act_quant_kwargs"):
+    where = f"{source.name} in {file}"
+    if data.get("act_quant_kwargs") or "_weight_act_per_tensor_scale" in source.tensors:
         raise CheckpointError(
             f"load: {where} torchao NVFP4 weight quantizes activations too "
-            f"(act_quant_kwargs); floatxq loads weight-only NVFP4"
+            f"(act_quant_kwargs / act_per_tensor_scale); floatxq loads weight-only NVFP4"
         )
-    prefix = "_weight_"
-    qdata = source.tensors.get(f"{prefix}qdata")
-    scale = source.tensors.get(f"{prefix}scale")
-    if qdata is None or scale is None:
-        raise CheckpointError(
-            f"load: {where} torchao NVFP4 weight lacks its qdata/scale tensors (has "
-            f"{sorted(source.tensors)})"
-        )
-    per_tensor = source.tensors.get(f"{prefix}per_tensor_scale")
-    if source.tensors.get(f"{prefix}act_per_tensor_scale") is not None:
-        raise CheckpointError(
-            f"load: {where} carries a torchao activation per-tensor scale; floatxq loads "
-            f"weight-only NVFP4"
-        )
-    shape = (original.out_features, original.in_features)
-    w = _nvfp4(
-        reader,
-        where,
-        qdata,
-        scale,
-        per_tensor,
-        shape=shape,
-        is_swizzled_scales=bool(data.get("is_swizzled_scales", False)),
-    )
-    return _fp4_module(w, source.tensors.get("bias"), dtype, where)
+    allowed = ("_weight_qdata", "_weight_scale", "_weight_per_tensor_scale", "bias")
+    _extra(source, allowed, where)
+    swizzled = bool(data.get("is_swizzled_scales", False))
+    return _fp4_module(source, "torchao", original, dtype, file, is_swizzled_scales=swizzled)
 
 
 def module_sources(
