@@ -28,6 +28,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--method", default="row", choices=["tensor", "row", "block"])
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--layout", default="compressed-tensors", choices=["compressed-tensors", "hf", "gptqmodel"]
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     config = transformers.LlamaConfig(
@@ -62,11 +65,11 @@ def main() -> None:
         torch.cuda.synchronize()
     quantize_s = time.perf_counter() - start
     start = time.perf_counter()
-    q.save(f"{root}/fp8")
+    q.save(f"{root}/fp8", layout=args.layout)
     save_s = time.perf_counter() - start
     print(f"bf16 safetensors save (anchor): {bf16_save:8.2f} s")
     print(f"fp8 quantize ({len(q.quantized_modules)} modules): {quantize_s:8.2f} s")
-    print(f"fp8 save (atomic, shards+configs): {save_s:8.2f} s")
+    print(f"fp8 save ({args.layout}, atomic, shards+configs): {save_s:8.2f} s")
     print(
         f"quantize + save: {quantize_s + save_s:8.2f} s = "
         f"{(quantize_s + save_s) / bf16_save:.2f}x the bf16 save"

@@ -581,8 +581,9 @@ def fp8_module_from_source(
       dtype: the dense dtype of a decoded module.
 
     Raises:
-      ValueError: a scale shape that fits no layout, non-positive or non-finite scales, a bad
-        direction. TypeError: non-FP8 codes, a non-floating scale.
+      ValueError: a scale shape that fits no layout, non-positive or non-finite scales (zero
+        included: no producer writes one), a bad direction. TypeError: non-FP8 codes, a
+        non-floating scale.
 
     Numerics: codes untouched; a multiplying scale ``s`` becomes the inverse ``fl(1/s)``
     (exact for powers of two, else within 2**-24 relative); a decoded module is
@@ -610,6 +611,16 @@ def fp8_module_from_source(
     if not s32.is_floating_point():
         raise TypeError(f"{where}: scale must be floating or E8M0 bytes, got {scale.dtype}")
     s32 = s32.to(torch.float32)
+    if (
+        direction == "multiply"
+        and s32.numel()
+        and not bool((torch.isfinite(s32) & (s32 > 0)).all())
+    ):
+        bad = s32[~(torch.isfinite(s32) & (s32 > 0))][:4].tolist()
+        raise ValueError(
+            f"{where}: multiplying scales must be finite and > 0, got {bad}; producers write "
+            f"positive scales even for all-zero regions, so the file is damaged"
+        )
     count = s32.numel()
     ragged = pair is not None and (rows % pair[0] or cols % pair[1])
     if pair is not None and count > 1 and s32.ndim == 2 and ragged:

@@ -569,3 +569,19 @@ def test_transformers_on_cuda_reads_floatxq_exports(tmp_path, layout):
         a, b = ours(ids).logits.float(), theirs(ids).logits.float()
     assert float((a - b).norm() / a.norm()) < 5e-2
     assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.9
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), float("inf")])
+def test_bad_multiplying_fp8_scale_is_named(dense_dir, tmp_path, bad):
+    from floatxq.testing.foreign import write_deepseek_fp8
+
+    written = write_deepseek_fp8(dense_dir, tmp_path / "ds")
+    for name in (
+        "model.layers.1.mlp.up_proj.weight_scale_inv",
+        "model.layers.0.self_attn.q_proj.weight_scale_inv",
+    ):
+        _rewrite(written.path, lambda s: s.__setitem__(name, torch.full_like(s[name], bad)))  # noqa: B023
+        with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+            floatxq.load(written.path)
+        shutil.rmtree(written.path)
+        written = write_deepseek_fp8(dense_dir, tmp_path / "ds")
