@@ -397,13 +397,13 @@ class TorchFP4Linear(nn.Module):
             try:
                 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 
-                weight = NVFP4Tensor(
+                weight = NVFP4Tensor(  # torchao 0.18's constructor (positional: the layout)
                     self.weight,
                     self.weight_scale,
                     NVFP4_BLOCK,
                     x.dtype,
-                    _per_tensor_scale=self.weight_scale_2,
-                    _is_swizzled_scales=False,
+                    per_tensor_scale=self.weight_scale_2,
+                    is_swizzled_scales=False,
                 )
                 out = F.linear(x, weight, bias)
             except Exception as exc:
