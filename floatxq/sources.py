@@ -550,6 +550,14 @@ NVFP4SourceLayout = Literal["modelopt", "compressed-tensors", "torchao", "comfy"
 """Producers whose NVFP4 weight tensors :func:`fp4_module_from_source` reads."""
 
 
+_FP8_CODE_DTYPES = tuple(
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, n)
+)
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _block_or_none(block: object) -> tuple[int, int] | None:
     return None if block is None else _block_pair(block, where="fp8_module_from_source: block")
 
@@ -582,8 +590,9 @@ def fp8_module_from_source(
 
     Raises:
       ValueError: a scale shape that fits no layout, non-positive or non-finite scales (zero
-        included: no producer writes one), a bad direction. TypeError: non-FP8 codes, a
-        non-floating scale.
+        included: no producer writes one), NaN/inf codes, a bad direction.
+      TypeError: non-FP8 codes; an inverse scale that is not FP32, a multiplying one that is
+        not FP32/bf16/fp16 or E8M0 bytes (an FP8- or integer-typed scale is a damaged file).
 
     Numerics: codes untouched; a multiplying scale ``s`` becomes the inverse ``fl(1/s)``
     (exact for powers of two, else within 2**-24 relative); a decoded module is
@@ -607,9 +616,23 @@ def fp8_module_from_source(
         raise ValueError(f"{where}: weight must be 2-D [out, in], got {tuple(weight.shape)}")
     pair = _block_or_none(block)
     rows, cols = weight.shape
+    if weight.dtype not in _FP8_CODE_DTYPES:
+        raise TypeError(f"{where}: weight must hold FP8 codes, got {weight.dtype}")
+    allowed = (torch.float32,) if direction == "inverse" else _SCALE_DTYPES
+    if not (scale.dtype in allowed or (direction == "multiply" and _is_e8m0(scale))):
+        raise TypeError(
+            f"{where}: {direction} FP8 weight scales must be "
+            f"{' / '.join(str(d).removeprefix('torch.') for d in allowed)}"
+            f"{' or E8M0 bytes' if direction == 'multiply' else ''}, got {scale.dtype} (a "
+            f"relabelled or mis-typed scale tensor)"
+        )
+    if weight.numel() and not bool(torch.isfinite(weight.to(torch.float16)).all()):
+        bad = int((~torch.isfinite(weight.to(torch.float16))).sum())
+        raise ValueError(
+            f"{where}: weight holds {bad} NaN/inf FP8 codes; a quantizer never writes them, so "
+            f"the file is damaged"
+        )
     s32 = decode_e8m0(scale) if _is_e8m0(scale) else scale
-    if not s32.is_floating_point():
-        raise TypeError(f"{where}: scale must be floating or E8M0 bytes, got {scale.dtype}")
     s32 = s32.to(torch.float32)
     if (
         direction == "multiply"

@@ -488,10 +488,14 @@ def read_module(
     dtype: torch.dtype,
     file: str,
     metadata: Mapping[str, Any] | None = None,
+    declared: tuple[str, tuple[int, int] | None] | None = None,
 ) -> nn.Module | None:
     """The module that runs one quantized module's tensors under ``decision``'s convention.
 
-    Returns None when the module's tensors are plain (nothing quantized about it).
+    Returns None when the module's tensors are plain (nothing quantized about it). ``declared``
+    is the ``(weight_scale_method, weight_block_size)`` the payload gives this module
+    (``gptqmodel`` layout): the scale tensor must have exactly that layout's shape, so a grid that
+    happens to tile the weight another way (a ``1x256`` grid read as ``256x3`` blocks) is refused.
 
     Raises:
       CheckpointError: missing, unknown or mis-shaped tensors (named with their file).
@@ -513,7 +517,7 @@ def read_module(
                 f"dynamic-activation FP8 checkpoints"
             )
         if layout == "gptqmodel":
-            block = _inferred_block(weight, source.tensors["weight_scale_inv"])
+            block = _declared_block(source, declared, file)
         else:
             block = _block_of(qconfig.get("weight_block_size"), f"{file} quantization_config")
         return _fp8_module(
@@ -586,6 +590,39 @@ _FP8_DTYPES = frozenset(
     for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
     if hasattr(torch, n)
 )
+
+
+def _declared_block(
+    source: ModuleSource, declared: tuple[str, tuple[int, int] | None] | None, file: str
+) -> tuple[int, int] | None:
+    """Check a GPT-QModel scale against the layout the payload declares for its module."""
+    weight, scale = source.tensors["weight"], source.tensors["weight_scale_inv"]
+    if declared is None:
+        raise CheckpointError(
+            f"load: {source.name} in {file} holds FP8 tensors, but the quantization config "
+            f"excludes the module (a '-:' dynamic rule or lm_head=false)"
+        )
+    method, block = declared
+    rows, cols = weight.shape if weight.ndim == 2 else (-1, -1)
+    expected: tuple[tuple[int, ...], ...]
+    if method == "tensor":
+        expected = ((), (1,))
+    elif method == "row":
+        expected = ((rows,),)
+    else:
+        assert block is not None
+        expected = ((rows // block[0], cols // block[1]),)
+        if rows % block[0] or cols % block[1]:
+            expected = ()
+    if tuple(scale.shape) not in expected:
+        want = " or ".join(str(e) for e in expected) or "a block size that divides the weight"
+        raise CheckpointError(
+            f"load: {source.name}.weight_scale_inv in {file} has shape {tuple(scale.shape)}, "
+            f"but the config declares {method} scales"
+            + (f" with block {list(block)}" if block else "")
+            + f" for a {tuple(weight.shape)} weight: expected {want}"
+        )
+    return block
 
 
 def _inferred_block(weight: torch.Tensor | None, scale: torch.Tensor) -> tuple[int, int] | None:

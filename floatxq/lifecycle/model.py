@@ -7,6 +7,7 @@ Nothing is fetched from a hub: paths are local.
 """
 
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -110,6 +111,49 @@ def _load_plain(path: Path, *, device: Any, dtype: Any) -> nn.Module:
     return model.eval()
 
 
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+
+
+def _check_config_against_tensors(path: Path, payload: Mapping[str, Any], infos: list) -> None:
+    """Refuse a config.json the tensors contradict, before a model is built from it.
+
+    A config with far more layers than the checkpoint stores would allocate them all (and
+    ``num_hidden_layers: 10**6`` would exhaust memory) before any tensor is read; a config that
+    ties ``lm_head`` to the embeddings would silently drop a stored, different ``lm_head``.
+
+    Raises:
+      CheckpointError: naming config.json, the field and what the tensors hold.
+    """
+    layers = payload.get("num_hidden_layers", payload.get("n_layer"))
+    indices = {int(m.group(1)) for info in infos for m in [_LAYER_INDEX.search(info.name)] if m}
+    if indices and layers is not None:
+        stored = max(indices) + 1
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers != stored:
+            raise CheckpointError(
+                f"load: {path / CONFIG_FILE} num_hidden_layers is {layers!r} but the tensors hold "
+                f"{stored} layers (indices 0..{stored - 1}); refusing to build the model"
+            )
+    if payload.get("tie_word_embeddings") is True:
+        names = {info.name: info for info in infos}
+        heads = [n for n in names if n.endswith("lm_head.weight")]
+        embeds = [n for n in names if n.endswith(("embed_tokens.weight", "wte.weight"))]
+        if heads and embeds:
+            head, embed = _read_one(path, names[heads[0]]), _read_one(path, names[embeds[0]])
+            if head.shape != embed.shape or not torch.equal(head, embed):
+                raise CheckpointError(
+                    f"load: {path / CONFIG_FILE} sets tie_word_embeddings, but the checkpoint "
+                    f"stores a {heads[0]} that differs from {embeds[0]}; tying would silently "
+                    f"discard it"
+                )
+
+
+def _read_one(path: Path, info: Any) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path / info.file), framework="pt") as reader:
+        return reader.get_tensor(info.name)
+
+
 def _model_dtype(config_payload: Mapping[str, Any], dtype: torch.dtype | None) -> torch.dtype:
     if dtype is not None:
         return dtype
@@ -173,6 +217,7 @@ def _load_quantized(
     infos = tensor_infos(path)
     metadata = header_metadata(path)
     decision = decide_layout(path, config_payload, infos, header_metadata=metadata)
+    _check_config_against_tensors(path, config_payload, infos)
     if decision.layout == "dense":
         return None, None, decision
     names = [info.name for info in infos]
@@ -198,6 +243,12 @@ def _load_quantized(
     for source in sources:
         first = next(iter(source.tensors))
         file = files.get(f"{source.name}.{first}", files.get(f"{source.name}.weight.{first}", "?"))
+        declared = None
+        if qconfig is not None:
+            resolved = qconfig.resolve(source.name)
+            head = source.name in _head_names(model) and not qconfig.lm_head
+            if resolved is not None and not head:
+                declared = (resolved.weight_scale_method, resolved.weight_block_size)
         built = read_module(
             decision,
             source,
@@ -206,6 +257,7 @@ def _load_quantized(
             dtype=model_dtype,
             file=file,
             metadata=torchao,
+            declared=declared,
         )
         if built is None:
             rest.update({f"{source.name}.{k}": v for k, v in source.tensors.items()})
@@ -229,6 +281,12 @@ def _load_quantized(
     if qconfig is None:
         qconfig = _describe_fp8(model)
     return model.eval(), qconfig, decision
+
+
+def _head_names(model: nn.Module) -> set[str]:
+    from floatxq.lifecycle.fp8 import _output_embedding_names
+
+    return _output_embedding_names(model)
 
 
 def _check_built(
