@@ -5,6 +5,7 @@ kind of object or dtype, ``ValueError`` for a wrong value or shape) with a messa
 calling function (``where``), the argument (``name``), what was received and what is accepted.
 """
 
+import numbers
 from typing import Any
 
 import torch
@@ -55,3 +56,126 @@ def require_shape(x: Tensor, shape: tuple[int, ...], *, name: str, where: str) -
     """``ValueError`` unless ``x.shape == shape``."""
     if tuple(x.shape) != shape:
         raise ValueError(f"{where}: {name} must have shape {shape}, got {tuple(x.shape)}")
+
+
+def require_data(x: Tensor, *, name: str, where: str) -> None:
+    """``TypeError`` for a meta tensor: it has a shape and a dtype but no values to compute with."""
+    if x.is_meta:
+        raise TypeError(
+            f"{where}: {name} is a meta tensor (device='meta'); meta tensors hold no data, so "
+            f"there is nothing to quantize or decode: materialize it on cpu or cuda first"
+        )
+
+
+_FP8_DTYPE_NAMES = (
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+)
+
+
+def require_fp8(x: Any, *, name: str, where: str) -> None:
+    """``TypeError`` unless ``x`` is a tensor of an FP8 dtype (E8M0 included).
+
+    Integer tensors are refused rather than reinterpreted: ``uint8`` values 0..255 are not the
+    bit patterns of FP8 codes unless they are viewed as such (``x.view(torch.float8_e4m3fn)``).
+    """
+    require_tensor(x, name=name, where=where)
+    accepted = [n for n in _FP8_DTYPE_NAMES if hasattr(torch, n)]
+    if str(x.dtype).removeprefix("torch.") not in accepted:
+        hint = (
+            "; integer values are not FP8 bit patterns: view the bytes with "
+            "x.view(torch.float8_e4m3fn)"
+            if x.dtype in (torch.uint8, torch.int8)
+            else ""
+        )
+        raise TypeError(
+            f"{where}: {name} must be an FP8 tensor ({', '.join(accepted)}), got dtype "
+            f"{x.dtype}{hint}"
+        )
+
+
+def to_float32(x: Tensor, *, name: str, where: str) -> Tensor:
+    """``x`` converted to FP32; ``ValueError`` where a finite value of a wider dtype overflows.
+
+    float64 values beyond ±FLT_MAX (~3.4e38) become ±inf in FP32; naming them as out of range
+    keeps the error truthful ("NaN or infinity" would misdescribe a finite input). NaN and ±inf
+    already in ``x`` pass through unchanged for the caller's own check.
+    """
+    x32 = x.to(torch.float32)
+    if x.dtype.itemsize > 4 and x.numel():  # only a wider dtype can overflow FP32
+        over = torch.isinf(x32) & torch.isfinite(x)
+        if bool(over.any()):
+            raise ValueError(
+                f"{where}: {name} has {int(over.sum())} value(s) that exceed FP32's range "
+                f"(|x| <= {torch.finfo(torch.float32).max:.7g}), such as "
+                f"{x[over][:4].tolist()}; floatxq computes in FP32"
+            )
+    return x32
+
+
+def require_positive_finite(x: Tensor, *, name: str, where: str) -> None:
+    """``ValueError`` naming the count and examples of NaN, infinite, zero or negative entries.
+
+    One host sync when every entry is positive and finite (empty tensors pass).
+    """
+    good = torch.isfinite(x) & (x > 0)
+    if x.numel() and not bool(good.all()):
+        bad = ~good
+        raise ValueError(
+            f"{where}: {name} must be finite and > 0; {int(bad.sum())} of {x.numel()} entries "
+            f"are not, such as {x[bad][:4].tolist()}"
+        )
+
+
+_E4M3_LARGEST_BYTE = 0x7E  # 448: bytes above it are NaN (0x7F) or have the sign bit set
+
+
+def require_e4m3_scales(scales: Tensor, *, name: str, where: str) -> None:
+    """``ValueError`` for NaN (bytes 0x7F, 0xFF) or negative (sign bit set, -0 included) E4M3
+    scales; zero is allowed (an all-zero block). ``scales`` must be ``float8_e4m3fn``."""
+    raw = scales.view(torch.uint8)
+    bad = raw > _E4M3_LARGEST_BYTE
+    if scales.numel() and bool(bad.any()):
+        raise ValueError(
+            f"{where}: {name} holds {int(bad.sum())} NaN or negative E4M3 scale(s) (bytes such "
+            f"as {[hex(b) for b in raw[bad][:4].tolist()]}); block scales must lie in [0, 448]"
+        )
+
+
+def real_scalar(value: Any, *, name: str, where: str, device: torch.device) -> Tensor:
+    """One real number as a 0-d FP32 tensor on ``device`` (exact for FP32/FP16/BF16 values).
+
+    Accepts a real Python or NumPy number (``bool`` is not a number here) or a floating tensor
+    holding exactly one value. ``TypeError`` for any other kind (strings included), ``ValueError``
+    for a tensor of several values or a finite value beyond FP32's range. NaN and ±inf pass
+    through for the caller's own range check.
+    """
+    if isinstance(value, torch.Tensor):
+        require_data(value, name=name, where=where)
+        if not value.is_floating_point():
+            raise TypeError(
+                f"{where}: {name} must be a floating-point scalar tensor, got dtype {value.dtype}"
+            )
+        if value.numel() != 1:
+            raise ValueError(
+                f"{where}: {name} must hold one value (shape () or (1,)), got shape "
+                f"{tuple(value.shape)}"
+            )
+        scalar = value.detach().reshape(())
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            scalar = torch.tensor(float(value), dtype=torch.float64)
+        except OverflowError:  # an int beyond float64
+            raise ValueError(
+                f"{where}: {name} is an integer of {int(value).bit_length()} bits, which exceeds "
+                f"FP32's range (|x| <= {torch.finfo(torch.float32).max:.7g})"
+            ) from None
+    else:
+        raise TypeError(
+            f"{where}: {name} must be a real number (int, float or a one-element floating "
+            f"tensor), got {type(value).__name__} {value!r:.40}"
+        )
+    return to_float32(scalar, name=name, where=where).to(device)

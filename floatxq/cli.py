@@ -1,6 +1,9 @@
 """The ``floatxq`` command line: a thin shell over the library.
 
-Commands: demo, quantize, inspect, eval, recipes.
+Commands: demo, quantize, inspect, eval, recipes. Every user error ends the command with one
+line ``error: <message>`` on stderr and exit code 2: arguments are checked before any work, and
+the library's own errors (bad values, unreadable or damaged files, unusable devices) are caught
+around the calls that can raise them, keeping the library's message.
 """
 
 import sys
@@ -17,11 +20,62 @@ app = typer.Typer(
 )
 
 TINY = "tiny"
+GENERATED_SOURCES: tuple[str, ...] = ("normal", "student_t3", "outliers")
+
+# What the library raises on bad user input (CheckpointError is a ValueError; OSError covers
+# PermissionError, FileNotFoundError and FileExistsError). RuntimeError joins them only around
+# model work on a device (torch's device errors, an already-quantized model).
+INPUT_ERRORS: tuple[type[Exception], ...] = (ValueError, TypeError, OSError)
+DEVICE_ERRORS: tuple[type[Exception], ...] = (*INPUT_ERRORS, RuntimeError)
 
 
 def _fail(message: str) -> "typer.Exit":
-    typer.echo(f"error: {message}", err=True)
+    """Print ``error: <message>`` on one line of stderr; the caller raises the returned Exit."""
+    typer.echo(f"error: {' '.join(message.split())}", err=True)
     return typer.Exit(code=2)
+
+
+def _fail_from(exc: Exception) -> "typer.Exit":
+    """``_fail`` with a library exception's own message (its type name when it has none)."""
+    return _fail(str(exc).strip() or type(exc).__name__)
+
+
+def _check_device(device: str | None) -> None:
+    """Refuse a ``--device`` that torch cannot parse or that this machine does not have."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise _fail(
+            f"--device {device!r} is not a torch device; accepted: cpu, cuda, cuda:N, mps"
+        ) from None
+    if dev.type == "cpu":
+        return
+    if dev.type == "meta":
+        raise _fail("--device meta holds no data to quantize or evaluate; use cpu or cuda")
+    backend = getattr(torch, dev.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if not callable(is_available) or not is_available():
+        raise _fail(f"--device {device!r}: torch sees no {dev.type} device on this machine")
+    count = getattr(backend, "device_count", None)
+    if dev.index is not None and callable(count) and dev.index >= count():
+        raise _fail(f"--device {device!r}: this machine has {count()} {dev.type} device(s)")
+
+
+def _check_at_least(option: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise _fail(f"{option} must be at least {minimum}, got {value}")
+
+
+def _check_png(png: Path) -> None:
+    """Refuse a chart path that cannot be written, before the work that precedes the chart."""
+    if png.is_dir():
+        raise _fail(f"--png {png} is a directory; give a file name")
+    if not png.parent.is_dir():
+        raise _fail(f"--png {png}: the directory {png.parent} does not exist")
 
 
 def _source_model(model: str, *, device: str | None):
@@ -46,6 +100,8 @@ def demo(
     png: Path = typer.Option(Path("floatxq-demo.png"), help="Where to write the chart."),
 ) -> None:
     """Every quantization path on the built-in trained tiny Llama: quality, size, time, chart."""
+    _check_at_least("--windows", windows, 1)
+    _check_png(png)
     from floatxq.demo import plot_demo, run_demo
 
     typer.echo("floatxq demo: the tiny Llama (6.4M parameters, trained on stdlib docstrings)")
@@ -70,6 +126,8 @@ def demo(
         typer.echo(f"\nchart: {png}")
     except ImportError:
         typer.echo("\n(matplotlib is not installed: pip install 'floatxq[plot]' for the chart)")
+    except INPUT_ERRORS as exc:
+        raise _fail_from(exc) from None
     typer.echo(f"done in {time.perf_counter() - start:.1f} s")
 
 
@@ -94,10 +152,15 @@ def quantize(
 ) -> None:
     """Quantize a model's linear layers and save the checkpoint in a chosen layout."""
     import floatxq
+    from floatxq.lifecycle.export import normalize_layout
 
     if method.strip().lower() != "fp8":
         raise _fail(f"unsupported --method {method!r}; accepted: fp8")
+    _check_device(device)
+    if out.exists() and not overwrite:
+        raise _fail(f"--out {out} already exists; choose a new directory or pass --overwrite")
     try:
+        normalize_layout(layout)
         config = floatxq.FP8Config(
             format=format,
             weight_scale_method=scale_method,
@@ -106,12 +169,17 @@ def quantize(
             dynamic={f"-:{pattern}": {} for pattern in exclude or ()} or None,
         )
         source = _source_model(model, device=device)
+    except DEVICE_ERRORS as exc:
+        raise _fail_from(exc) from None
+    if source.quantized:
+        raise _fail(f"quantize: {model} is already quantized; pass the unquantized model")
+    try:
         source.quantize_config = config
         start = time.perf_counter()
         source.quantize(progress=True)
         written = source.save(out, layout=layout, overwrite=overwrite)
-    except (ValueError, TypeError, FileExistsError, FileNotFoundError) as exc:
-        raise _fail(str(exc)) from None
+    except DEVICE_ERRORS as exc:
+        raise _fail_from(exc) from None
     typer.echo(
         f"quantized {len(source.quantized_modules)} modules ({config.format}, "
         f"{config.weight_scale_method}) in {time.perf_counter() - start:.1f} s -> {written} "
@@ -127,8 +195,8 @@ def inspect(path: Path = typer.Argument(..., help="A model directory.")) -> None
 
     try:
         report = inspect_checkpoint(path)
-    except ValueError as exc:
-        raise _fail(str(exc)) from None
+    except INPUT_ERRORS as exc:
+        raise _fail_from(exc) from None
     typer.echo(f"path:        {report.path}")
     typer.echo(f"model type:  {report.model_type}")
     typer.echo(f"layout:      {report.layout}: {READ_LAYOUTS.get(report.layout, '')}")
@@ -160,15 +228,27 @@ def eval_(
     """
     from floatxq.lifecycle.evaluate import evaluate_lm, heldout_windows
 
+    _check_at_least("--windows", windows, 1)
+    _check_at_least("--seq-len", seq_len, 2)
+    _check_device(device)
     try:
         candidate = _source_model(model, device=device).model
         ref = _source_model(reference, device=device).model if reference else None
+    except DEVICE_ERRORS as exc:
+        raise _fail_from(exc) from None
+    for name, m in ((model, candidate), (reference, ref)):
+        limit = getattr(getattr(m, "config", None), "max_position_embeddings", None)
+        if isinstance(limit, int) and seq_len > limit:
+            raise _fail(
+                f"--seq-len {seq_len} is longer than {name}'s max_position_embeddings ({limit})"
+            )
+    try:
         vocab = int(getattr(getattr(candidate, "config", None), "vocab_size", 0) or 0)
         model_dir = None if model == TINY else model
         ids = heldout_windows(model_dir, vocab_size=vocab, seq_len=seq_len, max_windows=windows)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        raise _fail(str(exc)) from None
-    report = evaluate_lm(candidate, ids, reference=ref)
+        report = evaluate_lm(candidate, ids, reference=ref)
+    except DEVICE_ERRORS as exc:
+        raise _fail_from(exc) from None
     typer.echo(f"tokens:      {report.tokens}")
     typer.echo(f"perplexity:  {report.perplexity:.4f}")
     if report.kl_divergence is not None:
@@ -180,19 +260,34 @@ def eval_(
 def recipes(
     source: str = typer.Option("normal", help="normal, student_t3, outliers, or a checkpoint dir."),
     tensor: str | None = typer.Option(None, help="Tensor name inside a checkpoint."),
-    size: int = typer.Option(1024, help="Rows and columns of a generated input."),
+    size: int = typer.Option(
+        1024, help="Rows and columns of a generated input (a positive multiple of 16)."
+    ),
     png: Path | None = typer.Option(None, help="Write a bar chart here."),
 ) -> None:
     """NVFP4 scale recipes: relative MSE and share of blocks at the exact optimum."""
-    import torch
-
     import floatxq
+    from floatxq.formats import NVFP4_BLOCK
 
+    if source in GENERATED_SOURCES:
+        if tensor is not None:
+            raise _fail(f"--tensor names a tensor of a checkpoint --source, not of {source!r}")
+        if size < 1 or size % NVFP4_BLOCK:
+            raise _fail(f"--size must be a positive multiple of {NVFP4_BLOCK}, got {size}")
+    elif not Path(source).is_dir():
+        accepted = ", ".join(GENERATED_SOURCES)
+        raise _fail(f"--source {source!r} is neither {accepted} nor a checkpoint directory")
+    if png is not None:
+        _check_png(png)
+        try:
+            import matplotlib
+        except ImportError:
+            raise _fail("--png needs matplotlib: pip install 'floatxq[plot]'") from None
     try:
         x = _recipe_input(source, tensor, size)
         report = floatxq.recipes_report(x)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise _fail(str(exc)) from None
+    except INPUT_ERRORS as exc:
+        raise _fail_from(exc) from None
     typer.echo(
         f"NVFP4 recipes on {source}{f':{tensor}' if tensor else ''} {tuple(x.shape)} {x.dtype}"
     )
@@ -203,8 +298,6 @@ def recipes(
             f"{row.seconds:>8.2f}"
         )
     if png is not None:
-        import matplotlib
-
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
@@ -214,10 +307,13 @@ def recipes(
         ax.set_xlabel("relative MSE (lower is better)")
         ax.set_title(f"NVFP4 recipes: {source} {tuple(x.shape)}")
         fig.tight_layout()
-        fig.savefig(png, dpi=110)
-        plt.close(fig)
+        try:  # without a suffix matplotlib would write png + ".png" instead of png
+            fig.savefig(png, dpi=110, format=png.suffix[1:].lower() or "png")
+        except INPUT_ERRORS as exc:
+            raise _fail_from(exc) from None
+        finally:
+            plt.close(fig)
         typer.echo(f"chart: {png}")
-    del torch
 
 
 def _recipe_input(source: str, tensor: str | None, size: int):
@@ -241,7 +337,7 @@ def _recipe_input(source: str, tensor: str | None, size: int):
             if not value.is_floating_point() or value.element_size() < 2:
                 raise ValueError(f"tensor {name} is {value.dtype}; pick a bf16/fp16/fp32 tensor")
             return value
-    raise KeyError(f"no tensor {tensor!r} in {source}")
+    raise ValueError(f"no tensor {tensor!r} in {source}")
 
 
 def main() -> None:

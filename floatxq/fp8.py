@@ -14,7 +14,15 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from floatxq._checks import require_finite, require_floating
+from floatxq._checks import (
+    require_data,
+    require_finite,
+    require_floating,
+    require_fp8,
+    require_positive_finite,
+    require_tensor,
+    to_float32,
+)
 from floatxq._typing import Float, Float8e4m3fn, Float32, FP8Dtype, Shaped, Tensor, checked_record
 from floatxq.formats import (
     FLOAT32_MAX,
@@ -99,6 +107,7 @@ def fp8_cast(
     """
     name = normalize_fp8_weight_format(format, where="fp8_cast: format")
     require_floating(x, name="x", where="fp8_cast")
+    require_data(x, name="x", where="fp8_cast")
     return _saturating_cast(x.to(torch.float32), getattr(torch, name), fp8_max(name))
 
 
@@ -107,6 +116,10 @@ def fp8_decode(
 ) -> Float[Tensor, "*shape"]:
     """Decode FP8 codes of any FP8 dtype (E8M0 included) to ``dtype``.
 
+    Raises:
+      TypeError: ``codes`` that are not an FP8 tensor (``uint8`` bytes must be viewed as their
+        FP8 dtype first: integers are not bit patterns), or a meta tensor.
+
     Numerics: exact into FP32 (every FP8 value is an FP32 value); one nearest-even rounding into a
     narrower ``dtype``. NaN codes decode to NaN; E8M0 follows :func:`decode_e8m0`.
 
@@ -114,6 +127,8 @@ def fp8_decode(
       >>> fp8_decode(torch.tensor([0x7E], dtype=torch.uint8).view(torch.float8_e4m3fn)).tolist()
       [448.0]
     """
+    require_fp8(codes, name="codes", where="fp8_decode")
+    require_data(codes, name="codes", where="fp8_decode")
     if codes.dtype == getattr(torch, "float8_e8m0fnu", None):
         return decode_e8m0(codes).to(dtype)
     return codes.to(torch.float32).to(dtype)
@@ -157,6 +172,7 @@ def _weight_arguments(
     arguments are typed ``object`` because this is where unchecked user input is validated.
     """
     require_floating(weight, name="weight", where=where)
+    require_data(weight, name="weight", where=where)
     if weight.ndim != 2:
         raise ValueError(
             f"{where}: weight must be a 2-D (out, in) matrix, got shape {tuple(weight.shape)}"
@@ -191,8 +207,9 @@ def quantize_fp8_weight(
       ``FP8Weight(qweight, scale_inv)``; scale shapes ``()``, ``(out,)``, ``(out/br, in/bc)``.
 
     Raises:
-      ValueError: rank ≠ 2, non-finite weights, indivisible shape, E8M0, bad names.
-      TypeError: a non-floating weight.
+      ValueError: rank ≠ 2, non-finite weights (or float64 ones beyond FP32's range),
+        indivisible shape, E8M0, bad names.
+      TypeError: a non-floating weight, or a meta tensor.
 
     Numerics: FP32 scale math (true division), multiply-to-quantize, clamp then nearest-even
     cast; bit-identical to GPT-QModel's FP8 weights except that tiny-amax regions keep finite
@@ -212,7 +229,7 @@ def quantize_fp8_weight(
         where=where,
     )
     dtype, fmax = getattr(torch, name), fp8_max(name)
-    w = weight.to(torch.float32)
+    w = to_float32(weight, name="weight", where=where)
     require_finite(w, name="weight", where=where)
 
     if method == "tensor":
@@ -235,27 +252,63 @@ def quantize_fp8_weight(
     return FP8Weight(codes.reshape(rows, cols), scale_inv)
 
 
-def _expand_scale_inv(scale_inv: Tensor, shape: torch.Size) -> Tensor:
-    """Broadcast a tensor/row/block inverse scale over an ``(out, in)`` weight."""
-    layout, block = infer_scale_layout(tuple(shape), tuple(scale_inv.shape))
-    if layout == "tensor":
+def _expand_scale_inv(
+    scale_inv: Tensor, shape: torch.Size, layout: tuple[FP8ScaleMethod, tuple[int, int] | None]
+) -> Tensor:
+    """Broadcast a tensor/row/block inverse scale over an ``(out, in)`` weight.
+
+    A block grid given flattened (1-D, as :func:`infer_scale_layout` accepts it) is read
+    row-major, as ``TorchFP8Linear.from_quantized`` reads it.
+    """
+    method, block = layout
+    if method == "tensor":
         return scale_inv.reshape(())
-    if layout == "row":
+    if method == "row":
         return scale_inv[:, None]
     br, bc = block  # type: ignore[misc]  # "block" always carries a block size
-    return scale_inv.repeat_interleave(br, dim=0).repeat_interleave(bc, dim=1)
+    rows, cols = shape
+    grid = scale_inv.reshape(rows // br, cols // bc)
+    return grid.repeat_interleave(br, dim=0).repeat_interleave(bc, dim=1)
 
 
-def _decoded_weight(qweight: Tensor, scale_inv: Tensor, *, where: str) -> Tensor:
-    """``float32(code) / scale_inv`` over an ``(out, in)`` weight, in FP32."""
+def _decoded_weight(qweight: object, scale_inv: object, *, where: str) -> Tensor:
+    """``float32(code) / scale_inv`` over an ``(out, in)`` weight, in FP32, after the checks
+    the encoder's output passes: FP8 codes, a scale layout that fits, finite positive scales."""
+    require_fp8(qweight, name="qweight", where=where)
+    require_floating(scale_inv, name="scale_inv", where=where)
+    require_data(qweight, name="qweight", where=where)
+    require_data(scale_inv, name="scale_inv", where=where)
     if qweight.ndim != 2:
         raise ValueError(f"{where}: qweight must be 2-D (out, in), got {tuple(qweight.shape)}")
+    layout = _scale_layout(tuple(qweight.shape), tuple(scale_inv.shape))
+    if layout is None:
+        raise ValueError(
+            f"{where}: scale_inv of shape {tuple(scale_inv.shape)} fits no scale layout of "
+            f"qweight of shape {tuple(qweight.shape)}; {_accepted_layouts(qweight.shape[0])}"
+        )
     if scale_inv.device != qweight.device:
         raise TypeError(
             f"{where}: scale_inv is on {scale_inv.device} but qweight is on {qweight.device}"
         )
-    expanded = _expand_scale_inv(scale_inv.to(torch.float32), qweight.shape)
-    return fp8_decode(qweight) / expanded
+    if torch.compiler.is_compiling():  # the value checks need a host sync; the module checked
+        s = scale_inv.to(torch.float32)  # its scales when it was built
+    else:
+        s = to_float32(scale_inv, name="scale_inv", where=where)
+        require_positive_finite(s, name="scale_inv (codes are divided by it)", where=where)
+    return fp8_decode(qweight) / _expand_scale_inv(s, qweight.shape, layout)
+
+
+def _dequantize_stored(qweight: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    """:func:`dequantize_fp8_weight`'s arithmetic without its value checks (no host sync), for
+    modules whose buffers were checked when they were built or loaded. Same bits."""
+    layout = _scale_layout(tuple(qweight.shape), tuple(scale_inv.shape))
+    if layout is None:
+        raise ValueError(
+            f"dequantize: scale_inv of shape {tuple(scale_inv.shape)} fits no scale layout of "
+            f"qweight of shape {tuple(qweight.shape)}"
+        )
+    s = scale_inv.to(torch.float32)
+    return (fp8_decode(qweight) / _expand_scale_inv(s, qweight.shape, layout)).to(dtype)
 
 
 def dequantize_fp8_weight(
@@ -273,9 +326,13 @@ def dequantize_fp8_weight(
       dtype: output dtype.
 
     Raises:
-      ValueError: a scale shape no layout explains. TypeError: tensors on different devices.
+      TypeError: ``qweight`` not an FP8 tensor (integers are not bit patterns: view ``uint8``
+        bytes as the FP8 dtype), non-floating ``scale_inv``, meta tensors, different devices.
+      ValueError: a scale shape no layout explains (both shapes named); a ``scale_inv`` entry
+        that is zero, negative, NaN or infinite (or a float64 one beyond FP32's range).
 
     Numerics: FP32 true division, one nearest-even rounding into ``dtype``; NaN codes give NaN.
+    Under ``torch.compile`` the scale values are not checked (that needs a host sync).
 
     Example:
       >>> q = quantize_fp8_weight(torch.tensor([[1.0, -2.0]]))
@@ -299,7 +356,7 @@ def dequantize_fp8_weight_transposed(
       dtype: output dtype.
 
     Raises:
-      ValueError: a scale shape no layout explains. TypeError: tensors on different devices.
+      TypeError, ValueError: as :func:`dequantize_fp8_weight`.
 
     Numerics: bit-identical to ``dequantize_fp8_weight(...).t().contiguous()``.
 
@@ -347,6 +404,26 @@ def infer_scale_layout(
     weight_shape, scale_shape = tuple(weight_shape), tuple(scale_shape)
     if len(weight_shape) != 2:
         raise ValueError(f"infer_scale_layout: weight_shape must be 2-D, got {weight_shape}")
+    layout = _scale_layout(weight_shape, scale_shape)
+    if layout is None:
+        raise ValueError(
+            f"infer_scale_layout: scale shape {scale_shape} fits no layout of a {weight_shape} "
+            f"weight; {_accepted_layouts(weight_shape[0])}"
+        )
+    return layout
+
+
+def _accepted_layouts(rows: int) -> str:
+    return (
+        f"accepted: () or (1,) for tensor, ({rows},) for row, (out/br, in/bc) for block "
+        f"(or that grid flattened)"
+    )
+
+
+def _scale_layout(
+    weight_shape: tuple[int, int], scale_shape: tuple[int, ...]
+) -> tuple[FP8ScaleMethod, tuple[int, int] | None] | None:
+    """:func:`infer_scale_layout`'s rules for a 2-D weight; None when no layout fits."""
     rows, cols = weight_shape
     count = 1
     for s in scale_shape:
@@ -365,10 +442,7 @@ def infer_scale_layout(
         block = _most_square_blocks(rows, cols, count)
         if block is not None:
             return ("block", block)
-    raise ValueError(
-        f"infer_scale_layout: scale shape {scale_shape} fits no layout of a {weight_shape} weight; "
-        f"accepted: () or (1,) for tensor, ({rows},) for row, (out/br, in/bc) for block"
-    )
+    return None
 
 
 def direct_to_inverse_scale(scale: Float[Tensor, "*shape"]) -> Float32[Tensor, "*shape"]:
@@ -378,8 +452,10 @@ def direct_to_inverse_scale(scale: Float[Tensor, "*shape"]) -> Float32[Tensor, "
     (≈ 8.5e37), as GPT-QModel's loader does, so its all-zero region still decodes to zeros.
 
     Raises:
-      ValueError: a negative or non-finite direct scale, or a positive one below ``1/FLT_MAX``
-        (≈ 2.9e-39) whose inverse overflows FP32 (every ``scale_inv`` floatxq holds is finite).
+      ValueError: a negative or non-finite direct scale (or a float64 one beyond FP32's range),
+        or a positive one below ``1/FLT_MAX`` (≈ 2.9e-39) whose inverse overflows FP32 (every
+        ``scale_inv`` floatxq holds is finite).
+      TypeError: a non-floating or meta tensor.
 
     Numerics: FP32 IEEE division, no rounding beyond it.
 
@@ -387,9 +463,11 @@ def direct_to_inverse_scale(scale: Float[Tensor, "*shape"]) -> Float32[Tensor, "
       >>> direct_to_inverse_scale(torch.tensor([0.5, 0.0])).tolist()
       [2.0, 8.507059173023462e+37]
     """
-    require_floating(scale, name="scale", where="direct_to_inverse_scale")
-    s = scale.to(torch.float32)
-    require_finite(s, name="scale", where="direct_to_inverse_scale")
+    where = "direct_to_inverse_scale"
+    require_floating(scale, name="scale", where=where)
+    require_data(scale, name="scale", where=where)
+    s = to_float32(scale, name="scale", where=where)
+    require_finite(s, name="scale", where=where)
     if s.numel() and bool((s < 0).any()):
         raise ValueError("direct_to_inverse_scale: scale has negative entries; scales are >= 0")
     inverse = torch.ones_like(s) / s
@@ -408,7 +486,7 @@ def decode_e8m0(scale_bytes: Shaped[Tensor, "*shape"]) -> Float32[Tensor, "*shap
       scale_bytes: ``uint8`` storage or ``float8_e8m0fnu`` (viewed as bytes).
 
     Raises:
-      TypeError: any other dtype.
+      TypeError: any other dtype, a non-tensor or a meta tensor.
 
     Numerics: exact (byte 0 gives the FP32 subnormal ``2**-127``); no rounding.
 
@@ -416,6 +494,8 @@ def decode_e8m0(scale_bytes: Shaped[Tensor, "*shape"]) -> Float32[Tensor, "*shap
       >>> decode_e8m0(torch.tensor([127, 128, 0, 255], dtype=torch.uint8)).tolist()[:3]
       [1.0, 2.0, 5.877471754111438e-39]
     """
+    require_tensor(scale_bytes, name="scale_bytes", where="decode_e8m0")
+    require_data(scale_bytes, name="scale_bytes", where="decode_e8m0")
     e8m0 = getattr(torch, "float8_e8m0fnu", None)
     if scale_bytes.dtype == e8m0:
         scale_bytes = scale_bytes.view(torch.uint8)
@@ -453,7 +533,8 @@ def fp8_token_quantize(x: Float[Tensor, "*b k"]) -> FP8Tokens:
     and ``codes = e4m3(clamp(x / scale, ±448))``.
 
     Raises:
-      ValueError: NaN or infinity in ``x``.
+      ValueError: NaN or infinity in ``x`` (or float64 values beyond FP32's range).
+      TypeError: a non-floating or meta ``x``.
 
     Numerics: FP32 true division (not a reciprocal), clamp then nearest-even E4M3; finite input
     never yields NaN or inf.
@@ -463,11 +544,13 @@ def fp8_token_quantize(x: Float[Tensor, "*b k"]) -> FP8Tokens:
       >>> t.scale.tolist(), t.codes.float().tolist()
       ([[0.008928571827709675]], [[112.0, -448.0]])
     """
-    require_floating(x, name="x", where="fp8_token_quantize")
+    where = "fp8_token_quantize"
+    require_floating(x, name="x", where=where)
+    require_data(x, name="x", where=where)
     if x.ndim == 0:
-        raise ValueError("fp8_token_quantize: x must have at least one axis (the token axis k)")
-    x32 = x.to(torch.float32)
-    require_finite(x32, name="x", where="fp8_token_quantize")
+        raise ValueError(f"{where}: x must have at least one axis (the token axis k)")
+    x32 = to_float32(x, name="x", where=where)
+    require_finite(x32, name="x", where=where)
     if x32.shape[-1] == 0:
         scale = torch.ones((*x32.shape[:-1], 1), dtype=torch.float32, device=x32.device)
         return FP8Tokens(x32.to(torch.float8_e4m3fn), scale)
@@ -484,13 +567,41 @@ def fp8_token_dequantize(
 ) -> Float[Tensor, "*b k"]:
     """Invert :func:`fp8_token_quantize`: ``float32(codes) * scale`` rounded once to ``dtype``.
 
+    Args:
+      codes: ``(*b, k)`` FP8 codes.
+      scale: ``(*b, 1)`` direct scales, one per row of ``codes`` (never broadcast along ``k``).
+      dtype: output dtype.
+
+    Raises:
+      TypeError: ``codes`` not an FP8 tensor, non-floating ``scale``, meta tensors, different
+        devices.
+      ValueError: 0-d ``codes``; ``scale`` not shaped ``(*b, 1)``; a ``scale`` entry that is
+        zero, negative, NaN or infinite (``fp8_token_quantize`` writes none).
+
     Numerics: exact FP32 product of an E4M3 value and the scale (then one rounding to ``dtype``).
 
     Example:
       >>> fp8_token_dequantize(*fp8_token_quantize(torch.tensor([[1.0, -4.0]]))).tolist()
       [[1.0, -4.0]]
     """
-    return (fp8_decode(codes) * scale.to(torch.float32)).to(dtype)
+    where = "fp8_token_dequantize"
+    require_fp8(codes, name="codes", where=where)
+    require_floating(scale, name="scale", where=where)
+    require_data(codes, name="codes", where=where)
+    require_data(scale, name="scale", where=where)
+    if codes.ndim == 0:
+        raise ValueError(f"{where}: codes must have at least one axis (the token axis k)")
+    rows = (*codes.shape[:-1], 1)
+    if tuple(scale.shape) != rows:
+        raise ValueError(
+            f"{where}: scale must have shape {rows} (one scale per row of codes of shape "
+            f"{tuple(codes.shape)}), got {tuple(scale.shape)}"
+        )
+    if scale.device != codes.device:
+        raise TypeError(f"{where}: scale is on {scale.device} but codes is on {codes.device}")
+    s = to_float32(scale, name="scale", where=where)
+    require_positive_finite(s, name="scale", where=where)
+    return (fp8_decode(codes) * s).to(dtype)
 
 
 def fp8_token_qdq(x: Float[Tensor, "*b k"]) -> Float[Tensor, "*b k"]:
@@ -509,6 +620,7 @@ def fp8_token_qdq(x: Float[Tensor, "*b k"]) -> Float[Tensor, "*b k"]:
       [[1.0, 0.2857142984867096]]
     """
     require_floating(x, name="x", where="fp8_token_qdq")
+    require_data(x, name="x", where="fp8_token_qdq")
     if x.numel() == 0:
         return x
     tokens = fp8_token_quantize(x)
@@ -565,8 +677,10 @@ def fp8_scaled_linear(
       ``(m, n)`` in ``x.dtype``.
 
     Raises:
-      ValueError: an unknown recipe, mismatched shapes or scale layout, non-finite ``x``.
-      TypeError: ``weight`` is not an FP8 tensor the recipe takes, ``x`` is not floating.
+      ValueError: an unknown recipe, mismatched shapes or scale layout, non-finite ``x``, a
+        ``weight_scale_inv`` entry that is zero, negative, NaN or infinite.
+      TypeError: ``weight`` is not an FP8 tensor the recipe takes, ``x`` is not floating, meta
+        tensors.
 
     Numerics: products and sums in float64 (exact products, sums to ~2**-53), rounded to FP32
     and then once to ``x.dtype``; a GEMM accumulating in FP32 differs from it only by its FP32
@@ -582,6 +696,9 @@ def fp8_scaled_linear(
     _scaled_linear_arguments(
         x, weight, weight_scale_inv, bias, recipe=recipe, scale_name="weight_scale_inv", where=where
     )
+    for name, t in (("x", x), ("weight", weight), ("weight_scale_inv", weight_scale_inv)):
+        require_data(t, name=name, where=where)
+    require_positive_finite(weight_scale_inv, name="weight_scale_inv", where=where)
     xq = _quantize_x(x, weight, recipe)
     sw = torch.ones_like(weight_scale_inv) / weight_scale_inv
     out = _scaled_sum(xq.qweight, weight, torch.ones_like(xq.scale_inv) / xq.scale_inv, sw, recipe)

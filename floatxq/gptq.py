@@ -68,6 +68,14 @@ _MSE_CHUNK = 8  # shrink candidates evaluated at once (fixed so reductions see f
 _FLOOR_ATTEMPTS = 6
 _FLOOR_RELATIVE = 1e-6
 
+GPTQ_MAX_DAMP_RETRIES = 10_000
+"""The most ``damp_auto_increment`` retries a damping schedule may take on its way to 1.
+
+GPT-QModel retries ``damp += increment`` while ``damp < 1``, which never ends when the increment
+is too small to change ``damp`` (``0.05 + 1e-300 == 0.05``); floatxq refuses such options instead:
+an increment must take ``damp_percent`` to 1 within this many retries (``>= 9.5e-5`` from the
+default 0.05). GPT-QModel's defaults need 95 (``0.05``, ``0.01``)."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class GPTQSolveOptions:
@@ -83,7 +91,13 @@ class GPTQSolveOptions:
     columns by descending ``diag(H)``); ``static_groups`` (group parameters from the original
     weight); ``act_group_aware`` (reorder inside and across groups, keeping groups contiguous;
     not together with ``desc_act``); ``0 < damp_percent < 1``; ``damp_auto_increment >= 0``
-    (0: no retries); ``mse >= 0`` (exponent of the shrink search; 0 turns it off).
+    (0: no retries), and when positive large enough that the damping schedule
+    ``damp_percent, +increment, …`` (repeated float64 addition, while below 1) reaches 1 within
+    :data:`GPTQ_MAX_DAMP_RETRIES` retries, each raising the damp; ``mse >= 0`` (exponent of the
+    shrink search; 0 turns it off).
+
+    Raises:
+      TypeError: a field of the wrong type. ValueError: a value outside the ranges above.
 
     Numerics: names only; no tensor math.
 
@@ -138,6 +152,7 @@ class GPTQSolveOptions:
             value = getattr(self, name)
             if not 0.0 <= value < math.inf:
                 raise ValueError(f"{where}: {name} must be finite and >= 0, got {value!r}")
+        _damp_candidates(self.damp_percent, self.damp_auto_increment)  # the schedule must end
         if self.desc_act and self.act_group_aware:
             raise ValueError(
                 f"{where}: desc_act=True and act_group_aware=True cannot be combined (group-aware "
@@ -418,15 +433,44 @@ def _mse_search(
 # ----------------------------------------------------------------------------------------------
 
 
-def _damp_candidates(damp: float, increment: float) -> list[float]:
-    """``damp, damp+inc, damp+2inc, …`` by repeated addition, while below 1."""
+def _damp_candidates(damp: float, increment: float):
+    # Unannotated return on purpose: the test run's beartype samples a random element of an
+    # annotated list, which Hypothesis flags when options are built inside a strategy.
+    """``damp, damp+inc, damp+2inc, …`` by repeated addition, while below 1.
+
+    Raises ``ValueError`` when the schedule would need more than :data:`GPTQ_MAX_DAMP_RETRIES`
+    retries or an addition leaves the damp unchanged (it would never reach 1).
+    """
+    where = "GPTQSolveOptions"
     candidates = [damp]
-    while increment > 0:
+    if increment <= 0:
+        return candidates
+    fewest = (1.0 - damp) / GPTQ_MAX_DAMP_RETRIES
+    accepted = (
+        f"accepted: 0 (no retries) or an increment that takes damp_percent to 1 within "
+        f"{GPTQ_MAX_DAMP_RETRIES} retries (about {fewest:.3g} or more)"
+    )
+    if (1.0 - damp) / increment > GPTQ_MAX_DAMP_RETRIES + 1:
+        raise ValueError(
+            f"{where}: damp_auto_increment {increment!r} would need about "
+            f"{(1.0 - damp) / increment:.3g} retries to take damp_percent {damp!r} to 1; {accepted}"
+        )
+    while True:
         nxt = candidates[-1] + increment
         if nxt >= 1.0:
-            break
+            return candidates
+        if nxt <= candidates[-1]:
+            raise ValueError(
+                f"{where}: damp_auto_increment {increment!r} does not raise the damp "
+                f"({candidates[-1]!r} + {increment!r} == {candidates[-1]!r} in float64), so "
+                f"the retries would never reach 1; {accepted}"
+            )
+        if len(candidates) > GPTQ_MAX_DAMP_RETRIES:
+            raise ValueError(
+                f"{where}: damp_auto_increment {increment!r} needs more than "
+                f"{GPTQ_MAX_DAMP_RETRIES} retries to take damp_percent {damp!r} to 1; {accepted}"
+            )
         candidates.append(nxt)
-    return candidates
 
 
 def _damped_search(hessian: Tensor, candidates: list[float]) -> tuple[Tensor, float] | None:
@@ -470,17 +514,33 @@ def _damped_search(hessian: Tensor, candidates: list[float]) -> tuple[Tensor, fl
     return None
 
 
-def _inverse_factor(hessian: Tensor, damp: float, increment: float) -> tuple[Tensor, float]:
+def _inverse_factor(
+    hessian: Tensor, damp: float, increment: float, *, columns: Tensor | None = None
+) -> tuple[Tensor, float]:
     """Damping with auto-increment retries, then up to six diagonal-floor rescues.
 
     Each floor ``f = max|diag H| · 1e-6 · 10**(attempt - 1)`` replaces the diagonal by
-    ``max(diag + f, f)`` and runs the damping search again.
+    ``max(diag + f, f)`` and runs the damping search again. The floors rescue rank-deficient
+    Hessians (tiny or slightly negative eigenvalues); a negative diagonal entry, which no
+    ``2/N · Σ xᵀx`` has, is refused instead of floored when no damp repairs it. ``columns`` maps
+    solve order to natural columns (for the message).
     """
     candidates = _damp_candidates(damp, increment)
     found = _damped_search(hessian, candidates)
     if found is not None:
         return found
     diag = hessian.diagonal().clone()
+    negative = diag < 0
+    if bool(negative.any()):
+        worst = int(torch.argmin(diag))
+        column = worst if columns is None else int(columns[worst])
+        raise ValueError(
+            f"gptq_solve: hessian is not positive semidefinite: {int(negative.sum())} of its "
+            f"{diag.shape[0]} diagonal entries are negative (H[{column}, {column}] = "
+            f"{float(diag[worst]):.4g}) and no damp_percent in "
+            f"{candidates[0]:.4g}..{candidates[-1]:.4g} makes it positive definite; a Hessian "
+            f"2/N·Σxᵀx has a non-negative diagonal, so this is not one (check how it was computed)"
+        )
     amax = float(diag.abs().max())
     base = amax * _FLOOR_RELATIVE if math.isfinite(amax) and amax > 0 else _FLOOR_RELATIVE
     for attempt in range(1, _FLOOR_ATTEMPTS + 1):
@@ -751,7 +811,8 @@ def gptq_solve(
     ``desc_act`` sorts columns by ``diag(H)`` (descending, stable), ``act_group_aware`` sorts
     inside each group and then whole groups by their largest ``diag(H)``; the damped Hessian
     ``H + damp·mean(diag H)·I`` is inverted through Cholesky with ``damp`` retried upward by
-    ``damp_auto_increment`` and, failing that, six diagonal floors; then columns are solved in
+    ``damp_auto_increment`` (at most :data:`GPTQ_MAX_DAMP_RETRIES` times) and, failing that,
+    six diagonal floors (not for a negative diagonal entry: an error); then columns are solved in
     blocks of ``blocksize``, each group's parameters taken at its first column from the fully
     error-updated weights, and each block's errors applied to the rest with one GEMM.
 
@@ -770,8 +831,9 @@ def gptq_solve(
 
     Raises:
       ValueError: non-finite inputs, weights above half the largest finite value (a group's
-        range would overflow), mismatched shapes, ``blocksize < 1``, or a Hessian that no
-        damping or floor makes positive definite. TypeError: wrong kinds or devices.
+        range would overflow), mismatched shapes, ``blocksize < 1``, a Hessian with a negative
+        diagonal entry that no damp repairs (not positive semidefinite, so not ``2/N·Σxᵀx``), or
+        one that no damping or floor makes positive definite. TypeError: wrong kinds or devices.
 
     Numerics: the quantizer above (IEEE division, round-half-even, clamp to ``0..maxq``); FP32
     linear algebra, so CPU and CUDA results agree up to summation order in the Cholesky and GEMM.
@@ -826,7 +888,9 @@ def _solve(
     if plan.perm is not None:
         wt = wt[plan.perm]
         h = h[plan.perm][:, plan.perm]
-    hinv, damp = _inverse_factor(h, options.damp_percent, options.damp_auto_increment)
+    hinv, damp = _inverse_factor(
+        h, options.damp_percent, options.damp_auto_increment, columns=plan.perm
+    )
     del h
 
     blocks = _blocks(k, blocksize, plan.groups)

@@ -18,12 +18,12 @@ from typing import NamedTuple
 import torch
 
 from floatxq._checks import (
+    require_data,
     require_finite,
     require_floating,
     require_integer,
     require_range,
     require_shape,
-    require_tensor,
 )
 from floatxq._typing import (
     Float,
@@ -146,7 +146,11 @@ def _shift_words(qzeros: Tensor, delta: int) -> Tensor:
 
 
 def _check_packed(packed: object, *, where: str) -> tuple[int, int, int]:
-    """``(in, out, groups)`` of a valid :class:`GPTQPacked`, or a ``TypeError``/``ValueError``."""
+    """``(in, out, groups)`` of a valid :class:`GPTQPacked`, or a ``TypeError``/``ValueError``.
+
+    Valid means what :func:`pack_gptq_int4` writes: int32 words, floating finite scales, shapes
+    that agree and every ``g_idx`` in ``[0, groups)``.
+    """
     if not isinstance(packed, tuple) or len(packed) != 4:
         raise TypeError(
             f"{where}: packed must be a GPTQPacked (qweight, qzeros, scales, g_idx), got "
@@ -155,7 +159,9 @@ def _check_packed(packed: object, *, where: str) -> tuple[int, int, int]:
     qweight, qzeros, scales, g_idx = packed
     for name, t in (("qweight", qweight), ("qzeros", qzeros), ("g_idx", g_idx)):
         require_integer(t, name=f"packed.{name}", where=where)
-    require_tensor(scales, name="packed.scales", where=where)
+    require_floating(scales, name="packed.scales", where=where)
+    for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("g_idx", g_idx)):
+        require_data(t, name=f"packed.{name}", where=where)
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or g_idx.dtype != torch.int32:
         raise TypeError(
             f"{where}: packed.qweight, packed.qzeros and packed.g_idx must be int32, got "
@@ -172,6 +178,11 @@ def _check_packed(packed: object, *, where: str) -> tuple[int, int, int]:
     require_shape(qzeros, (groups, out // _NIBBLES), name="packed.qzeros", where=where)
     require_shape(scales, (groups, out), name="packed.scales", where=where)
     require_shape(g_idx, (rows,), name="packed.g_idx", where=where)
+    # what pack_gptq_int4 guarantees of its output
+    if rows and not groups:
+        raise ValueError(f"{where}: packed.scales and packed.qzeros hold no group for {rows} rows")
+    require_range(g_idx, 0, max(groups - 1, 0), name="packed.g_idx", where=where)
+    require_finite(scales, name="packed.scales", where=where)
     return rows, out, groups
 
 
@@ -205,11 +216,13 @@ def pack_gptq_int4(
 
     Raises:
       ValueError: a code/zero outside ``0..15``, a g_idx outside ``[0, groups)``, shapes that
-        do not agree or are not multiples of 8, non-finite scales, or an unknown format.
-      TypeError: non-integer codes/zeros/g_idx, or non-floating scales.
+        do not agree or are not multiples of 8, non-finite scales, scales that do not survive
+        float16 (nonzero ones that round to 0, or ones that overflow), or an unknown format.
+      TypeError: non-integer codes/zeros/g_idx, non-floating scales, or meta tensors.
 
     Numerics: bit-exact integer packing (the top nibble gives negative int32 words); scales are
-    rounded to float16 nearest-even after clamping to ±65504 (finite saturation).
+    rounded to float16 nearest-even (|s| up to 65519 rounds to at most 65504); a scale the
+    rounding flushes to 0 or overflows to ±inf is refused, never stored.
 
     Example:
       >>> codes = torch.tensor([[15], [0], [0], [0], [0], [0], [0], [1]]).expand(8, 8)
@@ -224,6 +237,8 @@ def pack_gptq_int4(
     require_integer(zeros, name="zeros", where=where)
     require_integer(g_idx, name="g_idx", where=where)
     require_floating(scales, name="scales", where=where)
+    for name, t in (("codes", codes), ("zeros", zeros), ("scales", scales), ("g_idx", g_idx)):
+        require_data(t, name=name, where=where)
     if codes.ndim != 2:
         raise ValueError(f"{where}: codes must be 2-D (in, out), got {tuple(codes.shape)}")
     rows, out = codes.shape
@@ -243,13 +258,28 @@ def pack_gptq_int4(
     if rows and not groups:
         raise ValueError(f"{where}: zeros and scales need at least one group for {rows} rows")
     require_finite(scales, name="scales", where=where)
+    scales16 = _float16_scales(scales, where=where)
 
     qweight = _to_int32_words(_pack_nibbles(codes, dim=0))
     qzeros = _to_int32_words(_pack_nibbles(zeros, dim=1))
     if fmt == "gptq":
         qzeros = _shift_words(qzeros, -_V1_OFFSET)
-    scales16 = scales.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
     return GPTQPacked(qweight, qzeros, scales16, g_idx.to(torch.int32).contiguous())
+
+
+def _float16_scales(scales: Tensor, *, where: str) -> Tensor:
+    """``scales`` rounded to float16, refused where the store would lose them: a nonzero scale
+    that rounds to 0 (every code of its group would decode to 0) or one that overflows to ±inf.
+    """
+    scales16 = scales.to(torch.float16)
+    lost = ((scales16 == 0) & (scales != 0)) | torch.isinf(scales16)
+    if scales.numel() and bool(lost.any()):
+        raise ValueError(
+            f"{where}: {int(lost.sum())} scale(s) do not survive the float16 checkpoint store, "
+            f"such as {scales[lost][:4].tolist()}: float16 keeps magnitudes from ~3e-8 (smaller "
+            f"round to 0) to {_FP16_MAX:g} (65520 and more overflow to inf)"
+        )
+    return scales16
 
 
 def unpack_gptq_int4(packed: GPTQPacked, *, format: str = "gptq") -> GPTQUnpacked:
@@ -266,7 +296,9 @@ def unpack_gptq_int4(packed: GPTQPacked, *, format: str = "gptq") -> GPTQUnpacke
       ``GPTQUnpacked(codes uint8 (in, out), zeros uint8 (groups, out), scales, g_idx int32)``.
 
     Raises:
-      ValueError: inconsistent shapes or an unknown format. TypeError: wrong dtypes.
+      ValueError: inconsistent shapes, a ``g_idx`` outside ``[0, groups)``, non-finite scales
+        or an unknown format (what :func:`pack_gptq_int4` refuses to write).
+      TypeError: wrong dtypes (non-int32 words or ``g_idx``, non-floating scales), meta tensors.
 
     Numerics: exact integer unpacking; scales are returned as stored.
 
@@ -303,6 +335,9 @@ def convert_gptq_format(packed: GPTQPacked, *, source: str, target: str) -> GPTQ
 
     Returns:
       A new :class:`GPTQPacked` in ``target``'s convention.
+
+    Raises:
+      TypeError, ValueError: as :func:`unpack_gptq_int4`.
 
     Numerics: exact integer word arithmetic. A v2 zero point of 0 borrows from the next nibble
     in the v1 form (v1 cannot store it); converting back restores it exactly.
@@ -387,6 +422,7 @@ def centered_int4(packed: GPTQPacked, *, format: str = "gptq") -> Int16[Tensor, 
 def _require_centered(c: object, *, name: str, where: str, low: int, high: int) -> None:
     """An integer tensor whose values lie in ``[low, high]`` (a centered INT4 value or plane)."""
     require_integer(c, name=name, where=where)
+    require_data(c, name=name, where=where)
     require_range(c, low, high, name=name, where=where)
 
 
@@ -510,6 +546,8 @@ def int4_planes_to_e2m1(low: Integer[Tensor, "k n"], high: Integer[Tensor, "k n"
     where = "int4_planes_to_e2m1"
     require_integer(low, name="low", where=where)
     require_integer(high, name="high", where=where)
+    require_data(low, name="low", where=where)
+    require_data(high, name="high", where=where)
     if low.shape != high.shape or low.ndim != 2:
         raise ValueError(
             f"{where}: low and high must be 2-D (k, n) planes of one shape, got "

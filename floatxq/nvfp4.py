@@ -23,10 +23,19 @@ from typing import NamedTuple
 
 import torch
 
-from floatxq._checks import require_finite, require_floating
+from floatxq._checks import (
+    real_scalar,
+    require_data,
+    require_e4m3_scales,
+    require_finite,
+    require_floating,
+    require_tensor,
+    to_float32,
+)
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor, UInt8, checked_record
 from floatxq.e2m1 import _e2m1_index, _e2m1_table, e2m1_decode, pack_e2m1, unpack_e2m1
 from floatxq.formats import (
+    FLOAT32_MAX,
     FP8_E4M3_MAX,
     NVFP4_BLOCK,
     NVFP4_E4M3_SEARCH_RADIUS,
@@ -89,23 +98,44 @@ class NVFP4Packed(NamedTuple):
 def _blocks_of(x: Tensor, *, where: str) -> Tensor:
     """``x`` as FP32 ``[n, 16]`` blocks of its last axis, after checking dtype, K and finiteness."""
     require_floating(x, name="x", where=where)
+    require_data(x, name="x", where=where)
     if x.ndim == 0 or x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(
             f"{where}: the last axis (K) of x must be divisible by {NVFP4_BLOCK}, got shape "
             f"{tuple(x.shape)}"
         )
-    x32 = x.to(torch.float32)
+    x32 = to_float32(x, name="x", where=where)
     require_finite(x32, name="x", where=where)
     return x32.reshape(-1, NVFP4_BLOCK)
 
 
-def _validated_global_scale(
-    global_scale: Tensor | float, device: torch.device, *, where: str
-) -> Tensor:
-    g = torch.as_tensor(global_scale, dtype=torch.float32, device=device).reshape(())
-    if not bool(torch.isfinite(g)) or not bool(g > 0):
+def _validated_global_scale(global_scale: object, device: torch.device, *, where: str) -> Tensor:
+    """One positive finite real number (a Python number or a one-element floating tensor) as a
+    0-d FP32 tensor on ``device``."""
+    g = real_scalar(global_scale, name="global_scale", where=where, device=device)
+    if not bool(torch.isfinite(g) & (g > 0)):
         raise ValueError(f"{where}: global_scale must be positive and finite, got {g.item()!r}")
     return g
+
+
+def _require_block_scales(block_scales: object, *, where: str) -> None:
+    require_tensor(block_scales, name="block_scales", where=where)
+    if block_scales.dtype != _E4M3:
+        raise TypeError(f"{where}: block_scales must be float8_e4m3fn, got {block_scales.dtype}")
+    require_data(block_scales, name="block_scales", where=where)
+
+
+def _saturated(y32: Tensor, dtype: torch.dtype, *, where: str) -> Tensor:
+    """FP32 values rounded once to ``dtype`` after clamping to its largest finite magnitude.
+
+    A decoded value can exceed the output's range even when the input did not (fp16's 65504
+    decodes to 6 * 448 * g with ``g`` rounded up on the fp16 grid): it saturates instead of
+    rounding to ±inf, so finite input gives finite output.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{where}: dtype must be a floating torch.dtype, got {dtype!r}")
+    limit = min(float(torch.finfo(dtype).max), FLOAT32_MAX)
+    return y32.clamp(-limit, limit).to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,7 +168,9 @@ def nvfp4_global_scale(
       recipe: an NVFP4 recipe name (legacy aliases accepted).
 
     Raises:
-      ValueError: non-finite or negative ``amax``, another ``grid_dtype``, an unknown recipe.
+      ValueError: non-finite or negative ``amax`` (or one beyond FP32's range), an ``amax``
+        tensor of several values, another ``grid_dtype``, an unknown recipe.
+      TypeError: an ``amax`` that is not a real number or a floating tensor (strings, bools).
 
     Numerics: IEEE FP32 division; optional nearest-even rounding through ``grid_dtype`` (fp16
     overflow gives +inf, as GPT-QModel's does); returns a 0-d FP32 tensor on ``amax``'s device.
@@ -153,8 +185,9 @@ def nvfp4_global_scale(
             f"nvfp4_global_scale: grid_dtype must be torch.float16, torch.bfloat16 or "
             f"torch.float32, got {grid_dtype}"
         )
-    v = torch.as_tensor(amax, dtype=torch.float32).reshape(())
-    if not bool(torch.isfinite(v)) or bool(v < 0):
+    device = amax.device if isinstance(amax, torch.Tensor) else torch.device("cpu")
+    v = real_scalar(amax, name="amax", where="nvfp4_global_scale", device=device)
+    if not bool(torch.isfinite(v) & (v >= 0)):
         raise ValueError(f"nvfp4_global_scale: amax must be finite and >= 0, got {v.item()!r}")
     scale = torch.where(v > 0, v / torch.full_like(v, FP8_E4M3_MAX * divisor), torch.ones_like(v))
     if grid_dtype is not None:
@@ -371,7 +404,9 @@ def nvfp4_block_sse(
     compare recipes block by block or to score scales from another quantizer.
 
     Raises:
-      ValueError: as :func:`nvfp4_block_scales`, or ``block_scales`` not shaped ``(*b, k/16)``.
+      ValueError: as :func:`nvfp4_block_scales`, ``block_scales`` not shaped ``(*b, k/16)``, or
+        a NaN or negative block scale.
+      TypeError: ``block_scales`` that are not ``float8_e4m3fn``.
 
     Numerics: IEEE FP32 throughout (the same bits the search compares).
 
@@ -383,12 +418,14 @@ def nvfp4_block_sse(
     where = "nvfp4_block_sse"
     blocks = _blocks_of(x, where=where)
     k = x.shape[-1]
+    _require_block_scales(block_scales, where=where)
     if tuple(block_scales.shape) != (*x.shape[:-1], k // NVFP4_BLOCK):
         raise ValueError(
             f"{where}: block_scales shape {tuple(block_scales.shape)} does not match x of shape "
             f"{tuple(x.shape)} (expected (*b, k/16))"
         )
     g = _validated_global_scale(global_scale, x.device, where=where)
+    require_e4m3_scales(block_scales, name="block_scales", where=where)
     scale = block_scales.to(torch.float32).reshape(-1)
     err = _evaluate(blocks.abs(), scale, g, _e2m1_table(x.device)).err
     return err.reshape(block_scales.shape)
@@ -421,33 +458,41 @@ def nvfp4_dequantize(
 ) -> Float[Tensor, "*b 2*half"]:
     """Decode packed NVFP4: ``(e2m1(code) * float(block_scale)) * global_scale`` → ``dtype``.
 
+    Checks what :func:`nvfp4_quantize` guarantees of its output: E4M3 block scales in
+    ``[0, 448]`` (0 is an all-zero block) and one positive finite global scale.
+
     Raises:
-      ValueError: ``block_scales`` not ``(*b, k/16)`` for the unpacked ``k``, or a bad global scale.
-      TypeError: ``block_scales`` that are not ``float8_e4m3fn``.
+      ValueError: ``block_scales`` not ``(*b, k/16)`` for the unpacked ``k``; a NaN (bytes 0x7F,
+        0xFF) or negative (sign bit set) block scale; a global scale that is not positive and
+        finite, holds several values, or exceeds FP32's range.
+      TypeError: ``block_scales`` that are not ``float8_e4m3fn``, ``packed`` that is not uint8,
+        meta tensors, a global scale that is not a real number, a non-floating ``dtype``.
 
     Numerics: ``e2m1 * block_scale`` is exact in FP32; one FP32 rounding for the global scale,
-    then one nearest-even rounding into ``dtype``.
+    then one nearest-even rounding into ``dtype`` after clamping to ``dtype``'s largest finite
+    magnitude (finite saturation: a finite NVFP4 tensor never decodes to ±inf).
 
     Example:
       >>> q = nvfp4_quantize(torch.full((1, 16), 3.0), 1.0)
       >>> nvfp4_dequantize(*q)[0, :2].tolist()
       [3.0, 3.0]
     """
+    where = "nvfp4_dequantize"
+    require_tensor(packed, name="packed", where=where)
+    require_data(packed, name="packed", where=where)
     codes = unpack_e2m1(packed)
     k = codes.shape[-1]
+    _require_block_scales(block_scales, where=where)
     if k % NVFP4_BLOCK or tuple(block_scales.shape) != (*codes.shape[:-1], k // NVFP4_BLOCK):
         raise ValueError(
-            f"nvfp4_dequantize: block_scales shape {tuple(block_scales.shape)} does not match "
+            f"{where}: block_scales shape {tuple(block_scales.shape)} does not match "
             f"codes of shape {tuple(codes.shape)} (expected (*b, k/16))"
         )
-    if block_scales.dtype != _E4M3:
-        raise TypeError(
-            f"nvfp4_dequantize: block_scales must be float8_e4m3fn, got {block_scales.dtype}"
-        )
-    g = _validated_global_scale(global_scale, codes.device, where="nvfp4_dequantize")
+    g = _validated_global_scale(global_scale, codes.device, where=where)
+    require_e4m3_scales(block_scales, name="block_scales", where=where)
     values = e2m1_decode(codes).reshape(*codes.shape[:-1], k // NVFP4_BLOCK, NVFP4_BLOCK)
     local = block_scales.to(torch.float32)[..., None]
-    return ((values * local) * g).reshape(codes.shape).to(dtype)
+    return _saturated(((values * local) * g).reshape(codes.shape), dtype, where=where)
 
 
 def nvfp4_block_qdq(
@@ -464,16 +509,23 @@ def nvfp4_block_qdq(
       ValueError: ``k % 16``, non-finite ``x``, a global scale that is not positive and finite.
 
     Numerics: as :func:`nvfp4_block_scales`; output ``(value * block_scale) * global_scale`` in
-    FP32, rounded once to ``x.dtype``.
+    FP32, rounded once to ``x.dtype`` after clamping to its largest finite magnitude (finite
+    saturation, as :func:`nvfp4_dequantize`): finite input gives finite output, e.g. fp16's 65504
+    decodes above 65519 (6 · 448 · g, g rounded up on the fp16 grid) and saturates to 65504.
 
     Example:
       >>> nvfp4_block_qdq(torch.tensor([[1.0] * 15 + [6.0]]), 1.0).tolist()[0][-2:]
       [1.0, 6.0]
     """
     recipe = normalize_nvfp4_recipe(recipe)
-    if x.numel() == 0:
-        return x
     where = "nvfp4_block_qdq"
+    require_floating(x, name="x", where=where)
+    require_data(x, name="x", where=where)
+    if x.numel() == 0:
+        if global_scale is not None:  # empty input is no excuse for a bad argument
+            _validated_global_scale(global_scale, x.device, where=where)
+        return x
     blocks = _blocks_of(x, where=where)
     g = _resolve_global_scale(x, global_scale, recipe, where=where)
-    return _decoded(blocks, _search(blocks, g, recipe), g).reshape(x.shape).to(x.dtype)
+    decoded = _decoded(blocks, _search(blocks, g, recipe), g).reshape(x.shape)
+    return _saturated(decoded, x.dtype, where=where)

@@ -380,14 +380,11 @@ def test_damping_retries_upward_until_the_cholesky_succeeds():
     assert floored.damp == 0.05 and torch.isfinite(floored.dequantized).all()
 
 
-def test_a_negative_diagonal_is_rescued_by_the_diagonal_floor():
-    weight = torch.randn(4, 8, dtype=torch.float64)
-    hessian = -torch.eye(8, dtype=torch.float64)  # no damp helps: mean(diag) < 0
-    sol = gptq_solve(weight, hessian, Opts(group_size=-1))
-    assert sol.damp == 0.05  # the first floor (1e-6) makes it positive definite
-    assert torch.isfinite(sol.dequantized).all()
-    # a floored diagonal Hessian has no cross terms: the result is round-to-nearest
-    assert torch.equal(sol.codes, rtn_quantize(weight, Opts(group_size=-1)).codes)
+def test_a_negative_diagonal_that_no_damp_repairs_is_an_error():
+    # GPT-QModel floors the diagonal and "solves" -I as round-to-nearest; floatxq refuses it
+    hessian = -torch.eye(8, dtype=torch.float64)  # damping subtracts: mean(diag) < 0
+    with pytest.raises(ValueError, match="not positive semidefinite"):
+        gptq_solve(torch.randn(4, 8, dtype=torch.float64), hessian, Opts(group_size=-1))
 
 
 def test_a_hopeless_hessian_is_an_error():

@@ -2,17 +2,24 @@
 
 A save writes everything into a hidden temporary directory beside the target and renames it into
 place at the end, so a save that fails or is killed leaves no partial model directory (only a
-hidden ``.NAME.floatxq-tmp-*`` folder, which the next save to the same target removes). Reading
+hidden ``.NAME.floatxq-tmp-*`` folder, which the next save to the same target removes). A save
+that replaces a directory keeps the old one, complete, as ``.NAME.floatxq-old-*`` until the new
+one is in place; if it is cut short in between, :func:`recover_interrupted_save` (run by the next
+save) puts the old one back. Reading
 checks every file it touches and raises :class:`CheckpointError` naming the file, tensor or field.
 """
 
 import json
+import math
 import os
+import re
 import shutil
+import stat
 import struct
+import time
 import uuid
 from collections.abc import Iterator, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, NamedTuple
 
 import torch
@@ -36,6 +43,10 @@ TOKENIZER_FILES = (
 )
 _TMP_MARK = ".floatxq-tmp-"
 _OLD_MARK = ".floatxq-old-"
+# What follows a mark in a hidden folder's name: ``PID-HEX`` (tmp), ``NANOSECONDS-HEX`` (old) or a
+# bare ``HEX`` (old, from earlier floatxq versions). Matched exactly, never as a glob pattern, so a
+# target named ``m*`` or ``m[1]`` never reaches another model's folders.
+_MARK_SUFFIX = re.compile(r"[0-9a-f]+(?:-[0-9a-f]+)?")
 
 
 class CheckpointError(ValueError):
@@ -108,10 +119,158 @@ def _write_json(path: Path, payload: Any) -> None:
         os.fsync(fh.fileno())
 
 
+def _hidden(target: Path, mark: str) -> list[Path]:
+    """The hidden ``.NAME<mark>*`` folders of saves to ``target``, sorted by name (oldest first)."""
+    prefix = f".{target.name}{mark}"
+    try:
+        names = os.listdir(target.parent)
+    except OSError:  # no parent yet, or not a directory: nothing was left there
+        return []
+    return sorted(
+        target.parent / name
+        for name in names
+        if name.startswith(prefix) and _MARK_SUFFIX.fullmatch(name[len(prefix) :])
+    )
+
+
+def _tmp_name(target: Path) -> Path:
+    return target.parent / f".{target.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _discard(path: Path) -> None:
+    """Remove a folder (or a stray file) if possible; whatever stays is swept by the next save."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _retire(old: Path, target: Path) -> None:
+    """Delete a superseded ``-old-`` copy of ``target`` (which exists), renaming it first.
+
+    The rename to a ``-tmp-`` name comes first, so a deletion cut short leaves a ``-tmp-`` folder
+    (never restored) and every ``-old-`` folder is a complete checkpoint.
+    """
+    doomed = _tmp_name(target)
+    try:
+        os.replace(old, doomed)
+    except OSError:
+        return  # still complete; the next save retries
+    _discard(doomed)
+
+
 def _remove_stale(target: Path) -> None:
-    for mark in (_TMP_MARK, _OLD_MARK):
-        for stale in target.parent.glob(f".{target.name}{mark}*"):
-            shutil.rmtree(stale, ignore_errors=True)
+    """Sweep what earlier saves to ``target`` left: all ``-tmp-`` folders, and ``-old-`` ones
+    only while ``target`` exists (never the only copy of a model; see recover_interrupted_save)."""
+    for stale in _hidden(target, _TMP_MARK):
+        _discard(stale)
+    if os.path.lexists(target):
+        for old in _hidden(target, _OLD_MARK):
+            _retire(old, target)
+
+
+def recover_interrupted_save(path: str | os.PathLike[str]) -> bool:
+    """Put back a model directory whose replacement by an overwriting save was cut short.
+
+    A save that replaces a directory renames it to a hidden ``.NAME.floatxq-old-*`` folder, renames
+    the finished new one into place, and only then deletes the old one. A kill or failure between
+    the two renames leaves ``path`` missing and its previous contents, complete, in that folder;
+    this renames the folder back (the newest, if there are several). Every save calls it first.
+
+    Args:
+      path: the model directory.
+
+    Returns:
+      True when a directory was put back; False when ``path`` exists or nothing is there to restore.
+
+    Raises:
+      OSError: the rename back failed (the hidden folder stays, so a later call can retry).
+
+    Numerics: none; folders are renamed, no file is read or rewritten.
+
+    Example:
+      >>> import tempfile
+      >>> recover_interrupted_save(Path(tempfile.gettempdir()) / "no-such-model-dir")
+      False
+    """
+    target = Path(os.path.abspath(os.fspath(path)))
+    if os.path.lexists(target):
+        return False
+    olds = _hidden(target, _OLD_MARK)
+    if not olds:
+        return False
+    os.replace(olds[-1], target)
+    _fsync_dir(target.parent)
+    return True
+
+
+def _save_target(path: str | os.PathLike[str]) -> Path:
+    """The absolute directory a save writes, refusing ones whose replacement would be a disaster."""
+    given = os.fspath(path)
+    target = Path(os.path.abspath(given))
+    resolved = target.resolve()
+    places = []
+    try:
+        places.append((Path.cwd().resolve(), "the current working directory"))
+    except OSError:  # the working directory was deleted: nothing to protect there
+        pass
+    try:
+        places.append((Path.home().resolve(), "the home directory"))
+    except (RuntimeError, KeyError, OSError):  # no home directory known
+        pass
+    why = "a filesystem root" if resolved.parent == resolved else None
+    for place, name in places:
+        if why is None and resolved == place:
+            why = name
+        elif why is None and resolved in place.parents:
+            why = f"a directory holding {name} {place}"
+    if why is not None:
+        raise ValueError(
+            f"save: path {given!r} resolves to {resolved}, {why}; give the model a directory of "
+            "its own"
+        )
+    return target
+
+
+def _cannot_write(exc: OSError, parent: Path) -> OSError:
+    """``exc`` with a message naming the directory a save could not create its folder in."""
+    where = next((p for p in (parent, *parent.parents) if os.path.lexists(p)), parent)
+    reason = exc.strerror or str(exc)
+    err = type(exc)(f"save: cannot write in {where} ({reason}); choose another output directory")
+    err.errno = exc.errno
+    return err
+
+
+def _swap(tmp: Path, target: Path, *, replacing: bool) -> None:
+    """Rename the finished ``tmp`` to ``target``, so that at every instant ``target`` holds the old
+    or the new checkpoint, or is missing while its old one waits, complete, in an ``-old-`` folder.
+
+    When the second rename fails the old one is renamed back; when even that fails it stays for
+    :func:`recover_interrupted_save`. The old copy is deleted only once the new one is in place.
+    """
+    if not replacing:
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+        return
+    old = target.parent / f".{target.name}{_OLD_MARK}{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+    os.replace(target, old)
+    try:
+        os.replace(tmp, target)
+    except BaseException as exc:
+        try:
+            os.replace(old, target)
+        except OSError:
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(
+                    f"save: the previous {target.name} is kept in {old}; the next save to "
+                    f"{target} or recover_interrupted_save({str(target)!r}) puts it back"
+                )
+        raise
+    _fsync_dir(target.parent)  # the new directory is durably in place before the old one goes
+    _retire(old, target)
 
 
 def write_checkpoint(
@@ -133,25 +292,56 @@ def write_checkpoint(
       quantize_config: the ``quantize_config.json`` payload (omitted when None).
       extra_files: file name → source path copied in (tokenizer files and the like).
       max_shard_bytes: shard size limit; one file ``model.safetensors`` when everything fits.
-      overwrite: replace an existing directory (swapped in only after the new one is complete).
+      overwrite: replace an existing directory (swapped in only after the new one is complete;
+        until then the old one stays complete, in place or in a hidden ``-old-`` folder that
+        :func:`recover_interrupted_save` puts back).
 
     Raises:
       FileExistsError: ``path`` exists and ``overwrite`` is False.
+      ValueError: ``path`` is the working directory, the home directory, a filesystem root or a
+        directory holding one of them; an existing plain file or symbolic link; or
+        ``max_shard_bytes`` is not a positive int.
+      OSError: the directory cannot be created (the message names the directory; nothing is
+        left behind), or writing failed.
 
     Numerics: bytes are written as they are (FP8 stays FP8); nothing is converted.
     """
-    target = Path(path).absolute()
-    if target.exists() and not overwrite:
+    target = _save_target(path)
+    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool):
+        raise ValueError(f"save: max_shard_bytes must be an int of bytes, got {max_shard_bytes!r}")
+    if max_shard_bytes < 1:
+        raise ValueError(f"save: max_shard_bytes must be positive, got {max_shard_bytes}")
+    recover_interrupted_save(target)
+    replacing = os.path.lexists(target)
+    if replacing and not overwrite:
+        if target.is_symlink() or not target.is_dir():
+            kind = "a symbolic link" if target.is_symlink() else "not a directory"
+            raise FileExistsError(f"save: {target} already exists and is {kind}; choose another")
         raise FileExistsError(
             f"save: {target} already exists; choose a new directory or pass overwrite=True"
         )
-    if max_shard_bytes <= 0:
-        raise ValueError(f"save: max_shard_bytes must be positive, got {max_shard_bytes}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(target)
-    tmp = target.parent / f".{target.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    if replacing and target.is_symlink():
+        raise ValueError(
+            f"save: {target} is a symbolic link; overwrite=True replaces only a directory (save "
+            f"to {target.resolve()} or remove the link)"
+        )
+    if replacing and not target.is_dir():
+        raise ValueError(
+            f"save: {target} is not a directory; overwrite=True replaces only a model directory"
+        )
+    created = [d for d in (target.parent, *target.parent.parents) if not os.path.lexists(d)]
+    tmp: Path | None = None
     try:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _cannot_write(exc, target.parent) from None
+        _remove_stale(target)
+        tmp = _tmp_name(target)
+        try:
+            tmp.mkdir()
+        except OSError as exc:
+            raise _cannot_write(exc, target.parent) from None
         tensors = _unique_tensors(state)
         shards = _shards(tensors, max_shard_bytes)
         metadata = {"format": "pt"}
@@ -176,33 +366,144 @@ def write_checkpoint(
             with open(file, "rb") as fh:
                 os.fsync(fh.fileno())
         _fsync_dir(tmp)
-        if target.exists():
-            old = target.parent / f".{target.name}{_OLD_MARK}{uuid.uuid4().hex[:8]}"
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        _swap(tmp, target, replacing=replacing)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            _discard(tmp)
+        for made in created:  # parents this call created, deepest first; only while empty
+            try:
+                os.rmdir(made)
+            except OSError:
+                pass
         raise
     return target
 
 
 # ----------------------------------------------------------------------------------------------
 # Reading
+#
+# What a model directory can make these readers do: open and read regular files inside the
+# directory (or, for a Hugging Face hub cache snapshot, in the cache's sibling ``blobs`` folder)
+# and nothing else. Index entries that are absolute, hold ``..`` or resolve outside, symlinks that
+# lead outside, FIFOs, sockets, devices and directories are refused before anything is opened;
+# headers and JSON files over 100 MB are refused before they are read; a safetensors header is
+# checked field by field (dtype, shape, offsets, coverage of the file) before the safetensors
+# reader sees it, so every tensor read is exactly the bytes its header names.
 # ----------------------------------------------------------------------------------------------
+
+MAX_HEADER_BYTES = 100_000_000
+"""The largest safetensors header or JSON file read (safetensors' own header limit)."""
+
+# Bits per element of each safetensors dtype (sub-byte dtypes pack several elements per byte).
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4,
+    "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32,
+    "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}  # fmt: skip
+# A shard name of a sharded save (``model-00002-of-00003.safetensors``): one the index does not
+# name is a stale shard of another save, so the directory is mixed or damaged.
+_SHARD_NAME = re.compile(r".+-\d+-of-\d+\.safetensors")
+_HEADER_FIELDS = ("dtype", "shape", "data_offsets")
+
+
+class _Header(NamedTuple):
+    """A checked safetensors header: tensor name → (dtype, shape), and ``__metadata__``."""
+
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    metadata: dict[str, str]
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _regular(file: Path, what: str) -> None:
+    """Refuse a missing file, or anything but a regular file, without opening it."""
+    try:
+        mode = os.stat(file).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{what}: {file} is missing") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{what}: cannot stat {file} ({exc})") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{what}: {file} is a {_kind(mode)}, not a regular file")
+
+
+def _open_regular(file: Path, what: str) -> tuple[Any, int]:
+    """Open a checked regular file for reading: ``(binary file object, size)``.
+
+    O_NONBLOCK keeps a file swapped for a FIFO after the check from blocking the open; the
+    descriptor is checked again before anything is read.
+    """
+    _regular(file, what)
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CheckpointError(f"{what}: cannot open {file} ({exc})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{what}: {file} is a {_kind(st.st_mode)}, not a regular file")
+    return os.fdopen(fd, "rb"), st.st_size
+
+
+def _unique_keys(prefix: str, *, same_value_ok: bool) -> Any:
+    """A ``json`` object hook refusing a key given twice (``same_value_ok``: unless equal)."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out and not (same_value_ok and out[key] == value):
+                raise CheckpointError(f"{prefix} gives key {key!r} twice")
+            out[key] = value
+        return out
+
+    return hook
 
 
 def read_json(path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
-    """Parse a JSON object file, raising :class:`CheckpointError` naming it when it is bad."""
+    """Parse a JSON object file, raising :class:`CheckpointError` naming it when it is bad.
+
+    Args:
+      path: the JSON file.
+      what: the caller's name for it, the start of every message (``"load"``).
+
+    Raises:
+      CheckpointError: the file is missing, not a regular file (a FIFO is never opened), over
+        :data:`MAX_HEADER_BYTES`, not UTF-8 JSON, nested absurdly deep, gives one key two
+        different values, or is not a JSON object.
+
+    Numerics: none.
+    """
     file = Path(path)
-    if not file.is_file():
-        raise CheckpointError(f"{what}: {file} is missing")
+    fh, size = _open_regular(file, what)
+    with fh:
+        if size > MAX_HEADER_BYTES:
+            raise CheckpointError(
+                f"{what}: {file} is {size} bytes; JSON files over {MAX_HEADER_BYTES} are refused"
+            )
+        raw = fh.read(MAX_HEADER_BYTES + 1)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{what}: {file} grew past {MAX_HEADER_BYTES} bytes while read")
     try:
-        payload = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        payload = json.loads(
+            raw.decode("utf-8"),
+            object_pairs_hook=_unique_keys(f"{what}: {file}", same_value_ok=True),
+        )
+    except CheckpointError:
+        raise
+    except RecursionError:
+        raise CheckpointError(f"{what}: {file} is not valid JSON (nested too deep)") from None
+    except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, an int of 4300+ digits
         raise CheckpointError(f"{what}: {file} is not valid JSON ({exc})") from None
     if not isinstance(payload, dict):
         raise CheckpointError(
@@ -211,79 +512,318 @@ def read_json(path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
     return payload
 
 
-def shard_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The safetensors files of a model directory (via the index when there is one)."""
-    root = Path(path)
+def _inside(root: Path, file: Path) -> bool:
+    """Whether ``file`` (symlinks followed) lies in ``root`` or a hub cache's ``blobs`` folder.
+
+    ``huggingface_hub`` stores ``.../snapshots/<revision>/NAME`` as a symlink to
+    ``.../blobs/<hash>``, so for a snapshot directory that sibling folder counts as inside.
+    """
+    real_root = Path(os.path.realpath(root))
+    real = Path(os.path.realpath(file))
+    allowed = [real_root]
+    if real_root.parent.name == "snapshots":
+        allowed.append(real_root.parent.parent / "blobs")
+    return any(real != base and real.is_relative_to(base) for base in allowed)
+
+
+def _shard(root: Path, file: Path, what: str) -> Path:
+    """Check one shard path (inside ``root``, a regular file) before anything opens it."""
+    if not _inside(root, file):
+        raise CheckpointError(
+            f"{what}: {file} resolves to {os.path.realpath(file)}, outside {root}; refusing to "
+            f"read it"
+        )
+    _regular(file, what)
+    return file
+
+
+def _layout(root: Path) -> tuple[list[Path], dict[str, Path] | None]:
+    """The shard files of a model directory, and the index's tensor → file map if it has one."""
     if not root.is_dir():
         raise CheckpointError(f"checkpoint: {root} is not a directory")
     index = root / INDEX_FILE
-    if index.exists():
+    if os.path.lexists(index):
         weight_map = read_json(index, what="checkpoint index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"checkpoint index: {index} has no 'weight_map'")
-        files = sorted({root / str(f) for f in weight_map.values()})
-        for file in files:
-            if not file.is_file():
-                raise CheckpointError(f"checkpoint: shard {file} named by {index.name} is missing")
-        return files
+        by_entry: dict[str, Path] = {}
+        where: dict[str, Path] = {}
+        for name, entry in weight_map.items():
+            named = f"checkpoint index: {index}: {name!r} -> {_short(entry, 300)}"
+            if not isinstance(entry, str) or not entry.strip() or "\x00" in entry:
+                raise CheckpointError(f"{named} is not a file name")
+            if entry not in by_entry:
+                relative = PurePosixPath(entry)
+                if relative.is_absolute() or ".." in relative.parts:
+                    raise CheckpointError(
+                        f"{named} is not a file inside {root} (absolute or '..'); refusing it"
+                    )
+                file = root / relative
+                if not os.path.lexists(file):
+                    raise CheckpointError(
+                        f"checkpoint: shard {file} named by {index.name} is missing"
+                    )
+                by_entry[entry] = _shard(root, file, named)
+            where[name] = by_entry[entry]
+        files = sorted(set(by_entry.values()))
+        for stray in sorted(root.glob("*.safetensors")):
+            if stray not in files and (
+                stray.name == SINGLE_SHARD_FILE or _SHARD_NAME.fullmatch(stray.name)
+            ):
+                raise CheckpointError(
+                    f"checkpoint: {stray} is a shard {index.name} does not name (left from "
+                    f"another save?); refusing a mixed directory"
+                )
+        return files, where
     single = root / SINGLE_SHARD_FILE
-    if single.is_file():
-        return [single]
+    if os.path.lexists(single):
+        return [_shard(root, single, "checkpoint")], None
     found = sorted(root.glob("*.safetensors"))
     if not found:
         raise CheckpointError(f"checkpoint: no *.safetensors files in {root}")
-    return found
+    return [_shard(root, file, "checkpoint") for file in found], None
 
 
-def _check_header(file: Path) -> None:
-    """Reject a truncated safetensors file before handing it to the reader."""
-    size = file.stat().st_size
-    with open(file, "rb") as fh:
+def shard_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files of a model directory, checked before any is opened.
+
+    With ``model.safetensors.index.json`` the files its ``weight_map`` names; else
+    ``model.safetensors``; else every ``*.safetensors`` file of the directory.
+
+    Args:
+      path: the model directory.
+
+    Raises:
+      CheckpointError: not a directory; no shards; an index entry that is not a relative path
+        inside the directory; a shard that resolves outside it (symlinks followed; a Hugging Face
+        hub snapshot may point into its cache's ``blobs``) or is not a regular file (FIFOs,
+        sockets, devices and directories are never opened); next to an index, a
+        ``model.safetensors`` or ``*-NNNNN-of-NNNNN.safetensors`` file the index does not name
+        (other ``*.safetensors`` files, such as ``consolidated.safetensors``, are ignored).
+
+    Numerics: none; nothing is read but the index.
+    """
+    return _layout(Path(path))[0]
+
+
+def _check_header(file: Path) -> _Header:
+    """Read and check a safetensors header: every field, the offsets, and the file's size.
+
+    The offsets must tile the data exactly (sorted, no gap, no overlap, ending at the end of
+    the file) and each span must be exactly the bytes its dtype and shape need, so the reader
+    can only hand back the bytes the header names.
+    """
+    what = "checkpoint"
+    fh, size = _open_regular(file, what)
+    with fh:
         head = fh.read(8)
         if len(head) < 8:
             raise CheckpointError(f"checkpoint: {file} is truncated (no safetensors header)")
         (header_len,) = struct.unpack("<Q", head)
+        if header_len == 0 or header_len > MAX_HEADER_BYTES:
+            raise CheckpointError(
+                f"checkpoint: {file} declares a {header_len}-byte safetensors header (1 to "
+                f"{MAX_HEADER_BYTES} accepted); not a safetensors file, or a corrupt one"
+            )
         if header_len > size - 8:
             raise CheckpointError(f"checkpoint: {file} is truncated (header runs past the end)")
-        try:
-            header = json.loads(fh.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise CheckpointError(f"checkpoint: {file} has a corrupt safetensors header") from None
-    end = max(
-        (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0
-    )
-    if 8 + header_len + end > size:
-        raise CheckpointError(
-            f"checkpoint: {file} is truncated ({size} bytes; the header needs "
-            f"{8 + header_len + end})"
+        raw = fh.read(header_len)
+    if len(raw) < header_len:
+        raise CheckpointError(f"checkpoint: {file} is truncated (header runs past the end)")
+    try:
+        header = json.loads(
+            raw.decode("utf-8"),
+            object_pairs_hook=_unique_keys(
+                f"checkpoint: {file}: the safetensors header", same_value_ok=False
+            ),
+            parse_constant=_no_constant(file),
         )
+    except CheckpointError:
+        raise
+    except (ValueError, RecursionError) as exc:  # also an int of 4300+ digits
+        raise CheckpointError(
+            f"checkpoint: {file} has a corrupt safetensors header ({type(exc).__name__})"
+        ) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"checkpoint: {file}: the safetensors header is a JSON {type(header).__name__}, not "
+            f"an object"
+        )
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(
+            f"checkpoint: {file}: safetensors __metadata__ must map strings to strings, got "
+            f"{_short(metadata)}"
+        )
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        tensor = f"checkpoint: {file}: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{tensor}: header entry is {_short(entry)}, not an object")
+        missing = [key for key in _HEADER_FIELDS if key not in entry]
+        if missing:
+            raise CheckpointError(f"{tensor}: header entry lacks {', '.join(missing)}")
+        dtype, shape, offsets = (entry[key] for key in _HEADER_FIELDS)
+        if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
+            raise CheckpointError(
+                f"{tensor}: dtype {_short(dtype)} is not a safetensors dtype "
+                f"({', '.join(_DTYPE_BITS)})"
+            )
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise CheckpointError(
+                f"{tensor}: shape {_short(shape)} is not a list of non-negative ints"
+            )
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_count(o) for o in offsets)
+            or offsets[0] > offsets[1]
+        ):
+            raise CheckpointError(
+                f"{tensor}: data_offsets {_short(offsets)} is not [begin, end] with "
+                f"0 <= begin <= end"
+            )
+        bits = math.prod(shape) * _DTYPE_BITS[dtype]
+        begin, end = offsets
+        if bits % 8 or end - begin != bits // 8:
+            raise CheckpointError(
+                f"{tensor}: data_offsets {offsets} hold {end - begin} bytes, but {dtype} of shape "
+                f"{shape} needs {bits / 8:g}"
+            )
+        tensors[name] = (dtype, tuple(shape))
+        spans.append((begin, end, name))
+    covered = 0
+    previous = None
+    for begin, end, name in sorted(spans):
+        if begin < covered:
+            raise CheckpointError(
+                f"checkpoint: {file}: tensor {name!r} (data_offsets [{begin}, {end}]) overlaps "
+                f"tensor {previous!r}"
+            )
+        if begin > covered:
+            raise CheckpointError(
+                f"checkpoint: {file}: {begin - covered} bytes before tensor {name!r} belong to no "
+                f"tensor (data_offsets must tile the data)"
+            )
+        covered, previous = end, name
+    needed = 8 + header_len + covered
+    if needed > size:
+        raise CheckpointError(
+            f"checkpoint: {file} is truncated ({size} bytes; the header needs {needed})"
+        )
+    if needed < size:
+        raise CheckpointError(
+            f"checkpoint: {file} has {size - needed} bytes past its last tensor (the header "
+            f"covers {needed}); corrupt or not what the header describes"
+        )
+    return _Header(tensors, metadata)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _no_constant(file: Path) -> Any:
+    def hook(name: str) -> None:
+        raise CheckpointError(f"checkpoint: {file}: the safetensors header holds {name}")
+
+    return hook
+
+
+def _read_headers(path: str | os.PathLike[str]) -> list[tuple[Path, _Header]]:
+    """Every shard's checked header, with the checks that span shards and the index."""
+    root = Path(path)
+    files, where = _layout(root)
+    headers = [(file, _check_header(file)) for file in files]
+    owner: dict[str, Path] = {}
+    for file, header in headers:
+        for name in header.tensors:
+            if name in owner:
+                raise CheckpointError(
+                    f"checkpoint: tensor {name!r} is stored twice, in {owner[name]} and {file}; "
+                    f"refusing to pick one"
+                )
+            owner[name] = file
+    if where is not None:
+        index = root / INDEX_FILE
+        for name, file in where.items():
+            if owner.get(name) != file:
+                raise CheckpointError(
+                    f"checkpoint index: {index} maps {name!r} to {file.name}, which does not "
+                    f"hold it"
+                )
+        for name, file in owner.items():
+            if name not in where:
+                raise CheckpointError(
+                    f"checkpoint index: {index} does not list tensor {name!r} of {file}"
+                )
+    return headers
+
+
+def _relative(root: Path, file: Path) -> str:
+    return file.relative_to(root).as_posix()
 
 
 def tensor_infos(path: str | os.PathLike[str]) -> list[TensorInfo]:
-    """Names, dtypes and shapes of every tensor in a checkpoint, read from headers only."""
+    """Names, dtypes and shapes of every tensor in a checkpoint, read from headers only.
+
+    Args:
+      path: the model directory.
+
+    Raises:
+      CheckpointError: anything :func:`shard_files` refuses; a header that is not a valid
+        safetensors header (named file and tensor); one tensor name in two shards; an index
+        whose ``weight_map`` disagrees with the shards.
+
+    Numerics: none; ``TensorInfo.file`` is the shard's path relative to ``path``.
+    """
+    root = Path(path)
     infos = []
-    for file in shard_files(path):
-        _check_header(file)
+    for file, header in _read_headers(root):
         try:
             with safe_open(str(file), framework="pt") as reader:
-                for name in reader.keys():
+                names = list(reader.keys())
+                for name in names:
                     sl = reader.get_slice(name)
                     infos.append(
-                        TensorInfo(name, str(sl.get_dtype()), tuple(sl.get_shape()), file.name)
+                        TensorInfo(
+                            name, str(sl.get_dtype()), tuple(sl.get_shape()), _relative(root, file)
+                        )
                     )
-        except CheckpointError:
-            raise
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"checkpoint: cannot read {file} ({exc})") from None
+        if sorted(names) != sorted(header.tensors):
+            raise CheckpointError(
+                f"checkpoint: {file}: safetensors lists other tensors than its header"
+            )
     return infos
 
 
 def iter_tensors(
     path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of a checkpoint, one shard at a time."""
-    for file in shard_files(path):
-        _check_header(file)
+    """Yield ``(name, tensor)`` for every tensor of a checkpoint, one shard at a time.
+
+    Every shard's header is checked (as :func:`tensor_infos` does) before the first tensor is
+    yielded, so a damaged directory fails before any data is read.
+
+    Args:
+      path: the model directory.
+      device: where the tensors are put.
+
+    Raises:
+      CheckpointError: as :func:`tensor_infos`, or a shard the safetensors reader cannot read.
+
+    Numerics: bit-exact; each tensor is the bytes its header names, in its stored dtype.
+    """
+    headers = _read_headers(path)
+    for file, _header in headers:
         try:
             with safe_open(str(file), framework="pt", device=str(device)) as reader:
                 for name in reader.keys():
@@ -297,20 +837,19 @@ def iter_tensors(
 def header_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     """The safetensors ``__metadata__`` string maps of every shard, merged (headers only).
 
+    Args:
+      path: the model directory.
+
     Raises:
-      CheckpointError: a truncated or unreadable shard, or two shards that give one key
-        different values (named).
+      CheckpointError: as :func:`tensor_infos`, or two shards that give one key (other than
+        ``format``) different values (named).
+
+    Numerics: none.
     """
     merged: dict[str, str] = {}
     origin: dict[str, str] = {}
-    for file in shard_files(path):
-        _check_header(file)
-        try:
-            with safe_open(str(file), framework="pt") as reader:
-                metadata = reader.metadata() or {}
-        except Exception as exc:
-            raise CheckpointError(f"checkpoint: cannot read {file} ({exc})") from None
-        for key, value in metadata.items():
+    for file, header in _read_headers(path):
+        for key, value in header.metadata.items():
             if key in merged and merged[key] != value and key != "format":
                 raise CheckpointError(
                     f"checkpoint: safetensors metadata {key!r} differs between {origin[key]} and "

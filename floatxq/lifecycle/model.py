@@ -24,6 +24,7 @@ from floatxq.lifecycle.checkpoint import (
     CheckpointError,
     iter_tensors,
     read_json,
+    recover_interrupted_save,
     tensor_infos,
     write_checkpoint,
 )
@@ -459,8 +460,12 @@ class QuantizedModel:
           overwrite: replace an existing directory (only once the new one is complete).
 
         Raises:
-          RuntimeError: the model is not quantized. FileExistsError: ``path`` exists.
-          ValueError: a layout that cannot hold the model's modules (named), or an unknown one.
+          RuntimeError: the model is not quantized. FileExistsError: ``path`` exists (or is a
+            file). ValueError: a layout that cannot hold the model's modules (named), an unknown
+            layout, a bad ``max_shard_size``, or a target that is the working directory, the
+            home directory, a filesystem root, one of their parents, a file or a symlink.
+          OSError: the directory cannot be written (named); nothing is left behind, and an
+            interrupted replacement is restored by the next save or load.
 
         Numerics: FP8 codes and NVFP4 bytes are written as they are. Layouts whose scales
         multiply store the FP32 reciprocal of floatxq's inverse scales (exact for powers of two,
@@ -490,17 +495,33 @@ class QuantizedModel:
         )
 
 
-def _parse_size(value: int | str) -> int:
+def _parse_size(value: object) -> int:
+    """``max_shard_size`` in bytes: a positive int, or a size like ``"4GB"``, ``"500MB"``,
+    ``"1.5GB"`` (units B, KB, MB, GB of 1024; any case; rounded down to whole bytes).
+
+    Takes any object because it is the check: bools, floats, zero, negatives, NaN/inf and unknown
+    units are refused with ValueError, other kinds with TypeError.
+    """
+    accepted = "a positive int of bytes or a size like '4GB', '500MB' or '1.5GB' (B, KB, MB, GB)"
+    if isinstance(value, (bool, float)):
+        raise ValueError(f"save: max_shard_size must be {accepted}, got {value!r}")
     if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"save: max_shard_size must be {accepted}, got {value!r}")
         return value
-    text = value.strip().upper()
-    for unit, factor in (("GB", 1024**3), ("MB", 1024**2), ("KB", 1024), ("B", 1)):
-        if text.endswith(unit):
-            try:
-                return int(float(text[: -len(unit)]) * factor)
-            except ValueError:
-                break
-    raise ValueError(f"save: max_shard_size must be bytes or like '4GB'/'500MB', got {value!r}")
+    if not isinstance(value, str):
+        raise TypeError(
+            f"save: max_shard_size must be {accepted}, got {type(value).__name__} {value!r}"
+        )
+    found = re.fullmatch(r"(\d{0,20})(?:\.(\d{0,20}))?\s*([KMG]?B)", value.strip().upper())
+    size = 0
+    if found and (found[1] or found[2]):  # exact integer arithmetic: no float rounding, no inf
+        factor = {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3}[found[3]]
+        digits = found[2] or ""
+        size = int(found[1] + digits or "0") * factor // 10 ** len(digits)
+    if size < 1:
+        raise ValueError(f"save: max_shard_size must be {accepted}, got {value!r}")
+    return size
 
 
 def _progress(progress: Any, model: nn.Module, config: FP8Config):
@@ -561,6 +582,13 @@ def load(
             f"{type(model_or_path).__name__}"
         )
     path = Path(model_or_path)
+    if not os.path.lexists(path) and recover_interrupted_save(path):
+        warnings.warn(
+            f"load: {path} was missing after an interrupted save; its previous contents were "
+            f"restored from the save's hidden backup",
+            UserWarning,
+            stacklevel=2,
+        )
     if not path.is_dir():
         raise CheckpointError(f"load: {path} is not a model directory (no hub downloads here)")
     payload = read_json(path / CONFIG_FILE, what="load")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from floatxq._typing import Float, Float32, FP8Dtype, Tensor
-from floatxq.fp8 import dequantize_fp8_weight
+from floatxq.fp8 import _dequantize_stored
 from floatxq.kernels import quantize_fp8_input
 from floatxq.kernels.fp8_small_m import _launch as small_m_launch
 
@@ -254,7 +254,8 @@ def dequant_linear(
     Numerics: decode ``float32(code) / scale_inv`` rounded once to ``x.dtype``, then
     ``F.linear`` in ``x.dtype``.
     """
-    return F.linear(x, dequantize_fp8_weight(weight, scale_inv, dtype=x.dtype), bias)
+    # the module checked its buffers when it was built or loaded: no per-call host sync here
+    return F.linear(x, _dequantize_stored(weight, scale_inv, x.dtype), bias)
 
 
 def dequant_runner(
