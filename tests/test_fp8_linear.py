@@ -865,3 +865,16 @@ def test_convolutions_run_on_cuda():
     assert layer.last_route == "conv_dequant" and got.dtype == torch.bfloat16
     deq = layer.dequantize_weight(dtype=torch.bfloat16).reshape(conv.weight.shape)
     assert_bitwise_equal(got, F.conv2d(x, deq, layer.bias.bfloat16(), 1, 1, 1, 2))
+
+
+def test_bad_scales_are_refused_by_load_state_dict():
+    # checked once at load, so the forward routes decode without a per-call check or sync
+    layer = TorchFP8Linear.from_linear(torch.nn.Linear(32, 16))
+    state = layer.state_dict()
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        broken = dict(state)
+        broken["weight_scale_inv"] = state["weight_scale_inv"].clone()
+        broken["weight_scale_inv"][3] = bad
+        with pytest.raises(RuntimeError, match="weight_scale_inv: inverse scales must be finite"):
+            TorchFP8Linear(32, 16).load_state_dict(broken)
+    TorchFP8Linear(32, 16).load_state_dict(state)

@@ -412,6 +412,20 @@ class TorchFP8Linear(nn.Module):
                 f"module (FP8 codes are bytes and are never cast); build it with "
                 f"format={str(incoming.dtype).removeprefix('torch.')!r}"
             )
+        key = prefix + "weight_scale_inv"
+        incoming = state_dict.get(key)
+        if (
+            isinstance(incoming, torch.Tensor)
+            and incoming.is_floating_point()
+            and incoming.device.type != "meta"
+            and incoming.numel()
+            and not bool((torch.isfinite(incoming) & (incoming > 0)).all())
+        ):  # checked once here, so the forward routes need no per-call check (or host sync)
+            rejected.append(key)
+            error_msgs.append(
+                f"{key}: inverse scales must be finite and > 0 (codes are divided by them); got "
+                f"values in [{float(incoming.min()):g}, {float(incoming.max()):g}]"
+            )
         key = prefix + "bias"
         incoming = state_dict.get(key)
         if isinstance(incoming, torch.Tensor) and self.bias is not None:
