@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from floatxq._checks import require_tensor
+from floatxq._checks import require_e4m3_scales, require_tensor
 from floatxq._typing import Float8e4m3fn, Float32, Shaped, Tensor, UInt8, checked_record
 from floatxq.formats import FLOAT32_TINY, NVFP4_BLOCK
 from floatxq.nvfp4 import nvfp4_dequantize
@@ -43,7 +43,6 @@ __all__ = [
 ]
 
 _E4M3 = torch.float8_e4m3fn
-_E4M3_LARGEST_BYTE = 0x7E  # 448: bytes above are NaN (0x7F) or carry the sign bit
 _SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # widen to FP32 exactly
 _TILE_ROWS, _TILE_COLS = 128, 4  # the 128x4 swizzle tile of floatxq.swizzle
 
@@ -106,16 +105,6 @@ def _e4m3_bytes(scales: Tensor, *, name: str, where: str) -> Tensor:
     return scales
 
 
-def _require_positive_block_scales(scales: Tensor, *, name: str, where: str) -> None:
-    """``ValueError`` for a NaN or negative E4M3 block scale (zero is allowed: an empty block)."""
-    bad = scales.view(torch.uint8) > _E4M3_LARGEST_BYTE
-    if scales.numel() and bool(bad.any()):
-        raise ValueError(
-            f"{where}: {name} holds {int(bad.sum())} NaN or negative E4M3 scale(s) (bytes such "
-            f"as {scales.view(torch.uint8)[bad][:4].tolist()}); block scales must be in [0, 448]"
-        )
-
-
 def _linear_block_scales(scales: Tensor, rows: int, cols: int, *, name: str, where: str) -> Tensor:
     """Row-major ``(rows, cols)`` E4M3 scales, given as that matrix or flattened."""
     scales = _e4m3_bytes(scales, name=name, where=where)
@@ -125,7 +114,7 @@ def _linear_block_scales(scales: Tensor, rows: int, cols: int, *, name: str, whe
             f"row; flattened also accepted), got {tuple(scales.shape)}"
         )
     scales = scales.reshape(rows, cols).contiguous()
-    _require_positive_block_scales(scales, name=name, where=where)
+    require_e4m3_scales(scales, name=name, where=where)
     return scales
 
 
@@ -144,7 +133,7 @@ def _swizzled_block_scales(
     flat = scales.contiguous().reshape(-1)
     linear = unswizzle_scales(flat.view(torch.uint8), rows=rows, cols=cols).contiguous()
     linear = linear.view(_E4M3)
-    _require_positive_block_scales(linear, name=name, where=where)
+    require_e4m3_scales(linear, name=name, where=where)
     return linear
 
 

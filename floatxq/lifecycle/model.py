@@ -315,7 +315,6 @@ def _check_built(
 def _describe_fp8(model: nn.Module) -> FP8Config | None:
     """An FP8Config describing the TorchFP8Linear modules of a model read from another layout:
     the most common (format, scale method, block) as the base, exact-name rules for the others."""
-    import re as _re
     from collections import Counter
 
     fp8 = {n: m for n, m in model.named_modules() if isinstance(m, TorchFP8Linear)}
@@ -327,7 +326,7 @@ def _describe_fp8(model: nn.Module) -> FP8Config | None:
     for name, module in fp8.items():
         if key(module) != base:
             fmt, method, block = key(module)
-            dynamic[f"+:^{_re.escape(name)}$"] = {
+            dynamic[f"+:^{re.escape(name)}$"] = {
                 "format": fmt,
                 "weight_scale_method": method,
                 "weight_block_size": list(block) if block else None,

@@ -30,6 +30,7 @@ from torch import nn
 
 from floatxq._typing import Float, Tensor
 from floatxq.formats import NVFP4_BLOCK, NVFP4RecipeName
+from floatxq.nn.fp8_linear import _move_bytes  # buffers move as bytes, never cast
 from floatxq.nvfp4 import nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
 from floatxq.nvfp4_layouts import NVFP4Weight, nvfp4_from_modelopt
 
@@ -72,17 +73,6 @@ def _stored_bias(
     if b.numel() and not bool(torch.isfinite(b).all()):
         raise ValueError(f"{where}: bias holds NaN or infinity once stored as {dtype}")
     return b
-
-
-def _move_bytes(fn: Callable[[Tensor], Tensor], tensor: Tensor) -> Tensor:
-    """Apply ``fn`` to ``tensor`` when it keeps the dtype (a move, ``to_empty``), else only its
-    device move: bytes are never cast."""
-    try:
-        probe = fn(tensor.new_empty(0))
-    except Exception:  # a cast this dtype does not support: learn the device from FP32
-        probe = fn(torch.empty(0, device=tensor.device))
-        return tensor.to(device=probe.device)
-    return fn(tensor) if probe.dtype == tensor.dtype else tensor.to(device=probe.device)
 
 
 class TorchFP4Linear(nn.Module):
