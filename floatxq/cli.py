@@ -78,15 +78,52 @@ def _check_png(png: Path) -> None:
         raise _fail(f"--png {png}: the directory {png.parent} does not exist")
 
 
-def _source_model(model: str, *, device: str | None):
+def _source_model(model: str, *, device: str | None, quantize_config=None):
     """The built-in tiny Llama for ``tiny``, else a local directory."""
     import floatxq
 
     if model == TINY:
         from floatxq.tiny import TINY_LLAMA_DIR
 
-        return floatxq.load(TINY_LLAMA_DIR, device=device)
-    return floatxq.load(model, device=device)
+        model = str(TINY_LLAMA_DIR)
+    return floatxq.load(model, device=device, quantize_config=quantize_config)
+
+
+def _calibration(spec: str, *, samples: int, seq_len: int) -> list:
+    """Calibration samples: ``tiny`` (the built-in corpus' calibration split, byte ids), a
+    ``.jsonl`` file (one JSON string, or object with ``text`` or ``input_ids``, per line) or a
+    text file (one sample per non-empty line)."""
+    import json
+
+    if spec == TINY:
+        from floatxq.tiny import calibration_samples
+
+        return calibration_samples(num_samples=samples, seq_len=seq_len)
+    path = Path(spec)
+    if not path.is_file():
+        raise _fail(f"--calibration {spec!r} is neither 'tiny' nor a readable file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _fail(f"--calibration {spec}: cannot read it as UTF-8 text ({exc})") from None
+    lines = [line for line in text.splitlines() if line.strip()]
+    if path.suffix.lower() != ".jsonl":
+        return lines[:samples]
+    out = []
+    for number, line in enumerate(lines[:samples], start=1):
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise _fail(f"--calibration {spec}: line {number} is not JSON ({exc.msg})") from None
+        if isinstance(item, dict) and "text" in item:
+            item = item["text"]
+        if not isinstance(item, (str, dict, list)):
+            raise _fail(
+                f"--calibration {spec}: line {number} must be a string, an object with 'text' "
+                f"or 'input_ids', or a list of token ids"
+            )
+        out.append(item)
+    return out
 
 
 @app.callback()
@@ -135,7 +172,7 @@ def demo(
 def quantize(
     model: str = typer.Argument(..., help="A local Hugging Face model directory, or 'tiny'."),
     out: Path = typer.Option(..., "--out", help="Directory to write the quantized model to."),
-    method: str = typer.Option("fp8", help="Quantization method (fp8)."),
+    method: str = typer.Option("fp8", help="Quantization method: fp8 or gptq."),
     format: str = typer.Option("float8_e4m3fn", "--format", help="FP8 format or alias."),
     scale_method: str | None = typer.Option(None, help="tensor, row or block."),
     block_size: tuple[int, int] | None = typer.Option(None, help="Block rows and columns."),
@@ -146,29 +183,68 @@ def quantize(
     layout: str = typer.Option(
         "compressed-tensors",
         help="Checkpoint layout: compressed-tensors (transformers with compressed-tensors, vLLM), "
-        "hf (transformers/DeepSeek fine-grained FP8: tensor or block scales) or gptqmodel "
-        "(GPT-QModel's inverse-scale files; transformers refuses them).",
+        "hf (transformers/DeepSeek fine-grained FP8: tensor or block scales), gptq (GPTQ files "
+        "vLLM, TGI and GPT-QModel read) or gptqmodel (GPT-QModel's files).",
     ),
+    bits: int = typer.Option(4, help="GPTQ: bits per weight (2, 4 or 8)."),
+    group_size: int = typer.Option(128, help="GPTQ: input columns per scale (-1: whole row)."),
+    sym: bool = typer.Option(True, help="GPTQ: symmetric (fixed zero point)."),
+    desc_act: bool = typer.Option(False, help="GPTQ: solve columns by descending activation."),
+    act_group_aware: bool = typer.Option(
+        True, help="GPTQ: group-aware reordering (turned off by --desc-act)."
+    ),
+    calibration: str | None = typer.Option(
+        None,
+        help="GPTQ: 'tiny' (the built-in corpus, byte ids), a text file (one sample per line) or "
+        "a .jsonl file (strings, or objects with text / input_ids).",
+    ),
+    samples: int = typer.Option(128, help="GPTQ: calibration samples to use at most."),
+    seq_len: int = typer.Option(256, help="GPTQ: tokens per sample for --calibration tiny."),
+    batch_size: int = typer.Option(8, help="GPTQ: calibration samples per forward."),
 ) -> None:
     """Quantize a model's linear layers and save the checkpoint in a chosen layout."""
     import floatxq
     from floatxq.lifecycle.export import normalize_layout
 
-    if method.strip().lower() != "fp8":
-        raise _fail(f"unsupported --method {method!r}; accepted: fp8")
+    chosen = method.strip().lower()
+    if chosen not in ("fp8", "gptq"):
+        raise _fail(f"unsupported --method {method!r}; accepted: fp8, gptq")
     _check_device(device)
     if out.exists() and not overwrite:
         raise _fail(f"--out {out} already exists; choose a new directory or pass --overwrite")
+    cal = None
+    if chosen == "gptq":
+        if calibration is None:
+            raise _fail("--method gptq needs --calibration (tiny, a text file or a .jsonl file)")
+        _check_at_least("--samples", samples, 1)
+        _check_at_least("--seq-len", seq_len, 2)
+        _check_at_least("--batch-size", batch_size, 1)
     try:
         normalize_layout(layout)
-        config = floatxq.FP8Config(
-            format=format,
-            weight_scale_method=scale_method,
-            weight_block_size=block_size,
-            lm_head=lm_head,
-            dynamic={f"-:{pattern}": {} for pattern in exclude or ()} or None,
-        )
-        source = _source_model(model, device=device)
+        dynamic = {f"-:{pattern}": {} for pattern in exclude or ()} or None
+        if chosen == "gptq":
+            config = floatxq.GPTQConfig(
+                bits=bits,
+                group_size=group_size,
+                sym=sym,
+                desc_act=desc_act,
+                act_group_aware=act_group_aware and not desc_act,
+                lm_head=lm_head,
+                dynamic=dynamic,
+            )
+            cal = _calibration(calibration or TINY, samples=samples, seq_len=seq_len)
+        else:
+            config = floatxq.FP8Config(
+                format=format,
+                weight_scale_method=scale_method,
+                weight_block_size=block_size,
+                lm_head=lm_head,
+                dynamic=dynamic,
+            )
+        # GPTQ's config goes to load: the model then stays on CPU (one layer at a time on
+        # --device) and a native FP8/NVFP4 source is requantized instead of refused.
+        gptq = chosen == "gptq"
+        source = _source_model(model, device=device, quantize_config=config if gptq else None)
     except DEVICE_ERRORS as exc:
         raise _fail_from(exc) from None
     if source.quantized:
@@ -176,14 +252,18 @@ def quantize(
     try:
         source.quantize_config = config
         start = time.perf_counter()
-        source.quantize(progress=True)
+        source.quantize(cal, batch_size=batch_size, progress=True)
         written = source.save(out, layout=layout, overwrite=overwrite)
     except DEVICE_ERRORS as exc:
         raise _fail_from(exc) from None
+    what = (
+        f"gptq {config.bits}-bit, group {config.group_size}"
+        if isinstance(config, floatxq.GPTQConfig)
+        else f"{config.format}, {config.weight_scale_method}"
+    )
     typer.echo(
-        f"quantized {len(source.quantized_modules)} modules ({config.format}, "
-        f"{config.weight_scale_method}) in {time.perf_counter() - start:.1f} s -> {written} "
-        f"(layout {layout})"
+        f"quantized {len(source.quantized_modules)} modules ({what}) in "
+        f"{time.perf_counter() - start:.1f} s -> {written} (layout {layout})"
     )
 
 

@@ -69,13 +69,15 @@ class FORMAT(_StrEnum):
 
 
 class BACKEND(_StrEnum):
-    """Inference backend: ``AUTO`` lets the loader pick, ``FP8_TORCH`` runs ``TorchFP8Linear``.
+    """Inference backend: ``AUTO`` lets the loader pick, ``FP8_TORCH`` runs ``TorchFP8Linear``,
+    ``GPTQ_TORCH`` runs ``GPTQLinear`` (W4A16: INT weights decoded for each call).
 
     Only backends with a runtime in floatxq are members; others join when their runtime lands.
     """
 
     AUTO = "auto"
     FP8_TORCH = "fp8_torch"
+    GPTQ_TORCH = "gptq_torch"
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,15 +14,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from floatxq.config import FP8Config
-from floatxq.gptq import (
-    GPTQSolveOptions,
-    gptq_solve,
-    hessian_finalize,
-    hessian_init,
-    hessian_update,
-    rtn_quantize,
-)
+from floatxq.config import FP8Config, GPTQConfig
+from floatxq.gptq import GPTQSolveOptions, rtn_quantize
 from floatxq.lifecycle.evaluate import EvalReport, evaluate_lm, reference_logprobs
 from floatxq.lifecycle.model import load
 from floatxq.nvfp4 import nvfp4_block_qdq
@@ -66,6 +59,7 @@ def _size(model: nn.Module, *, packed_linear_bits: float | None = None) -> int:
     embedding count at that many bits per value (a packed format's size).
     """
     from floatxq.nn.fp8_linear import TorchFP8Linear
+    from floatxq.nn.gptq_linear import GPTQLinear
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     total = 0.0
@@ -74,7 +68,7 @@ def _size(model: nn.Module, *, packed_linear_bits: float | None = None) -> int:
             module.named_buffers(recurse=False)
         )
         for name, tensor in tensors:
-            if isinstance(module, TorchFP8Linear):
+            if isinstance(module, (TorchFP8Linear, GPTQLinear)):
                 total += tensor.numel() * tensor.element_size()
             elif (
                 packed_linear_bits is not None
@@ -119,40 +113,12 @@ def _linear_targets(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
 
 
-def _calibration_hessians(model: nn.Module, samples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each linear layer's GPTQ Hessian from the unquantized model's inputs on ``samples``."""
-    states = {name: hessian_init(m.in_features) for name, m in _linear_targets(model).items()}
-    hooks = []
-    for name, module in _linear_targets(model).items():
-
-        def fold(_module, args, _out, name=name):
-            states[name] = hessian_update(states[name], args[0].detach().to(torch.float32))
-
-        hooks.append(module.register_forward_hook(fold))
-    try:
-        with torch.inference_mode():
-            for sample in samples:
-                model(input_ids=sample[None])
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return {name: hessian_finalize(state) for name, state in states.items()}
-
-
-def _int4_weights(
-    model: nn.Module, options: GPTQSolveOptions, hessians: dict[str, torch.Tensor] | None
-) -> nn.Module:
-    """A copy whose linear weights (not lm_head) are GPTQ-solved (or RTN) INT4 values."""
+def _rtn_weights(model: nn.Module, options: GPTQSolveOptions) -> nn.Module:
+    """A copy whose linear weights (not lm_head) are round-to-nearest INT4 values (dense)."""
     out = copy.deepcopy(model)
     with torch.no_grad():
-        for name, module in _linear_targets(out).items():
-            w = module.weight.detach()
-            solved = (
-                rtn_quantize(w, options)
-                if hessians is None
-                else gptq_solve(w, hessians[name], options)
-            )
-            module.weight.copy_(solved.dequantized)
+        for module in _linear_targets(out).values():
+            module.weight.copy_(rtn_quantize(module.weight.detach(), options).dequantized)
     return out
 
 
@@ -173,9 +139,10 @@ def run_demo(
       on_path: called with each path's name before it runs (progress).
 
     Numerics: FP8 paths through the real ``TorchFP8Linear`` modules; NVFP4 rows are weight QDQ
-    (``nvfp4_block_qdq`` per recipe, dynamic global scale) and INT4 rows the dequantized RTN /
-    GPTQ solution (Hessians from 32 calibration-split windows, each layer solved on the
-    unquantized model's inputs), all marked ``simulated`` (numerics without a packed runtime).
+    (``nvfp4_block_qdq`` per recipe, dynamic global scale) and the INT4 RTN row the dequantized
+    round-to-nearest weights, marked ``simulated`` (numerics without a packed runtime); the GPTQ
+    row is the real lifecycle: 32 calibration-split windows, layer by layer, ``GPTQLinear``
+    modules (W4A16) evaluated as they run.
     """
     from floatxq.tiny import load_tiny_llama, token_windows
 
@@ -211,7 +178,7 @@ def run_demo(
     if on_path is not None:
         on_path("int4 rtn g128 (weights, simulated)")
     start = time.perf_counter()
-    rtn = _int4_weights(reference, gptq, None)
+    rtn = _rtn_weights(reference, gptq)
     seconds = time.perf_counter() - start
     size = _size(rtn, packed_linear_bits=int4_bits)
     rows.append(
@@ -219,24 +186,19 @@ def run_demo(
             "int4 rtn g128 (weights, simulated)", rtn, refs, windows, seconds, size, simulated=True
         )
     )
+    name = "int4 gptq g128 (GPTQLinear, W4A16)"
     if on_path is not None:
-        on_path("int4 gptq g128 (weights, simulated)")
+        on_path(name)
     from floatxq.tiny import calibration_samples
 
     start = time.perf_counter()
-    hessians = _calibration_hessians(reference, calibration_samples(num_samples=32, seq_len=256))
-    solved = _int4_weights(reference, gptq, hessians)
+    gptq_model = load(
+        copy.deepcopy(reference), quantize_config=GPTQConfig(bits=4, group_size=128), device="cpu"
+    ).quantize(calibration_samples(num_samples=32, seq_len=256), batch_size=8, progress=False)
     seconds = time.perf_counter() - start
-    size = _size(solved, packed_linear_bits=int4_bits)
     rows.append(
         _row(
-            "int4 gptq g128 (weights, simulated)",
-            solved,
-            refs,
-            windows,
-            seconds,
-            size,
-            simulated=True,
+            name, gptq_model.model, refs, windows, seconds, _size(gptq_model.model), simulated=False
         )
     )
     return DemoReport(

@@ -235,8 +235,9 @@ def hessian_update(
     Args:
       state: the fold so far (from :func:`hessian_init` or a previous update); never mutated.
       x: ``(*batch, k)`` inputs; every leading axis counts as rows (tokens).
-      mask: optional ``(*batch)`` bool keep-mask; rows where it is False (padding) are left out
-        of both the sum and the count.
+      mask: optional ``(*batch)`` bool keep-mask; rows where it is False (padding) are removed
+        before the product, so they reach neither the sum nor the count (bit for bit: appending
+        masked rows never changes the result).
 
     Returns:
       A new :class:`HessianState`.
@@ -272,9 +273,10 @@ def hessian_update(
                 f"{where}: mask must have x's leading shape {tuple(x.shape[:-1])}, got "
                 f"{tuple(mask.shape)}"
             )
-        keep = mask.reshape(-1, 1).to(xtx.device)
-        flat = torch.where(keep, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
-        count = keep.sum().to(torch.int64)
+        # Padding rows are removed, not zeroed: the product then sums exactly the rows an
+        # unpadded call sums, in the same order, so padding cannot change a single bit.
+        flat = flat[mask.reshape(-1).to(xtx.device)]
+        count = torch.full((), flat.shape[0], dtype=torch.int64, device=xtx.device)
     return HessianState(xtx + flat.T @ flat, rows + count)
 
 

@@ -141,6 +141,23 @@ def test_fold_splits_and_masks_agree_exactly_on_integer_inputs(case):
         assert torch.equal(hessian_finalize(one), exact.float() * factor)
 
 
+@given(
+    matrices(max_blocks=(16, 6), elements=f32_values(max_magnitude=1e15)),
+    st.integers(0, 40),
+    st.sampled_from([0.0, 1e30, math.inf, math.nan]),
+)
+def test_padding_changes_nothing_bit_for_bit(x, pads, fill):
+    # A batch padded to a longer sequence: pad rows (any values, even inf/NaN) appended with
+    # mask False fold to exactly the same Hessian as the unpadded rows, on any float inputs.
+    n, k = x.shape
+    padded = torch.cat([x, torch.full((pads, k), fill)])
+    mask = torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(pads, dtype=torch.bool)])
+    alone = hessian_update(hessian_init(k), x)
+    with_pads = hessian_update(hessian_init(k), padded[None], mask[None])
+    assert_bitwise_equal(with_pads.xtx, alone.xtx)
+    assert int(with_pads.rows) == n
+
+
 @given(matrices(max_blocks=(16, 6), elements=f32_values(max_magnitude=1e15)), st.data())
 def test_fold_does_not_depend_on_row_order_beyond_fp32_summation(x, data):
     # each entry is a sum of n products; two summation orders differ by at most 2·γ_n·Σ|x_i x_j|

@@ -278,25 +278,25 @@ def test_backends():
     assert fq.load(model, quantize_config=fq.FP8Config()).backend == fq.BACKEND.FP8_TORCH
     assert fq.load(model, backend="fp8_torch").backend == fq.BACKEND.FP8_TORCH
     assert fq.load(model, backend=" AUTO ").backend == fq.BACKEND.FP8_TORCH
-    for name in ("gptq_torch", "mlx", "fast"):
+    gptq = fq.GPTQConfig()
+    assert fq.load(model, quantize_config=gptq).backend == fq.BACKEND.GPTQ_TORCH
+    assert fq.load(model, quantize_config=gptq, backend="gptq_torch").backend == "gptq_torch"
+    for name in ("mlx", "fast", "gptq_w4afp8"):
         with pytest.raises(ValueError, match=f"backend '{name}' is not available in floatxq"):
             fq.load(model, quantize_config=fq.FP8Config(), backend=name)
+    with pytest.raises(ValueError, match="backend 'gptq_torch' cannot run FP8 weight-only models"):
+        fq.load(model, quantize_config=fq.FP8Config(), backend="gptq_torch")
+    with pytest.raises(ValueError, match="backend 'fp8_torch' cannot run GPTQ"):
+        fq.load(model, quantize_config=gptq, backend="fp8_torch")
 
 
-def test_gptq_models_are_refused_until_the_gptq_lifecycle_lands(tmp_path, production_checks):
+def test_quantize_config_payloads_name_their_method():
     model = _small("llama")
-    with pytest.raises(TypeError, match="GPTQConfig; GPTQ models are not available yet"):
-        fq.load(model, quantize_config=fq.GPTQConfig())
-    with pytest.raises(ValueError, match="method 'gptq': GPTQ models are not available yet"):
-        fq.load(model, quantize_config={"method": "gptq", "bits": 4})
+    loaded = fq.load(model, quantize_config={"method": "gptq", "bits": 8, "group_size": 32})
+    assert isinstance(loaded.quantize_config, fq.GPTQConfig)
+    assert (loaded.quantize_config.bits, loaded.quantize_config.group_size) == (8, 32)
     with pytest.raises(ValueError, match="method 'awq' is not supported"):
         fq.load(model, quantize_config={"quant_method": "awq"})
-    out = _saved(tmp_path)
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
-    (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="declares method 'gptq'; GPTQ models are not avail"):
-        fq.load(out)
 
 
 def test_a_payload_dict_is_read_as_gptqmodel_writes_it():

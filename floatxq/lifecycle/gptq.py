@@ -1,13 +1,49 @@
-"""GPTQ in the lifecycle, as far as it goes today: a resolved config becomes the solver's options.
+"""The GPTQ lifecycle: calibrated, layer by layer, one decoder layer on the accelerator at a time.
 
-:class:`~floatxq.config.GPTQConfig` describes a checkpoint (per-module rules, packing format,
-``lm_head``, ``meta``); :func:`floatxq.gptq_solve` needs only the solver's settings. The
-layer-by-layer GPTQ lifecycle (calibration capture, Hessians, packing) is not available yet in
-``floatxq.load``.
+:func:`quantize_gptq_model` runs GPT-QModel's order on a Hugging Face causal LM:
+
+1. the calibration batches (:mod:`floatxq.lifecycle.calibration`) go through the embeddings once,
+   and the first decoder layer's inputs (hidden states and the keyword arguments the model passes
+   it: attention mask, position embeddings, ...) are captured on the work device;
+2. per decoder layer, moved to the work device alone: the selected linears are grouped by the
+   input they read (found from the order of their calls: q/k/v, then o, then gate/up, then down
+   in a Llama layer); for each group in turn the layer runs over every batch up to that input,
+   one Hessian per group is folded with :func:`floatxq.hessian_update` (padding masked out),
+   each module of the group is solved with :func:`floatxq.gptq_solve` on its own resolved
+   settings and replaced by a :class:`~floatxq.nn.gptq_linear.GPTQLinear`, so later groups see the
+   quantized outputs of earlier ones;
+3. the layer runs again with its quantized modules, and its outputs are the next layer's inputs;
+   the layer goes back to where it lived (CPU), with its Hessians freed;
+4. with ``lm_head=True``, the output embedding is solved last, on the final norm's outputs.
+
+Sources already quantized (``TorchFP8Linear`` / ``TorchFP4Linear`` from a native FP8 or NVFP4
+checkpoint) run their own forward for the capture (FP8 tensor cores where the device has them)
+and are decoded one module at a time, in FP32, only for their solve.
 """
 
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
 from floatxq.config import GPTQConfig
-from floatxq.gptq import GPTQSolveOptions
+from floatxq.gptq import (
+    GPTQSolveOptions,
+    gptq_solve,
+    hessian_finalize,
+    hessian_init,
+    hessian_update,
+)
+from floatxq.lifecycle.calibration import CalibrationSet
+
+PACKABLE_BITS: tuple[int, ...] = (2, 4, 8)
+"""Bit widths a GPTQ checkpoint packs (32/bits values per int32 word)."""
+
+_LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer")
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm")
 
 
 def gptq_solve_options(config: GPTQConfig) -> GPTQSolveOptions:
@@ -44,4 +80,549 @@ def gptq_solve_options(config: GPTQConfig) -> GPTQSolveOptions:
     )
 
 
-__all__ = ["gptq_solve_options"]
+# ----------------------------------------------------------------------------------------------
+# Plan
+# ----------------------------------------------------------------------------------------------
+
+
+class GptqPlan(NamedTuple):
+    """One module's decision: solve with ``config`` (resolved), or skip with a reason."""
+
+    name: str
+    layer: int | None
+    """Index of its decoder layer; None for the output embedding."""
+    config: GPTQConfig | None
+    reason: str | None
+
+
+class GPTQModuleReport(NamedTuple):
+    """What the solve of one module did."""
+
+    name: str
+    layer: int | None
+    bits: int
+    group_size: int
+    rows: int
+    """Calibration rows (unpadded tokens) folded into its Hessian."""
+    loss: float
+    """GPT-QModel's ``avg_loss``: the solution's Hessian-weighted error divided by ``rows``."""
+    damp: float
+    """The ``damp_percent`` that made its Hessian invertible."""
+    seconds: float
+    """Wall time of its solve and packing."""
+
+
+class GPTQRunReport(NamedTuple):
+    """A whole GPTQ run: every module's report and the calibration it used."""
+
+    modules: tuple[GPTQModuleReport, ...]
+    layers: int
+    samples: int
+    dropped: int
+    tokens: int
+    seconds: float
+
+
+def _target_types() -> tuple[type, ...]:
+    from floatxq.nn.fp4_linear import TorchFP4Linear
+    from floatxq.nn.fp8_linear import TorchFP8Linear
+
+    kinds: list[type] = [nn.Linear, TorchFP8Linear, TorchFP4Linear]
+    with contextlib.suppress(ImportError):
+        from transformers.pytorch_utils import Conv1D
+
+        kinds.append(Conv1D)
+    return tuple(kinds)
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of a linear-like target."""
+    if hasattr(module, "in_features") and hasattr(module, "out_features"):
+        return int(module.in_features), int(module.out_features)
+    rows, cols = module.weight.shape  # transformers' Conv1D stores (in, out)
+    return int(rows), int(cols)
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's list of decoder layers and its qualified name (``model.layers`` in a Llama).
+
+    The list is the ``nn.ModuleList`` of modules of one type whose length is the config's
+    ``num_hidden_layers`` (when it has one), preferring names ending in ``layers``/``h``/``blocks``.
+
+    Raises:
+      ValueError: no such list (the GPTQ lifecycle needs repeated decoder layers).
+
+    Numerics: names only.
+    """
+    want = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        if want is not None and len(module) != want:
+            continue
+        named = name.rsplit(".", 1)[-1] in _LAYER_LIST_NAMES
+        found.append((not named, name.count("."), name, module))
+    if not found:
+        raise ValueError(
+            f"GPTQ: {type(model).__name__} has no list of decoder layers (an nn.ModuleList of "
+            f"{want if want is not None else 'repeated'} modules of one type, such as "
+            f"model.layers); the layer-by-layer lifecycle needs one"
+        )
+    _, _, name, layers = min(found, key=lambda item: item[:3])
+    return name, layers
+
+
+def _output_embedding(model: nn.Module) -> tuple[str, nn.Module] | None:
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if head is None:
+        return None
+    name = next(n for n, m in model.named_modules() if m is head)
+    return name, head
+
+
+def _final_norm(model: nn.Module, layers_name: str) -> nn.Module | None:
+    parent = model.get_submodule(layers_name.rsplit(".", 1)[0]) if "." in layers_name else model
+    for name in _FINAL_NORM_NAMES:
+        norm = getattr(parent, name, None)
+        if isinstance(norm, nn.Module):
+            return norm
+    return None
+
+
+def _check_target(name: str, module: nn.Module, config: GPTQConfig) -> None:
+    k, n = _features(module)
+    if config.bits not in PACKABLE_BITS:
+        raise ValueError(
+            f"GPTQ: module {name!r} resolves to bits={config.bits}, which no GPTQ checkpoint "
+            f"packs; accepted: {list(PACKABLE_BITS)} (use a dynamic rule to change it)"
+        )
+    if config.group_size != -1 and k % config.group_size:
+        raise ValueError(
+            f"GPTQ: module {name!r} has in_features={k}, which group_size={config.group_size} "
+            f"does not divide; pick a group size that divides it, use -1, or exclude the module "
+            f"with a '-:' dynamic rule"
+        )
+    per_word = 32 // config.bits
+    if k % per_word or n % per_word:
+        raise ValueError(
+            f"GPTQ: module {name!r} is ({n}, {k}) (out, in); {config.bits}-bit packing needs both "
+            f"to be multiples of {per_word}; exclude it with a '-:' dynamic rule"
+        )
+
+
+def plan_gptq(model: nn.Module, config: GPTQConfig) -> list[GptqPlan]:
+    """Decide, module by module, what the GPTQ lifecycle does, checking every target first.
+
+    Targets are the linear-like modules inside the decoder layers (``nn.Linear``, transformers'
+    ``Conv1D``, and ``TorchFP8Linear`` / ``TorchFP4Linear`` of a native source) and, with
+    ``config.lm_head``, the output embedding. A ``-:`` dynamic rule excludes a module.
+
+    Raises:
+      ValueError: no decoder layers; a target whose resolved bits no checkpoint packs, whose
+        ``in_features`` its group size does not divide, or whose shape the packing does not
+        hold; ``lm_head=True`` with a tied output embedding or without a final norm to feed it.
+
+    Numerics: names only.
+    """
+    layers_name, layers = decoder_layers(model)
+    kinds = _target_types()
+    plans = []
+    for index, layer in enumerate(layers):
+        for local, module in layer.named_modules():
+            if not local or not isinstance(module, kinds):
+                continue
+            name = f"{layers_name}.{index}.{local}"
+            resolved = config.resolve(name)
+            if resolved is None:
+                plans.append(GptqPlan(name, index, None, "excluded by a '-:' dynamic rule"))
+                continue
+            _check_target(name, module, resolved)
+            plans.append(GptqPlan(name, index, resolved, None))
+    head = _output_embedding(model)
+    if head is not None:
+        name, module = head
+        resolved = config.resolve(name) if config.lm_head else None
+        if not config.lm_head or resolved is None:
+            why = "output embedding (lm_head=False)" if not config.lm_head else "excluded"
+            plans.append(GptqPlan(name, None, None, why))
+        else:
+            inputs = getattr(model, "get_input_embeddings", lambda: None)()
+            if inputs is not None and getattr(inputs, "weight", None) is module.weight:
+                raise ValueError(
+                    f"GPTQ: lm_head=True, but {name!r} shares its weight with the input "
+                    f"embedding (tie_word_embeddings); quantizing it would change the embedding "
+                    f"too. Untie them first or set lm_head=False"
+                )
+            if _final_norm(model, layers_name) is None:
+                raise ValueError(
+                    f"GPTQ: lm_head=True, but no final norm ({', '.join(_FINAL_NORM_NAMES)}) "
+                    f"was found beside {layers_name!r} to compute {name!r}'s inputs"
+                )
+            if not isinstance(module, kinds):
+                raise ValueError(f"GPTQ: {name!r} is a {type(module).__name__}, not a linear")
+            _check_target(name, module, resolved)
+            plans.append(GptqPlan(name, None, resolved, None))
+    return plans
+
+
+# ----------------------------------------------------------------------------------------------
+# Running layers
+# ----------------------------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward once the wanted input has been seen."""
+
+
+class _LayerInput(NamedTuple):
+    hidden: torch.Tensor
+    kwargs: dict[str, Any]
+    mask: torch.Tensor
+    """bool (batch, length): True on real tokens."""
+
+
+def _move(module: nn.Module, device: torch.device) -> None:
+    module.to(device)
+
+
+def _move_outside(model: nn.Module, skip: set[int], device: torch.device) -> None:
+    """Move every module of ``model`` except those in ``skip`` (by id) to ``device``."""
+
+    def walk(module: nn.Module) -> bool:
+        """Move ``module``'s own tensors and its children; False when a skipped one is inside."""
+        if id(module) in skip:
+            return False
+        children = list(module.children())
+        inside = [walk(child) for child in children]
+        if all(inside):
+            module.to(device)
+            return True
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param is not None:
+                param.data = param.data.to(device)
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
+        return False
+
+    walk(model)
+
+
+def _layer_output(result: Any) -> torch.Tensor:
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+def _capture_inputs(
+    model: nn.Module,
+    first_layer: nn.Module,
+    calibration: CalibrationSet,
+    device: torch.device,
+) -> list[_LayerInput]:
+    """Run the embeddings on every batch and keep the first decoder layer's inputs."""
+    captured: list[_LayerInput] = []
+    current: dict[str, torch.Tensor] = {}
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        kwargs = dict(kwargs)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        kwargs.update({f"__arg{i}": a for i, a in enumerate(args[1:])})
+        captured.append(_LayerInput(hidden, kwargs, current["mask"]))
+        raise _Stop
+
+    handle = first_layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for batch in calibration.batches:
+            mask = batch.attention_mask.to(device)
+            current["mask"] = mask
+            with contextlib.suppress(_Stop):
+                model(
+                    input_ids=batch.input_ids.to(device),
+                    attention_mask=mask.to(torch.int64),
+                    use_cache=False,
+                )
+    finally:
+        handle.remove()
+    if len(captured) != len(calibration.batches):
+        raise RuntimeError(
+            f"GPTQ: the model's forward reached its first decoder layer for {len(captured)} of "
+            f"{len(calibration.batches)} calibration batches"
+        )
+    return captured
+
+
+def _call_layer(layer: nn.Module, item: _LayerInput) -> Any:
+    extra = sorted((k for k in item.kwargs if k.startswith("__arg")), key=lambda k: int(k[5:]))
+    args = [item.kwargs[k] for k in extra]
+    kwargs = {k: v for k, v in item.kwargs.items() if not k.startswith("__arg")}
+    return layer(item.hidden, *args, **kwargs)
+
+
+def _groups_by_input(
+    layer: nn.Module, targets: list[tuple[str, nn.Module]], probe: _LayerInput
+) -> list[list[tuple[str, nn.Module]]]:
+    """Group the targets of one layer by the tensor they read, in the order they are called."""
+    seen: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
+    alive: list[torch.Tensor] = []  # held until grouped: a freed input's address can be reused
+    order: list[str] = []
+
+    def make(name: str) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: tuple) -> None:
+            if name not in seen:
+                x = args[0]
+                alive.append(x)
+                seen[name] = (x.data_ptr(), tuple(x.shape), tuple(x.stride()))
+                order.append(name)
+
+        return hook
+
+    handles = [module.register_forward_pre_hook(make(name)) for name, module in targets]
+    try:
+        _call_layer(layer, probe)
+    finally:
+        for handle in handles:
+            handle.remove()
+    del alive
+    silent = [name for name, _ in targets if name not in seen]
+    if silent:
+        raise ValueError(
+            f"GPTQ: {silent[:4]} never ran in their layer's forward, so no calibration input "
+            f"reaches them; exclude them with '-:' dynamic rules"
+        )
+    by_name = dict(targets)
+    groups: list[list[tuple[str, nn.Module]]] = []
+    key = None
+    for name in order:
+        if seen[name] != key:
+            groups.append([])
+            key = seen[name]
+        groups[-1].append((name, by_name[name]))
+    return groups
+
+
+def _fold_group(
+    layer: nn.Module,
+    first: nn.Module,
+    names: list[str],
+    inputs: list[_LayerInput],
+    in_features: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """The Hessian of one input group: run the layer up to the group's input on every batch."""
+    state = {"h": hessian_init(in_features, device=device)}
+    current: dict[str, torch.Tensor] = {}
+
+    def hook(_module: nn.Module, args: tuple) -> None:
+        x = args[0]
+        mask = current["mask"]
+        if tuple(x.shape[:-1]) == tuple(mask.shape):
+            state["h"] = hessian_update(state["h"], x, mask)
+        elif bool(mask.all()):
+            state["h"] = hessian_update(state["h"], x)
+        else:
+            raise ValueError(
+                f"GPTQ: {names[0]} reads inputs of shape {tuple(x.shape)}, which the padding mask "
+                f"{tuple(mask.shape)} cannot be matched to; calibrate it with batch_size=1 (no "
+                f"padding)"
+            )
+        raise _Stop
+
+    handle = first.register_forward_pre_hook(hook)
+    try:
+        for item in inputs:
+            current["mask"] = item.mask
+            with contextlib.suppress(_Stop):
+                _call_layer(layer, item)
+    finally:
+        handle.remove()
+    try:
+        return hessian_finalize(state["h"])
+    except ValueError as exc:
+        raise ValueError(
+            f"GPTQ: the calibration activations reaching {', '.join(names)} are not finite (inf "
+            f"or NaN); check the model in its dtype on this device ({exc})"
+        ) from None
+
+
+def _dense_weight(module: nn.Module, device: torch.device) -> torch.Tensor:
+    """A target's ``(out, in)`` weight in FP32 on ``device`` (decoded for FP8/NVFP4 sources)."""
+    decode = getattr(module, "dequantize_weight", None)
+    if callable(decode):  # TorchFP8Linear / TorchFP4Linear: decoded for this solve only
+        return decode(dtype=torch.float32).to(device)
+    weight = module.weight.detach()
+    if not isinstance(module, nn.Linear):  # transformers' Conv1D: (in, out)
+        weight = weight.T
+    return weight.to(device=device, dtype=torch.float32)
+
+
+def _solve_module(
+    name: str,
+    module: nn.Module,
+    hessian: torch.Tensor,
+    config: GPTQConfig,
+    rows: int,
+    layer: int | None,
+    device: torch.device,
+) -> tuple[nn.Module, GPTQModuleReport]:
+    from floatxq.nn.gptq_linear import GPTQLinear
+
+    start = time.perf_counter()
+    weight = _dense_weight(module, device)
+    solution = gptq_solve(weight, hessian, gptq_solve_options(config))
+    del weight
+    bias = getattr(module, "bias", None)
+    packed = GPTQLinear.from_solution(
+        solution,
+        bits=config.bits,
+        group_size=config.group_size,
+        bias=None if bias is None else bias.detach(),
+        format=config.format,
+    )
+    loss = float(solution.loss) / max(rows, 1)
+    report = GPTQModuleReport(
+        name,
+        layer,
+        config.bits,
+        config.group_size,
+        rows,
+        loss,
+        float(solution.damp),
+        time.perf_counter() - start,
+    )
+    return packed, report
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def quantize_gptq_model(
+    model: nn.Module,
+    config: GPTQConfig,
+    calibration: CalibrationSet,
+    *,
+    device: torch.device,
+    on_module: Callable[[str], None] | None = None,
+    on_layer: Callable[[int, int], None] | None = None,
+) -> GPTQRunReport:
+    """Quantize ``model`` with GPTQ in place, layer by layer (see the module docstring).
+
+    Args:
+      model: a Hugging Face causal LM (decoder layers in an ``nn.ModuleList``), in eval mode;
+        modules stay where they are between layers (CPU for large models).
+      config: the :class:`~floatxq.config.GPTQConfig` (dynamic rules resolved per module).
+      calibration: prepared batches (:func:`~floatxq.lifecycle.calibration.prepare_calibration`).
+      device: the work device: one decoder layer, its Hessians and the calibration activations
+        live there at a time.
+      on_module: called with each module's name once it is solved.
+      on_layer: called with ``(index, count)`` once a layer is done.
+
+    Returns:
+      :class:`GPTQRunReport`.
+
+    Raises:
+      ValueError: any :func:`plan_gptq` refusal (raised before anything changes), non-finite
+        calibration activations (naming the modules they reach), a module no batch reaches.
+
+    Numerics: each module as :func:`floatxq.gptq_solve` on ``H = 2/N Σ xᵀx`` over the unpadded
+    calibration rows, x being its input in the model's dtype with the earlier modules of its
+    layer (and all earlier layers) already quantized.
+    """
+    plans = plan_gptq(model, config)
+    targets = {p.name: p for p in plans if p.config is not None}
+    layers_name, layers = decoder_layers(model)
+    modules = dict(model.named_modules())
+    head = _output_embedding(model)
+    head_plan = targets.get(head[0]) if head is not None else None
+    start = time.perf_counter()
+    reports: list[GPTQModuleReport] = []
+    skip = {id(layers)} | ({id(head[1])} if head is not None else set())
+    home = {id(m): _device_of(m) for m in layers}
+    outside_home = _device_of(
+        modules[layers_name.rsplit(".", 1)[0]] if "." in layers_name else model
+    )
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        _move_outside(model, skip, device)
+        first = layers[0]
+        _move(first, device)
+        inputs = _capture_inputs(model, first, calibration, device)
+        rows = calibration.tokens
+        for index, layer in enumerate(layers):
+            _move(layer, device)
+            prefix = f"{layers_name}.{index}."
+            wanted = [(n, modules[n]) for n in targets if n.startswith(prefix)]
+            if wanted:
+                for group in _groups_by_input(layer, wanted, inputs[0]):
+                    names = [n for n, _ in group]
+                    in_features = _features(group[0][1])[0]
+                    hessian = _fold_group(layer, group[0][1], names, inputs, in_features, device)
+                    for name, module in group:
+                        plan = targets[name]
+                        built, report = _solve_module(
+                            name, module, hessian, plan.config, rows, index, device
+                        )
+                        model.set_submodule(name, built)
+                        reports.append(report)
+                        if on_module is not None:
+                            on_module(name)
+                    del hessian
+            last = index == len(layers) - 1
+            if not last or head_plan is not None:
+                for i, item in enumerate(inputs):
+                    out = _layer_output(_call_layer(layer, item))
+                    inputs[i] = item._replace(hidden=out)
+            _move(layer, home[id(layer)])
+            if on_layer is not None:
+                on_layer(index, len(layers))
+        if head_plan is not None and head is not None:
+            name, module = head
+            norm = _final_norm(model, layers_name)
+            _move(module, device)
+            state = hessian_init(_features(module)[0], device=device)
+            for item in inputs:
+                state = hessian_update(state, norm(item.hidden), item.mask)
+            try:
+                hessian = hessian_finalize(state)
+            except ValueError as exc:
+                raise ValueError(
+                    f"GPTQ: the calibration activations reaching {name} are not finite ({exc})"
+                ) from None
+            built, report = _solve_module(
+                name, module, hessian, head_plan.config, rows, None, device
+            )
+            model.set_submodule(name, built.to(outside_home))
+            reports.append(report)
+            if on_module is not None:
+                on_module(name)
+        del inputs
+        _move_outside(model, skip, outside_home)
+    model.train(was_training)
+    return GPTQRunReport(
+        tuple(reports),
+        len(layers),
+        calibration.samples,
+        calibration.dropped,
+        calibration.tokens,
+        time.perf_counter() - start,
+    )
+
+
+__all__ = [
+    "PACKABLE_BITS",
+    "GPTQModuleReport",
+    "GPTQRunReport",
+    "GptqPlan",
+    "decoder_layers",
+    "gptq_solve_options",
+    "plan_gptq",
+    "quantize_gptq_model",
+]

@@ -30,49 +30,54 @@ from floatxq.lifecycle.checkpoint import (
 )
 from floatxq.lifecycle.export import DEFAULT_LAYOUT
 from floatxq.lifecycle.fp8 import quantize_fp8_modules
-from floatxq.lifecycle.payload import fp8_config_from_payload, payload_method
+from floatxq.lifecycle.payload import (
+    fp8_config_from_payload,
+    gptq_config_from_payload,
+    payload_method,
+)
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
 
-def _resolve_backend(backend: Any) -> BACKEND:
-    """The backend that runs the model: FP8 weight-only models run on ``fp8_torch``."""
+def _resolve_backend(backend: Any, config: Any = None) -> BACKEND:
+    """The backend that runs the model: FP8 weight-only models run on ``fp8_torch``, GPTQ
+    (W4A16) models on ``gptq_torch``; an explicit backend must be the one the method runs on."""
+    runs_on = BACKEND.GPTQ_TORCH if isinstance(config, GPTQConfig) else BACKEND.FP8_TORCH
     if isinstance(backend, str):
         try:
             chosen = BACKEND(str.lower(str.strip(backend)))
         except ValueError:
             chosen = None
-        if chosen is not None:
-            return BACKEND.FP8_TORCH if chosen == BACKEND.AUTO else chosen
-    accepted = ", ".join(repr(b.value) for b in BACKEND)
+        if chosen == BACKEND.AUTO or chosen == runs_on:
+            return runs_on
+        if chosen in (BACKEND.FP8_TORCH, BACKEND.GPTQ_TORCH):
+            what = "GPTQ (W4A16)" if runs_on == BACKEND.GPTQ_TORCH else "FP8 weight-only"
+            raise ValueError(
+                f"load: backend {backend!r} cannot run {what} models; use 'auto' or "
+                f"{runs_on.value!r}"
+            )
+    accepted = ", ".join(repr(b.value) for b in (BACKEND.AUTO, BACKEND.FP8_TORCH, BACKEND.GPTQ_TORCH))
     raise ValueError(
         f"load: backend {backend!r} is not available in floatxq; accepted: {accepted} (FP8 "
-        f"weight-only models run on 'fp8_torch')"
+        f"weight-only models run on 'fp8_torch', GPTQ W4A16 models on 'gptq_torch')"
     )
 
 
-_GPTQ_NOT_YET = (
-    "GPTQ models are not available yet in floatxq.load (only the solver is: floatxq.gptq_solve "
-    "with floatxq.lifecycle.gptq_solve_options(config.resolve(module_name)))"
-)
-
-
-def _as_fp8_config(value: Any) -> FP8Config:
-    if isinstance(value, FP8Config):
+def _as_config(value: Any) -> FP8Config | GPTQConfig:
+    if isinstance(value, (FP8Config, GPTQConfig)):
         return value
-    if isinstance(value, GPTQConfig):
-        raise TypeError(f"load: quantize_config is a GPTQConfig; {_GPTQ_NOT_YET}")
     if isinstance(value, Mapping):
         method = payload_method(value) or METHOD.FP8.value
         if method == METHOD.GPTQ:
-            raise ValueError(f"load: quantize_config method 'gptq': {_GPTQ_NOT_YET}")
+            return gptq_config_from_payload(value)
         if method != METHOD.FP8:
             raise ValueError(
-                f"load: quantize_config method {method!r} is not supported; accepted: 'fp8'"
+                f"load: quantize_config method {method!r} is not supported; accepted: 'fp8', "
+                f"'gptq'"
             )
         return fp8_config_from_payload(value)
     raise TypeError(
-        f"load: quantize_config must be an FP8Config, its payload mapping or None, got "
-        f"{type(value).__name__}"
+        f"load: quantize_config must be an FP8Config, a GPTQConfig, a payload mapping of either "
+        f"or None, got {type(value).__name__}"
     )
 
 
@@ -197,9 +202,21 @@ def _gptqmodel_config(path: Path, qpayload: Mapping[str, Any]) -> FP8Config:
     return from_quantize
 
 
+def _gptq_config(path: Path, qpayload: Mapping[str, Any]) -> GPTQConfig:
+    """The GPTQConfig of a ``quant_method: gptq`` directory (GPT-QModel, transformers, floatxq):
+    ``quantize_config.json`` when present (GPT-QModel reads it first), which must agree with
+    ``config.json`` on every field that decides how the tensors are read."""
+    from floatxq.lifecycle.checkpoint import QUANTIZE_CONFIG_FILE
+    from floatxq.lifecycle.layouts import read_gptq_config
+
+    quantize_file = path / QUANTIZE_CONFIG_FILE
+    quantize = read_json(quantize_file, what="load") if quantize_file.is_file() else None
+    return read_gptq_config(path, qpayload, quantize)
+
+
 def _load_quantized(
     path: Path, config_payload: Mapping[str, Any], *, device: Any, dtype: Any
-) -> "tuple[nn.Module | None, FP8Config | None, Any]":
+) -> "tuple[nn.Module | None, FP8Config | GPTQConfig | None, Any]":
     from floatxq.lifecycle.checkpoint import header_metadata
     from floatxq.lifecycle.fp8 import LINEAR_TYPES
     from floatxq.lifecycle.layouts import (
@@ -231,7 +248,11 @@ def _load_quantized(
         if mode is not None:
             raise CheckpointError(f"load: {path}: " + MODELOPT_ACTIVATION_REFUSAL.format(mode=mode))
     refuse_activation_scales(decision, names, path)
-    qconfig = _gptqmodel_config(path, qpayload) if decision.layout == "gptqmodel" else None
+    qconfig: FP8Config | GPTQConfig | None = None
+    if decision.layout == "gptqmodel":
+        qconfig = _gptqmodel_config(path, qpayload)
+    elif decision.layout == "gptq":
+        qconfig = _gptq_config(path, qpayload)
     model_dtype = _model_dtype(config_payload, dtype)
     model = _build_from_config(config_payload, device=None, dtype=dtype)
     modules = dict(model.named_modules())
@@ -244,11 +265,13 @@ def _load_quantized(
     for source in sources:
         first = next(iter(source.tensors))
         file = files.get(f"{source.name}.{first}", files.get(f"{source.name}.weight.{first}", "?"))
-        declared = None
+        declared, gptq = None, None
         if qconfig is not None:
             resolved = qconfig.resolve(source.name)
             head = source.name in _head_names(model) and not qconfig.lm_head
-            if resolved is not None and not head:
+            if isinstance(resolved, GPTQConfig) and not head:
+                gptq = resolved
+            elif isinstance(resolved, FP8Config) and not head:
                 declared = (resolved.weight_scale_method, resolved.weight_block_size)
         built = read_module(
             decision,
@@ -259,6 +282,7 @@ def _load_quantized(
             file=file,
             metadata=torchao,
             declared=declared,
+            gptq=gptq,
         )
         if built is None:
             rest.update({f"{source.name}.{k}": v for k, v in source.tensors.items()})
@@ -280,7 +304,7 @@ def _load_quantized(
     if device is not None:
         model = model.to(device)
     if qconfig is None:
-        qconfig = _describe_fp8(model)
+        qconfig = _describe_loaded(model)
     return model.eval(), qconfig, decision
 
 
@@ -291,7 +315,11 @@ def _head_names(model: nn.Module) -> set[str]:
 
 
 def _check_built(
-    name: str, built: nn.Module, original: nn.Module, qconfig: FP8Config | None, file: str
+    name: str,
+    built: nn.Module,
+    original: nn.Module,
+    qconfig: FP8Config | GPTQConfig | None,
+    file: str,
 ) -> None:
     from floatxq.nn.fp8_linear import _source_matrix
 
@@ -303,12 +331,26 @@ def _check_built(
             f"load: {name}.weight in {file} holds a {shape} weight, but the model's "
             f"{type(original).__name__} {name!r} needs {expected}"
         )
-    if qconfig is not None and isinstance(built, TorchFP8Linear):
+    if isinstance(qconfig, FP8Config) and isinstance(built, TorchFP8Linear):
         resolved = qconfig.resolve(name) or qconfig
         if built.format != resolved.format:
             raise CheckpointError(
                 f"load: {name}.weight in {file} is {built.format} but the quantization config "
                 f"declares format {resolved.format!r}"
+            )
+    if isinstance(qconfig, GPTQConfig):
+        from floatxq.nn.gptq_linear import GPTQLinear
+
+        resolved = qconfig.resolve(name)
+        held = (getattr(built, "bits", None), getattr(built, "group_size", None))
+        if (
+            not isinstance(built, GPTQLinear)
+            or resolved is None
+            or held != (resolved.bits, resolved.group_size)
+        ):
+            raise CheckpointError(
+                f"load: {name} in {file} was built as {type(built).__name__} {held}, not the "
+                f"GPTQ module the quantization config declares"
             )
 
 
@@ -340,6 +382,47 @@ def _describe_fp8(model: nn.Module) -> FP8Config | None:
     )
 
 
+def _describe_gptq(model: nn.Module) -> GPTQConfig | None:
+    """A GPTQConfig describing the GPTQLinear modules of a model read from compressed-tensors:
+    the most common (bits, group size, symmetric) as the base, exact-name rules for the others;
+    ``format`` is that of the modules (``gptq_v2``: compressed-tensors stores the zero points
+    themselves)."""
+    from collections import Counter
+
+    from floatxq.lifecycle.export import _gptq_facts
+    from floatxq.nn.gptq_linear import GPTQLinear
+
+    gptq = {n: m for n, m in model.named_modules() if isinstance(m, GPTQLinear)}
+    if not gptq:
+        return None
+    key = {n: (m.bits, m.group_size, _gptq_facts(m).symmetric) for n, m in gptq.items()}
+    base, _ = Counter(key.values()).most_common(1)[0]
+    dynamic = {
+        f"+:^{re.escape(name)}$": {"bits": bits, "group_size": size, "sym": sym}
+        for name, (bits, size, sym) in key.items()
+        if (bits, size, sym) != base
+    }
+    formats = sorted({m.format for m in gptq.values()})
+    return GPTQConfig(
+        bits=base[0],
+        group_size=base[1],
+        sym=base[2],
+        format=formats[0] if len(formats) == 1 else "gptq_v2",
+        lm_head=any(n in _head_names(model) for n in gptq),
+        dynamic=dynamic or None,
+    )
+
+
+def _describe_loaded(model: nn.Module) -> FP8Config | GPTQConfig | None:
+    """The config describing a model read from a layout that does not carry floatxq's own:
+    FP8 modules give an FP8Config, GPTQ modules a GPTQConfig, and a model holding both None (a
+    config describes one method; such a model saves to ``compressed-tensors`` only)."""
+    fp8, gptq = _describe_fp8(model), _describe_gptq(model)
+    if fp8 is not None and gptq is not None:
+        return None
+    return fp8 if gptq is None else gptq
+
+
 def _tied_names(model: nn.Module) -> set[str]:
     config = getattr(model, "config", None)
     if not getattr(config, "tie_word_embeddings", False):
@@ -350,11 +433,11 @@ def _tied_names(model: nn.Module) -> set[str]:
 
 
 def _quantized_types() -> tuple[type, ...]:
-    try:
-        from floatxq.nn.fp4_linear import TorchFP4Linear
-    except ImportError:  # pragma: no cover - the module lands with the interop work
-        return (TorchFP8Linear,)
-    return (TorchFP8Linear, TorchFP4Linear)
+    """The module classes a quantized model holds; ``GPTQLinear`` last."""
+    from floatxq.nn.fp4_linear import TorchFP4Linear
+    from floatxq.nn.gptq_linear import GPTQLinear
+
+    return (TorchFP8Linear, TorchFP4Linear, GPTQLinear)
 
 
 class QuantizedModel:
@@ -370,7 +453,7 @@ class QuantizedModel:
         self,
         model: nn.Module,
         *,
-        quantize_config: FP8Config | None,
+        quantize_config: FP8Config | GPTQConfig | None,
         backend: BACKEND,
         quantized: bool = False,
         source: Path | None = None,
@@ -390,9 +473,15 @@ class QuantizedModel:
         self.source = source
         self.device = device
         self.quantize_seconds: float | None = None
+        self.report: Any = None
+        """The last :meth:`quantize` run's :class:`~floatxq.lifecycle.gptq.GPTQRunReport` (GPTQ)."""
+        self.tokenizer: Any = None
+        """Turns calibration strings into ids: the source directory's tokenizer when it has
+        one (the byte tokenizer for the built-in tiny Llama), else None."""
 
     def __repr__(self) -> str:
-        state = f"{len(self.quantized_modules)} FP8 modules" if self.quantized else "not quantized"
+        kind = "GPTQ" if isinstance(self.quantize_config, GPTQConfig) else "FP8"
+        state = f"{len(self.quantized_modules)} {kind} modules" if self.quantized else "not quantized"
         return f"QuantizedModel({type(self.model).__name__}, {state}, backend={self.backend.value})"
 
     def quantize(
@@ -401,24 +490,37 @@ class QuantizedModel:
         *,
         batch_size: int = 1,
         progress: bool | Callable[[str], None] = True,
+        tokenizer: Any = None,
     ) -> "QuantizedModel":
-        """Quantize the model's linear modules in place (FP8 weight-only: no calibration).
+        """Quantize the model's linear modules in place.
+
+        FP8 is weight-only (no calibration). GPTQ is calibrated and runs layer by layer
+        (:mod:`floatxq.lifecycle.gptq`): only one decoder layer, its Hessians and the calibration
+        activations are on the work device (``device`` given to :func:`load`, else CUDA when
+        available, else CPU) at a time; the model ends on ``device`` when one was given.
 
         Args:
-          calibration: ignored by the FP8 weight-only lifecycle (a warning says so).
-          batch_size: unused by FP8 (kept for the calibrated lifecycles' signature).
-          progress: show a progress bar (True), stay quiet (False), or a callback per module.
+          calibration: GPTQ's samples: strings, 1-D token-id tensors, lists of ints or mappings
+            with ``input_ids`` (:func:`~floatxq.lifecycle.calibration.prepare_calibration`);
+            samples of at most 10 tokens are dropped with a warning. FP8 ignores it (warning).
+          batch_size: GPTQ samples per forward (right-padded; padding is masked out).
+          progress: show progress bars (True), stay quiet (False), or a callback per module.
+          tokenizer: GPTQ: turns string samples into ids (default: the source's tokenizer).
 
         Raises:
           RuntimeError: no quantize_config, or the model is already quantized.
+          ValueError: GPTQ without calibration, unusable calibration (empty, all too short,
+            strings without a tokenizer, ids outside the vocabulary, non-finite activations),
+            a module the settings cannot pack (see :func:`~floatxq.lifecycle.gptq.plan_gptq`).
 
-        Numerics: as :func:`floatxq.quantize_fp8_weight`.
+        Numerics: FP8 as :func:`floatxq.quantize_fp8_weight`; GPTQ as :func:`floatxq.gptq_solve`.
         """
-        del batch_size
         if self.quantize_config is None:
             raise RuntimeError("quantize: no quantize_config was given to floatxq.load")
         if self.quantized:
             raise RuntimeError("quantize: this model is already quantized")
+        if isinstance(self.quantize_config, GPTQConfig):
+            return self._quantize_gptq(calibration, batch_size, progress, tokenizer)
         if calibration is not None:
             warnings.warn(
                 "quantize: FP8 weight-only quantization needs no calibration data; the given "
@@ -439,6 +541,47 @@ class QuantizedModel:
         self.quantized = True
         return self
 
+    def _quantize_gptq(
+        self, calibration: Any, batch_size: int, progress: Any, tokenizer: Any
+    ) -> "QuantizedModel":
+        from floatxq.lifecycle.calibration import prepare_calibration
+        from floatxq.lifecycle.gptq import plan_gptq, quantize_gptq_model
+
+        config = self.quantize_config
+        assert isinstance(config, GPTQConfig)
+        if calibration is None:
+            raise ValueError(
+                "quantize: GPTQ needs calibration data (strings or token-id tensors); "
+                "floatxq.tiny.calibration_samples(...) gives some for the built-in tiny Llama"
+            )
+        plans = plan_gptq(self.model, config)  # refuses unpackable modules before any work
+        hf_config = getattr(self.model, "config", None)
+        pad = getattr(hf_config, "pad_token_id", None)
+        prepared = prepare_calibration(
+            calibration,
+            tokenizer=tokenizer if tokenizer is not None else self.tokenizer,
+            batch_size=batch_size,
+            pad_token_id=pad if isinstance(pad, int) else 0,
+            vocab_size=getattr(hf_config, "vocab_size", None),
+            max_length=getattr(hf_config, "max_position_embeddings", None),
+        )
+        work = self.device or _default_work_device(self.model)
+        callback, bar = _gptq_progress(progress, sum(p.config is not None for p in plans))
+        start = time.perf_counter()
+        try:
+            self.report = quantize_gptq_model(
+                self.model, config, prepared, device=work, on_module=callback
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        if self.device is not None:
+            self.model.to(self.device)
+        self.quantize_seconds = time.perf_counter() - start
+        self.quantized = True
+        self.quantized_modules = [m.name for m in self.report.modules]
+        return self
+
     def save(
         self,
         path: str | os.PathLike[str],
@@ -452,9 +595,12 @@ class QuantizedModel:
         Args:
           path: the directory to create.
           layout: ``"compressed-tensors"`` (default: transformers with the compressed-tensors
-            package, vLLM and SGLang read it), ``"hf"`` (transformers' / DeepSeek's fine-grained
-            FP8: tensor or block scales) or ``"gptqmodel"`` (GPT-QModel's inverse-scale files,
-            byte-exact; transformers and vLLM refuse them). ``docs/interop.md`` has the table.
+            package, vLLM and SGLang read it; GPTQ modules as ``pack-quantized``), ``"hf"``
+            (transformers' / DeepSeek's fine-grained FP8: tensor or block scales),
+            ``"gptqmodel"`` (GPT-QModel's inverse-scale FP8 files, byte-exact; transformers and
+            vLLM refuse them; for a GPTQ model the ``"gptq"`` files) or ``"gptq"`` (GPTQ models:
+            GPT-QModel's ``qweight``/``qzeros``/``scales``/``g_idx`` files, byte-exact, read by
+            GPT-QModel, transformers through it and vLLM). ``docs/interop.md`` has the table.
           max_shard_size: bytes per safetensors shard (an int or like ``"4GB"``).
           overwrite: replace an existing directory (only once the new one is complete).
 
@@ -466,9 +612,11 @@ class QuantizedModel:
           OSError: the directory cannot be written (named); nothing is left behind, and an
             interrupted replacement is restored by the next save or load.
 
-        Numerics: FP8 codes and NVFP4 bytes are written as they are. Layouts whose scales
-        multiply store the FP32 reciprocal of floatxq's inverse scales (exact for powers of two,
-        else within half an FP32 ulp); ``gptqmodel`` stores them unchanged.
+        Numerics: FP8 codes, NVFP4 bytes and GPTQ words are written as they are (GPTQ zero
+        words converted exactly between v1 and v2 where the layout or config needs the other).
+        Layouts whose scales multiply store the FP32 reciprocal of floatxq's inverse FP8 scales
+        (exact for powers of two, else within half an FP32 ulp); ``gptqmodel`` stores them
+        unchanged.
         """
         from floatxq.lifecycle.export import export_layout
 
@@ -539,41 +687,91 @@ def _progress(progress: Any, model: nn.Module, config: FP8Config):
     return (lambda _name: bar.update(1)), bar
 
 
+def _default_work_device(model: nn.Module) -> torch.device:
+    """Where GPTQ works when ``load`` was given no device: the model's CUDA device if it is
+    on one, else the first CUDA device when there is one, else the CPU."""
+    for tensor in model.parameters():
+        if tensor.device.type == "cuda":
+            return tensor.device
+        break
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _gptq_progress(progress: Any, total: int):
+    if callable(progress) and not isinstance(progress, bool):
+        return progress, None
+    if not progress:
+        return None, None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with transformers
+        return None, None
+    bar = tqdm(total=total, desc="gptq", unit="module", leave=False)
+
+    def step(name: str) -> None:
+        bar.set_postfix_str(name.rsplit(".", 3)[-3] if name.count(".") >= 3 else name)
+        bar.update(1)
+
+    return step, bar
+
+
+def _tokenizer_of(path: Path) -> Any:
+    """The directory's tokenizer (the byte tokenizer for the built-in tiny Llama), or None."""
+    from floatxq.tiny import TINY_LLAMA_DIR, encode_text
+
+    if path.resolve() == TINY_LLAMA_DIR.resolve():
+        return encode_text
+    if not any((path / n).is_file() for n in TOKENIZER_FILES):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, ImportError):
+        return None
+
+
 def load(
     model_or_path: nn.Module | str | os.PathLike[str],
     *,
-    quantize_config: FP8Config | Mapping[str, Any] | None = None,
+    quantize_config: FP8Config | GPTQConfig | Mapping[str, Any] | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     backend: str | BACKEND = "auto",
 ) -> QuantizedModel:
-    """Load a model to quantize, or a floatxq-quantized checkpoint to run.
+    """Load a model to quantize, a quantized checkpoint to run, or a native source to requantize.
 
     Args:
       model_or_path: an ``nn.Module`` (used as is, not copied) or a local Hugging Face model
-        directory. A directory whose ``config.json`` holds an FP8 ``quantization_config`` is
-        rebuilt from its files: its ``TorchFP8Linear`` modules get the saved bytes.
-      quantize_config: an ``FP8Config`` (or its payload, see :mod:`floatxq.lifecycle.payload`)
-        for :meth:`QuantizedModel.quantize`; ignored with a warning for an already-quantized
-        checkpoint. GPTQ models are not available yet here (a ``GPTQConfig`` is refused).
-      device: where the model (and each quantized module) lives.
+        directory. A directory holding a quantized checkpoint (floatxq's or another tool's, see
+        ``docs/interop.md``) is rebuilt from its files: its quantized modules get the saved bytes.
+      quantize_config: an ``FP8Config`` or ``GPTQConfig`` (or a payload of either, see
+        :mod:`floatxq.lifecycle.payload`) for :meth:`QuantizedModel.quantize`. Given a native
+        FP8 / NVFP4 checkpoint, a ``GPTQConfig`` requantizes it: the source modules keep their
+        bytes, run their own forward for the calibration capture and are decoded one at a time
+        for their solve. Ignored with a warning for any other quantized checkpoint.
+      device: where the model lives. GPTQ keeps the model on CPU while it works and uses this
+        device for one decoder layer at a time, then moves the result here.
       dtype: dtype of the unquantized parameters (default: the checkpoint's / the model's).
-      backend: ``"auto"`` or ``"fp8_torch"`` (the members of :class:`~floatxq.config.BACKEND`).
+      backend: ``"auto"``, ``"fp8_torch"`` (FP8 models) or ``"gptq_torch"`` (GPTQ W4A16).
 
     Raises:
       CheckpointError (a ValueError): missing/corrupt/truncated files, inconsistent tensors.
-      ValueError: unknown method or backend. TypeError: a wrong kind of argument.
+      ValueError: unknown method, or a backend that cannot run the model. TypeError: a wrong kind
+        of argument.
 
-    Numerics: loading is bit-exact; quantization as :func:`floatxq.quantize_fp8_weight`.
+    Numerics: loading is bit-exact; quantization as :func:`floatxq.quantize_fp8_weight` or
+    :func:`floatxq.gptq_solve`.
     """
     dev = torch.device(device) if device is not None else None
+    config = _as_config(quantize_config) if quantize_config is not None else None
+    gptq = isinstance(config, GPTQConfig)
     if isinstance(model_or_path, nn.Module):
-        config = _as_fp8_config(quantize_config) if quantize_config is not None else None
-        chosen = _resolve_backend(backend)
-        model = model_or_path.to(dev) if dev is not None else model_or_path
-        already = any(isinstance(m, TorchFP8Linear) for m in model.modules())
+        chosen = _resolve_backend(backend, config)
+        model = model_or_path.to(dev) if dev is not None and not gptq else model_or_path
+        already = any(isinstance(m, _quantized_types()) for m in model.modules())
         return QuantizedModel(
-            model, quantize_config=config, backend=chosen, quantized=already, device=dev
+            model, quantize_config=config, backend=chosen, quantized=already and not gptq, device=dev
         )
     if not isinstance(model_or_path, (str, os.PathLike)):
         raise TypeError(
@@ -591,9 +789,23 @@ def load(
     if not path.is_dir():
         raise CheckpointError(f"load: {path} is not a model directory (no hub downloads here)")
     payload = read_json(path / CONFIG_FILE, what="load")
-    model, qconfig, decision = _load_quantized(path, payload, device=dev, dtype=dtype)
+    model, qconfig, decision = _load_quantized(
+        path, payload, device=None if gptq else dev, dtype=dtype
+    )
+    if model is not None and gptq and not isinstance(qconfig, GPTQConfig):
+        # A native FP8 / NVFP4 source: a fresh GPTQ solve of its decoded weights.
+        source = QuantizedModel(
+            model,
+            quantize_config=config,
+            backend=_resolve_backend(backend, config),
+            source=path,
+            device=dev,
+        )
+        source.layout = decision
+        source.tokenizer = _tokenizer_of(path)
+        return source
     if model is not None:
-        chosen = _resolve_backend(backend)
+        chosen = _resolve_backend(backend, qconfig)
         if quantize_config is not None:
             warnings.warn(
                 f"load: {path} is already quantized; quantize_config is ignored",
@@ -604,11 +816,13 @@ def load(
             model, quantize_config=qconfig, backend=chosen, quantized=True, source=path, device=dev
         )
         loaded.layout = decision
+        loaded.tokenizer = _tokenizer_of(path)
         return loaded
-    config = _as_fp8_config(quantize_config) if quantize_config is not None else None
-    chosen = _resolve_backend(backend)
-    model = _load_plain(path, device=dev, dtype=dtype)
-    return QuantizedModel(model, quantize_config=config, backend=chosen, source=path, device=dev)
+    chosen = _resolve_backend(backend, config)
+    model = _load_plain(path, device=None if gptq else dev, dtype=dtype)
+    loaded = QuantizedModel(model, quantize_config=config, backend=chosen, source=path, device=dev)
+    loaded.tokenizer = _tokenizer_of(path)
+    return loaded
 
 
 __all__ = ["QuantizedModel", "load"]

@@ -6,12 +6,14 @@ small-M kernel on CUDA, else decoding the weight for the call). The route policy
 function of a :class:`FP8RouteFacts` record (:mod:`floatxq.nn.route_policy`); the routes
 themselves are free functions (:mod:`floatxq.nn.fp8_routes`); convolution support lives in
 :mod:`floatxq.nn.conv`. ``TorchFP4Linear`` holds NVFP4 weights (packed E2M1 codes, E4M3 block
-scales, an FP32 global scale) and decodes them per call.
+scales, an FP32 global scale) and decodes them per call. ``GPTQLinear`` holds GPTQ-packed 2, 4 or
+8-bit weights (GPT-QModel's ``qweight``/``qzeros``/``scales``/``g_idx``) and decodes them per call.
 """
 
 from floatxq.nn.conv import ConvGeometry
 from floatxq.nn.fp4_linear import TorchFP4Linear
 from floatxq.nn.fp8_linear import TorchFP8Linear
+from floatxq.nn.gptq_linear import GPTQLinear
 from floatxq.nn.route_policy import (
     ROUTES,
     FP8RouteChoice,
@@ -26,6 +28,7 @@ __all__ = [
     "FP8RouteChoice",
     "FP8RouteFacts",
     "FP8RouteTuning",
+    "GPTQLinear",
     "TorchFP4Linear",
     "TorchFP8Linear",
     "select_fp8_route",

@@ -1,0 +1,497 @@
+"""``GPTQLinear``: a GPTQ weight-only linear layer (2, 4 or 8-bit codes; x keeps its dtype).
+
+The module holds the buffers of GPT-QModel's checkpoint layout (:mod:`floatxq.int4`), under the
+names that layout uses as state-dict keys:
+
+* ``qweight``: int32 ``(in·bits/32, out)``, ``32/bits`` input rows per word;
+* ``qzeros``: int32 ``(groups, out·bits/32)``, zero points in the module's ``format`` (``gptq``
+  v1 stores ``zero - 1`` in every field, ``gptq_v2`` the zero itself);
+* ``scales``: ``(groups, out)`` direct scales, float16 from a solve, any floating dtype a
+  checkpoint holds;
+* ``g_idx``: int32 ``(in,)``, the group of each input row (not contiguous under ``desc_act``);
+* ``bias``: ``(out,)`` floating, or ``None``.
+
+All of them are the stored format and move with ``.to()`` as bytes: ``.half()``,
+``.to(torch.bfloat16)`` and ``.float()`` leave them as they are (the scales and the bias too; they
+are cast per call), only device moves apply. ``load_state_dict`` checks every incoming tensor
+against the module's geometry (shape, dtype, ``g_idx`` range, finite scales and bias) and raises a
+``ValueError`` naming the key, so a damaged state dict never loads; incoming scales and bias keep
+their own floating dtype (the module adopts it rather than casting).
+
+A call flattens ``x`` ``(*, in)`` to rows, decodes the weight with
+:func:`floatxq.int4.dequantize_gptq` in ``x``'s dtype for that call only (no dense weight is kept)
+and runs ``F.linear``. ``last_route`` names the route taken; ``dequant_matmul`` is the only one
+so far (``_route`` is the seam where a fused W4A16 kernel can be chosen).
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from floatxq._typing import Float, Tensor
+from floatxq.formats import normalize_gptq_format
+from floatxq.gptq import GPTQSolution
+from floatxq.int4 import (
+    GPTQPacked,
+    GPTQUnpacked,
+    _check_bits,
+    _check_packed,
+    _dequantize_stored,
+    dequantize_gptq,
+    pack_gptq,
+    unpack_gptq,
+)
+from floatxq.nn.fp8_linear import _move_bytes  # buffers move as bytes, never cast
+
+__all__ = ["GPTQLinear"]
+
+DECODE_ROUTE = "dequant_matmul"
+_BUFFERS = ("qweight", "qzeros", "scales", "g_idx", "bias")
+
+
+def _check_size(value: Any, *, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{where}: {name} must be >= 0, got {value}")
+    return value
+
+
+def _check_group_size(group_size: Any, *, where: str) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(
+            f"{where}: group_size must be an int (-1 or >= 1), got {type(group_size).__name__}"
+        )
+    if group_size != -1 and group_size < 1:
+        raise ValueError(f"{where}: group_size must be -1 (one group) or >= 1, got {group_size}")
+    return group_size
+
+
+def _check_float_dtype(dtype: Any, *, name: str, where: str) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{where}: {name} must be a floating torch.dtype, got {dtype!r}")
+    return dtype
+
+
+def _group_count(in_features: int, group_size: int) -> int:
+    """``ceil(in / group_size)``, or 1 for ``group_size == -1`` (one group per output column)."""
+    return 1 if group_size == -1 else -(-in_features // group_size)
+
+
+def _stored_bias(bias: Any, out_features: int, device: torch.device, *, where: str) -> Tensor:
+    """The bias as stored: floating ``(out,)``, finite, in its own dtype, on ``device``."""
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+        got = bias.dtype if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise TypeError(f"{where}: bias must be a floating tensor or None, got {got}")
+    if tuple(bias.shape) != (out_features,):
+        raise ValueError(
+            f"{where}: bias must have shape ({out_features},), got {tuple(bias.shape)}"
+        )
+    b = bias.detach()
+    if not b.is_meta and b.numel() and not bool(torch.isfinite(b).all()):
+        raise ValueError(f"{where}: bias contains NaN or infinity; finite values are required")
+    return b.to(device=device)
+
+
+class GPTQLinear(nn.Module):
+    """A linear layer whose weight is GPTQ-packed (2, 4 or 8-bit codes, zero points, scales).
+
+    ``y = x @ W.T + bias`` with ``W[o, k] = scales[g, o] * (code[k, o] - zero[g, o])``,
+    ``g = g_idx[k]``, decoded in ``x``'s dtype. The constructor allocates zero-filled words and
+    scales and the default ``g_idx = arange(in) // group_size`` (all zeros for
+    ``group_size=-1``), for ``load_state_dict`` to fill; :meth:`from_solution` and
+    :meth:`from_packed` build a ready module.
+
+    Args:
+      in_features, out_features: the weight's ``(out, in)`` shape; both multiples of
+        ``32 / bits`` (16, 8 or 4), never padded.
+      bits: 2, 4 or 8.
+      group_size: input rows per group, or -1 for one group; ``groups = ceil(in / group_size)``.
+      format: the zero-point convention of ``qzeros`` as held: ``"gptq"`` (v1) or ``"gptq_v2"``.
+      bias: allocate a bias buffer.
+      scales_dtype, bias_dtype: the floating dtypes of the scales and the bias as stored.
+      device: where the buffers live.
+
+    Raises:
+      TypeError: non-integer sizes, ``bits`` or ``group_size``; non-floating dtypes.
+      ValueError: negative sizes, sizes that are not multiples of ``32 / bits``, ``bits`` other
+        than 2, 4 or 8, ``group_size`` 0 or below -1, an unknown format.
+
+    Numerics: the decode is :func:`floatxq.int4.dequantize_gptq` (an exact FP32 product for
+    float16/bfloat16 scales, then one rounding into ``x``'s dtype), the bias is cast to ``x``'s
+    dtype, then ``F.linear`` in ``x``'s dtype.
+
+    Example:
+      >>> from floatxq.gptq import GPTQSolveOptions, rtn_quantize
+      >>> w = torch.randn(16, 64)
+      >>> sol = rtn_quantize(w, GPTQSolveOptions(bits=4, group_size=32))
+      >>> layer = GPTQLinear.from_solution(sol, bits=4, group_size=32)
+      >>> layer(torch.randn(3, 64)).shape, layer.qweight.shape, layer.last_route
+      (torch.Size([3, 16]), torch.Size([8, 16]), 'dequant_matmul')
+    """
+
+    qweight: Tensor
+    qzeros: Tensor
+    scales: Tensor
+    g_idx: Tensor
+    bias: Tensor | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bits: int = 4,
+        group_size: int = 128,
+        format: str = "gptq",
+        bias: bool = False,
+        scales_dtype: torch.dtype = torch.float16,
+        bias_dtype: torch.dtype = torch.float16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        where = "GPTQLinear"
+        _check_size(in_features, name="in_features", where=where)
+        _check_size(out_features, name="out_features", where=where)
+        bits = _check_bits(bits, where=where)
+        group_size = _check_group_size(group_size, where=where)
+        fmt = normalize_gptq_format(format, where=where)
+        _check_float_dtype(scales_dtype, name="scales_dtype", where=where)
+        _check_float_dtype(bias_dtype, name="bias_dtype", where=where)
+        per = 32 // bits
+        if in_features % per or out_features % per:
+            raise ValueError(
+                f"{where}: in_features={in_features} and out_features={out_features} must both "
+                f"be multiples of {per} for bits={bits} ({per} values per int32 word); floatxq "
+                f"never pads"
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bits = bits
+        self.group_size = group_size
+        self.format = fmt
+        self.groups = groups = _group_count(in_features, group_size)
+        words = torch.zeros((in_features // per, out_features), dtype=torch.int32, device=device)
+        self.register_buffer("qweight", words)
+        zero_words = torch.zeros((groups, out_features // per), dtype=torch.int32, device=device)
+        self.register_buffer("qzeros", zero_words)
+        scales = torch.zeros((groups, out_features), dtype=scales_dtype, device=device)
+        self.register_buffer("scales", scales)
+        rows = torch.arange(in_features, dtype=torch.int32, device=device)
+        g_idx = rows * 0 if group_size == -1 else torch.div(rows, group_size, rounding_mode="floor")
+        self.register_buffer("g_idx", g_idx)
+        stored = torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None
+        self.register_buffer("bias", stored)
+        self._set_last("none")
+
+    # ------------------------------------------------------------------------------------------
+    # Construction and export
+    # ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_solution(
+        cls,
+        solution: GPTQSolution,
+        *,
+        bits: int,
+        group_size: int,
+        bias: Float[Tensor, "out"] | None = None,  # noqa: F821
+        format: str = "gptq",
+    ) -> "GPTQLinear":
+        """Pack a solved (or round-to-nearest) weight into a new module.
+
+        Args:
+          solution: a :class:`floatxq.gptq.GPTQSolution` (``(out, in)`` codes, ``(out,
+            groups)`` scales and zeros, ``g_idx``).
+          bits: the code width the solution was made with (2, 4 or 8).
+          group_size: the solve's group size (-1: one group); must give the solution's group
+            count, ``ceil(in / group_size)``.
+          bias: the layer's ``(out,)`` bias, kept in its dtype, or ``None``.
+          format: ``"gptq"`` (v1) or ``"gptq_v2"``, the convention ``qzeros`` is packed in.
+
+        Returns:
+          A :class:`GPTQLinear` on the solution's device.
+
+        Raises:
+          ValueError, TypeError: what :func:`floatxq.int4.pack_gptq` refuses (codes beyond
+            ``bits``, sizes that are not multiples of ``32/bits``, scales float16 cannot hold);
+            a group count that ``group_size`` does not give; a bias of the wrong shape or
+            non-finite.
+
+        Numerics: the scales are rounded to float16 nearest-even (:func:`pack_gptq`); codes,
+        zeros and ``g_idx`` are stored exactly.
+        """
+        where = "GPTQLinear.from_solution"
+        if not isinstance(solution, GPTQSolution):
+            raise TypeError(
+                f"{where}: solution must be a GPTQSolution, got {type(solution).__name__}"
+            )
+        group_size = _check_group_size(group_size, where=where)
+        rows, groups = solution.codes.shape[1], solution.scales.shape[1]
+        if groups != _group_count(rows, group_size):
+            raise ValueError(
+                f"{where}: the solution has {groups} group(s) for in={rows}, but "
+                f"group_size={group_size} gives {_group_count(rows, group_size)}"
+            )
+        packed = pack_gptq(
+            solution.codes.T,
+            solution.zeros.T,
+            solution.scales.T,
+            solution.g_idx,
+            bits=bits,
+            format=format,
+        )
+        return cls.from_packed(packed, bits=bits, group_size=group_size, format=format, bias=bias)
+
+    @classmethod
+    def from_packed(
+        cls,
+        packed: GPTQPacked,
+        *,
+        bits: int,
+        group_size: int,
+        format: str,
+        bias: Float[Tensor, "out"] | None = None,  # noqa: F821
+    ) -> "GPTQLinear":
+        """A module holding ``packed``'s tensors as they are (the same tensors, no copy or cast).
+
+        Args:
+          packed: a :class:`floatxq.int4.GPTQPacked`, valid for ``bits`` (checked as
+            :func:`floatxq.int4.unpack_gptq` does).
+          bits: 2, 4 or 8.
+          group_size: the checkpoint's group size (-1: one group); must give the packed group
+            count, ``ceil(in / group_size)``.
+          format: the zero-point convention of ``packed.qzeros``: ``"gptq"`` or ``"gptq_v2"``.
+          bias: ``(out,)`` floating, kept in its dtype (moved to ``packed``'s device), or ``None``.
+
+        Returns:
+          A :class:`GPTQLinear` with ``in = 32 / bits * qweight rows``, ``out = qweight
+          columns``.
+
+        Raises:
+          ValueError, TypeError: an invalid ``packed`` (shapes, dtypes, ``g_idx`` range,
+            non-finite scales), a group count ``group_size`` does not give, tensors on different
+            devices, a bad bias.
+
+        Numerics: exact; the tensors are stored as given.
+        """
+        where = "GPTQLinear.from_packed"
+        bits = _check_bits(bits, where=where)
+        fmt = normalize_gptq_format(format, where=where)
+        group_size = _check_group_size(group_size, where=where)
+        rows, out, groups = _check_packed(packed, where=where, bits=bits)
+        if groups != _group_count(rows, group_size):
+            raise ValueError(
+                f"{where}: packed holds {groups} group(s) for in={rows}, but "
+                f"group_size={group_size} gives {_group_count(rows, group_size)}"
+            )
+        device = packed.qweight.device
+        devices = {t.device for t in packed}
+        if len(devices) != 1:
+            raise TypeError(
+                f"{where}: packed's tensors must share one device, got {sorted(map(str, devices))}"
+            )
+        stored = None if bias is None else _stored_bias(bias, out, device, where=where)
+        layer = cls(
+            rows,
+            out,
+            bits=bits,
+            group_size=group_size,
+            format=fmt,
+            bias=stored is not None,
+            scales_dtype=packed.scales.dtype,
+            bias_dtype=stored.dtype if stored is not None else torch.float16,
+            device="meta",
+        )
+        layer.qweight = packed.qweight.detach()
+        layer.qzeros = packed.qzeros.detach()
+        layer.scales = packed.scales.detach()
+        layer.g_idx = packed.g_idx.detach()
+        if stored is not None:
+            layer.bias = stored
+        return layer
+
+    def packed(self) -> GPTQPacked:
+        """The buffers as a :class:`floatxq.int4.GPTQPacked` (the same tensors, not copies).
+
+        Numerics: exact.
+        """
+        return GPTQPacked(self.qweight, self.qzeros, self.scales, self.g_idx)
+
+    def unpacked(self) -> GPTQUnpacked:
+        """The logical codes and zero points (v2 meaning, whatever ``format``), scales, ``g_idx``.
+
+        Numerics: exact (:func:`floatxq.int4.unpack_gptq`).
+        """
+        return unpack_gptq(self.packed(), bits=self.bits, format=self.format)
+
+    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> Float[Tensor, "out in"]:
+        """The decoded ``(out, in)`` weight in ``dtype``.
+
+        Numerics: :func:`floatxq.int4.dequantize_gptq` (FP32 product, one rounding to ``dtype``).
+        """
+        return dequantize_gptq(self.packed(), bits=self.bits, format=self.format, dtype=dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bits={self.bits}, group_size={self.group_size}, format={self.format}, "
+            f"bias={self.bias is not None}"
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Buffers as bytes
+    # ------------------------------------------------------------------------------------------
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "GPTQLinear":
+        """``nn.Module._apply`` with every stored buffer moved as bytes: device moves only."""
+        held = {n: self._buffers[n] for n in _BUFFERS if self._buffers.get(n) is not None}
+        for n in held:
+            self._buffers[n] = None
+        try:
+            super()._apply(fn, recurse)
+        except BaseException:
+            self._buffers.update(held)
+            raise
+        for n, tensor in held.items():
+            self._buffers[n] = _move_bytes(fn, tensor)
+        return self
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        replaced = self._checked_state(state_dict, prefix)
+        if replaced:
+            state_dict = {**state_dict, **replaced}
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def _checked_state(self, state_dict: dict[str, Any], prefix: str) -> dict[str, Tensor]:
+        """Check this module's incoming tensors (``ValueError`` naming the key); returns the
+        entries to replace (``g_idx`` of another integer dtype, as int32). Incoming scales and
+        bias of another floating dtype are adopted: their buffers are reallocated in that dtype
+        so the load copies them exactly."""
+        per = 32 // self.bits
+        groups, out = self.groups, self.out_features
+        shapes = {
+            "qweight": (self.in_features // per, out),
+            "qzeros": (groups, out // per),
+            "scales": (groups, out),
+            "g_idx": (self.in_features,),
+            "bias": (out,),
+        }
+        replaced: dict[str, Tensor] = {}
+        adopt: dict[str, Tensor] = {}
+        for name, shape in shapes.items():
+            key = prefix + name
+            if key not in state_dict or self._buffers.get(name) is None:
+                continue  # missing / unexpected keys are the loader's to report
+            t = state_dict[key]
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{key}: expected a tensor, got {type(t).__name__}")
+            if tuple(t.shape) != shape:
+                raise ValueError(
+                    f"{key}: expected shape {shape} for this GPTQLinear (in={self.in_features}, "
+                    f"out={out}, bits={self.bits}, group_size={self.group_size}), got "
+                    f"{tuple(t.shape)}"
+                )
+            if name in ("qweight", "qzeros") and t.dtype != torch.int32:
+                raise ValueError(
+                    f"{key}: packed GPTQ words are int32, got {t.dtype} (bytes are never converted)"
+                )
+            if name == "g_idx":
+                if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                    raise ValueError(f"{key}: g_idx must hold integers, got {t.dtype}")
+                if not t.is_meta and t.numel():
+                    low, high = int(t.min()), int(t.max())
+                    if low < 0 or high >= groups:
+                        raise ValueError(
+                            f"{key}: every group index must lie in [0, {groups - 1}] "
+                            f"({groups} group(s)), got values in [{low}, {high}]"
+                        )
+                if t.dtype != torch.int32:
+                    replaced[key] = t.to(torch.int32)
+            if name in ("scales", "bias"):
+                if not t.is_floating_point():
+                    raise ValueError(f"{key}: {name} must be floating, got {t.dtype}")
+                if not t.is_meta and t.numel() and not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{key}: {name} contains NaN or infinity")
+                held = self._buffers[name]
+                if held is not None and held.dtype != t.dtype:
+                    adopt[name] = torch.empty(shape, dtype=t.dtype, device=held.device)
+        self._buffers.update(adopt)  # only once every key passed: a refused load changes nothing
+        return replaced
+
+    # ------------------------------------------------------------------------------------------
+    # Forward
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def last_route(self) -> str:
+        """The route the last forward took (``"dequant_matmul"``; ``"none"`` before any call)."""
+        return self._last
+
+    def _set_last(self, route: str) -> None:
+        self.__dict__["_last"] = route  # past nn.Module.__setattr__ (per-call cost)
+
+    def _route(self, x: Tensor) -> str:
+        """The route for the rows ``x``: the name of a runner in :data:`_RUNNERS`.
+
+        Only ``dequant_matmul`` exists; a fused W4A16 kernel would be chosen here.
+        """
+        return DECODE_ROUTE
+
+    def forward(self, x: Float[Tensor, "*batch in"]) -> Float[Tensor, "*batch out"]:
+        """``x @ W.T + bias`` in ``x``'s dtype.
+
+        Raises:
+          TypeError: a non-floating ``x``, or ``x`` on another device than the buffers.
+          ValueError: ``x``'s last axis is not ``in_features``.
+
+        Numerics: see the class docstring.
+        """
+        where = "GPTQLinear"
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{where}: x must be a floating tensor, got {got}")
+        if x.ndim == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{where}: x must have shape (*, {self.in_features}), got {tuple(x.shape)}"
+            )
+        if x.device != self.qweight.device:
+            raise TypeError(
+                f"{where}: x is on {x.device} but the module's buffers are on "
+                f"{self.qweight.device}; move one of them with .to()"
+            )
+        x_flat = x.reshape(math.prod(x.shape[:-1]), self.in_features)
+        route = self._route(x_flat)
+        out = _RUNNERS[route](self, x_flat)
+        self._set_last(route)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def _dequant_matmul(module: GPTQLinear, x: Tensor) -> Tensor:
+    """Decode the weight in ``x``'s dtype for this call and multiply (rows ``x`` ``(m, in)``)."""
+    if x.shape[0] == 0:  # no rows: nothing to decode or multiply
+        return x.new_empty((0, module.out_features))
+    bias = module.bias
+    # The buffers were validated when built or loaded: decode without per-call checks (which
+    # would synchronise with the device on every call).
+    weight = _dequantize_stored(module.packed(), module.bits, module.format, x.dtype)
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+_RUNNERS: dict[str, Callable[[GPTQLinear, Tensor], Tensor]] = {DECODE_ROUTE: _dequant_matmul}
+"""Route name → runner ``(module, rows) -> (rows, out)``; :meth:`GPTQLinear._route` picks one."""
