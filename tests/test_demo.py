@@ -26,8 +26,10 @@ def test_quality_ordering_on_a_trained_model(report):
     e4m3, e5m2 = rows["fp8 e4m3 row"], rows["fp8 e5m2 row"]
     rtn, gptq = (
         rows["int4 rtn g128 (weights, simulated)"],
-        rows["int4 gptq g128 (weights, simulated)"],
+        rows["int4 gptq g128 (GPTQLinear, W4A16)"],
     )
+    # the GPTQ row is the real lifecycle: packed GPTQLinear modules, counted as stored
+    assert not gptq.simulated and gptq.bytes < 0.5 * report.rows[0].bytes
     # one more mantissa bit halves the rounding step: E4M3 moves the model less than E5M2
     assert e4m3.kl_divergence < e5m2.kl_divergence
     # GPTQ's Hessian-aware rounding beats plain rounding at the same grid

@@ -165,7 +165,7 @@ def _assert_logits_match(ours: nn.Module, loaded: nn.Module, rtol: float) -> Non
 
 
 def test_normalize_layout_names_aliases_and_refusals():
-    assert CHECKPOINT_LAYOUTS == ("compressed-tensors", "hf", "gptqmodel")
+    assert CHECKPOINT_LAYOUTS == ("compressed-tensors", "hf", "gptqmodel", "gptq")
     assert DEFAULT_LAYOUT == "compressed-tensors"
     for value, canonical in [
         ("compressed-tensors", "compressed-tensors"),

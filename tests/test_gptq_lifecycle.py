@@ -1,4 +1,5 @@
-"""The GPTQ lifecycle on CPU: layer by layer, GPT-QModel's order, checked against hand-run solves."""
+"""The GPTQ lifecycle on CPU: layer by layer in GPT-QModel's order, checked against hand-run
+solves."""
 
 import copy
 import weakref
@@ -262,7 +263,9 @@ def test_empty_and_too_short_calibration_are_refused():
 
 def test_strings_without_a_tokenizer_are_refused():
     qm = floatxq.load(_model(), quantize_config=CONFIG)
-    with pytest.raises(ValueError, match="is a string, but this model has no tokenizer"):
+    with pytest.raises(
+        ValueError, match="string samples need a tokenizer, and this model was given as a module"
+    ):
         qm.quantize(["some calibration text of a reasonable length"], progress=False)
 
 
@@ -377,3 +380,41 @@ def test_llama_layers_group_by_the_input_their_modules_read():
             ["mlp.gate_proj", "mlp.up_proj"],
             ["mlp.down_proj"],
         ]
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end: quantize, save in both layouts, load back (floatxq and transformers)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quantized_tiny():
+    return _quantized(samples=_samples(4), batch_size=2)
+
+
+@pytest.mark.parametrize("layout", ["gptq", "compressed-tensors"])
+def test_save_load_logits_equal(quantized_tiny, tmp_path, layout):
+    qm = quantized_tiny
+    out = qm.save(tmp_path / layout, layout=layout)
+    loaded = floatxq.load(out)
+    assert isinstance(loaded.quantize_config, GPTQConfig)
+    assert sorted(loaded.quantized_modules) == sorted(qm.quantized_modules)
+    for name in qm.quantized_modules:
+        a, b = qm.model.get_submodule(name), loaded.model.get_submodule(name)
+        assert torch.equal(a.dequantize_weight(), b.dequantize_weight()), name
+    ids = _samples(1, seed=5)[0][None]
+    with torch.no_grad():
+        assert torch.equal(qm.model(input_ids=ids).logits, loaded.model(input_ids=ids).logits)
+
+
+def test_transformers_reads_the_compressed_tensors_export(quantized_tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = quantized_tiny.save(tmp_path / "ct", layout="compressed-tensors")
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = _samples(1, seed=6)[0][None]
+    with torch.no_grad():
+        ours = quantized_tiny.model(input_ids=ids).logits
+        got = theirs(input_ids=ids).logits
+    # compressed-tensors decompresses to the same FP32 weights; only GEMM order may differ
+    assert torch.allclose(got, ours, rtol=0, atol=1e-5), (got - ours).abs().max()

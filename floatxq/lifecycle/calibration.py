@@ -18,7 +18,8 @@ import torch
 from floatxq._typing import Bool, Int64, Tensor
 
 CALIBRATION_MIN_LENGTH = 10
-"""Samples with at most this many tokens are dropped (GPT-QModel's ``calibration_data_min_length``)."""
+"""Samples with at most this many tokens are dropped (GPT-QModel's
+``calibration_data_min_length``)."""
 
 Tokenizer = Callable[[str], Any]
 """Anything that turns a string into token ids: a Hugging Face tokenizer (its ``input_ids``) or a

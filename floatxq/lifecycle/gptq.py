@@ -301,9 +301,8 @@ def _move_outside(model: nn.Module, skip: set[int], device: torch.device) -> Non
         if all(inside):
             module.to(device)
             return True
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param is not None:
-                param.data = param.data.to(device)
+        for param in list(module.parameters(recurse=False)):
+            param.data = param.data.to(device)
         for name, buf in list(module.named_buffers(recurse=False)):
             if buf is not None:
                 module._buffers[name] = buf.to(device)
@@ -385,7 +384,7 @@ def _groups_by_input(
     finally:
         for handle in handles:
             handle.remove()
-    del alive
+    alive.clear()
     silent = [name for name, _ in targets if name not in seen]
     if silent:
         raise ValueError(
@@ -495,6 +494,26 @@ def _solve_module(
     return packed, report
 
 
+class _DecodedStandIn(nn.Module):
+    """A solved module's stand-in while its layer is still being run: the same forward as the
+    :class:`~floatxq.nn.gptq_linear.GPTQLinear` it wraps (decode in ``x``'s dtype, then
+    ``F.linear``), but decoded once per dtype instead of on every calibration batch. Swapped for
+    the ``GPTQLinear`` itself when the layer is done."""
+
+    def __init__(self, packed: nn.Module) -> None:
+        super().__init__()
+        self.packed = packed
+        self.decoded: dict[torch.dtype, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in self.decoded:
+            self.decoded[x.dtype] = self.packed.dequantize_weight(x.dtype)
+        bias = self.packed.bias
+        return nn.functional.linear(
+            x, self.decoded[x.dtype], None if bias is None else bias.to(x.dtype)
+        )
+
+
 def _device_of(module: nn.Module) -> torch.device:
     for tensor in module.parameters():
         return tensor.device
@@ -556,6 +575,7 @@ def quantize_gptq_model(
         _move(first, device)
         inputs = _capture_inputs(model, first, calibration, device)
         rows = calibration.tokens
+        solved: dict[str, nn.Module] = {}
         for index, layer in enumerate(layers):
             _move(layer, device)
             prefix = f"{layers_name}.{index}."
@@ -570,7 +590,8 @@ def quantize_gptq_model(
                         built, report = _solve_module(
                             name, module, hessian, plan.config, rows, index, device
                         )
-                        model.set_submodule(name, built)
+                        solved[name] = built
+                        model.set_submodule(name, _DecodedStandIn(built))
                         reports.append(report)
                         if on_module is not None:
                             on_module(name)
@@ -580,6 +601,9 @@ def quantize_gptq_model(
                 for i, item in enumerate(inputs):
                     out = _layer_output(_call_layer(layer, item))
                     inputs[i] = item._replace(hidden=out)
+            for name, built in solved.items():
+                model.set_submodule(name, built)
+            solved.clear()
             _move(layer, home[id(layer)])
             if on_layer is not None:
                 on_layer(index, len(layers))

@@ -1,5 +1,10 @@
 """What a checkpoint is: its declared quantization, scale convention, layers and scales.
 
+GPTQ modules (``quant_method: gptq`` and compressed-tensors ``pack-quantized``) are described by
+their bits, group size, symmetry and ``desc_act`` (``"gptq int4 group 128 sym"``,
+``"gptq int4 group 64 asym desc_act"``, ``"pack-quantized int8 channel sym"``), from the
+declared config and the tensors' header shapes.
+
 Only metadata and safetensors headers are read (no tensor data), so inspecting a large
 checkpoint is instant. The scale direction is decided from the checkpoint's metadata, never
 guessed from magnitudes (``docs/numerics.md`` lists the conventions).
@@ -10,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from floatxq.config import GPTQConfig
 from floatxq.lifecycle.checkpoint import (
     CONFIG_FILE,
     QUANTIZE_CONFIG_FILE,
@@ -17,7 +23,7 @@ from floatxq.lifecycle.checkpoint import (
     read_json,
     tensor_infos,
 )
-from floatxq.lifecycle.layouts import decide_layout
+from floatxq.lifecycle.layouts import _ct_int_schemes, decide_layout, read_gptq_config
 from floatxq.lifecycle.payload import payload_format, payload_method
 
 
@@ -90,6 +96,7 @@ def _declared_block(qconfig: dict[str, Any] | None) -> tuple[int, int] | None:
 
 
 _MODULE_MARKERS = (
+    ".qweight",
     ".weight_scale_inv",
     ".weight_scale",
     ".weight_packed",
@@ -98,7 +105,50 @@ _MODULE_MARKERS = (
 )
 
 
-def _module_scales(by_name: dict[str, Any], block: tuple[int, int] | None) -> dict[str, str]:
+def _int_label(prefix: str, bits: int, group_size: int, sym: bool, desc_act: bool) -> str:
+    groups = "channel" if group_size == -1 else f"group {group_size}"
+    return f"{prefix} int{bits} {groups} {'sym' if sym else 'asym'}" + (
+        " desc_act" if desc_act else ""
+    )
+
+
+def _gptq_label(name: str, config: GPTQConfig | None) -> str:
+    """``gptq int4 group 128 sym`` for a ``quant_method: gptq`` module, from its config."""
+    resolved = config.resolve(name) if config is not None else None
+    if resolved is None:
+        return "gptq (excluded by the config)"
+    return _int_label("gptq", resolved.bits, resolved.group_size, resolved.sym, resolved.desc_act)
+
+
+def _pack_quantized_label(
+    name: str, by_name: dict[str, Any], qconfig: dict[str, Any] | None
+) -> str:
+    """``pack-quantized int4 group 64 asym``: the declared scheme its header shapes fit."""
+    packed, scale = by_name[f"{name}.weight_packed"], by_name.get(f"{name}.weight_scale")
+    symmetric = f"{name}.weight_zero_point" not in by_name
+    words = packed.shape[-1] if packed.shape else 0
+    groups = scale.shape[-1] if scale is not None and scale.shape else 0
+    try:
+        schemes = _ct_int_schemes(qconfig or {}, "inspect")
+    except ValueError:
+        schemes = []
+    for d in schemes:
+        rows = groups * d.group_size if d.group_size > 0 else words * 32 // d.bits
+        if (
+            d.symmetric == symmetric
+            and (d.group_size > 0 or groups == 1)
+            and rows * d.bits == 32 * words
+        ):
+            return _int_label("pack-quantized", d.bits, d.group_size, d.symmetric, False)
+    return "pack-quantized int (no declared scheme fits)"
+
+
+def _module_scales(
+    by_name: dict[str, Any],
+    block: tuple[int, int] | None,
+    qconfig: dict[str, Any] | None = None,
+    gptq: GPTQConfig | None = None,
+) -> dict[str, str]:
     """Quantized module -> scale layout, from tensor names and header shapes only."""
     found: dict[str, str] = {}
     for name, info in sorted(by_name.items()):
@@ -110,7 +160,11 @@ def _module_scales(by_name: dict[str, Any], block: tuple[int, int] | None) -> di
             continue
         weight = by_name.get(f"{prefix}.weight")
         scale = by_name.get(f"{prefix}.weight_scale")
-        if marker == "._weight_qdata":
+        if marker == ".qweight":
+            found[prefix] = _gptq_label(prefix, gptq)
+        elif marker == ".weight_packed" and info.dtype == "I32":
+            found[prefix] = _pack_quantized_label(prefix, by_name, qconfig)
+        elif marker == "._weight_qdata":
             found[prefix] = "nvfp4 block 16 (torchao)"
         elif f"{prefix}.weight_scale_2" in by_name or f"{prefix}.weight_global_scale" in by_name:
             found[prefix] = "nvfp4 block 16"
@@ -146,7 +200,12 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
     infos = tensor_infos(root)
     decision = decide_layout(root, payload, infos, header_metadata=header_metadata(root))
     by_name = {info.name: info for info in infos}
-    scales = _module_scales(by_name, _declared_block(qconfig))
+    gptq = None
+    if decision.layout == "gptq" and qconfig is not None:
+        quantize_file = root / QUANTIZE_CONFIG_FILE
+        quantize = read_json(quantize_file, what="inspect") if quantize_file.is_file() else None
+        gptq = read_gptq_config(root, qconfig, quantize)
+    scales = _module_scales(by_name, _declared_block(qconfig), qconfig, gptq)
     layers = list(scales)
     layouts: Counter[str] = Counter(scales.values())
     sizes = {

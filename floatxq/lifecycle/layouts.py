@@ -17,8 +17,10 @@ turns each module's tensors into the module that runs them: FP8 sources become
 :class:`~floatxq.nn.fp8_linear.TorchFP8Linear` (codes untouched; multiplying scales turned into
 inverse ones with one FP32 reciprocal each, exact for powers of two), NVFP4 sources become
 :class:`~floatxq.nn.fp4_linear.TorchFP4Linear` (bytes untouched, scales unswizzled and nibbles
-reordered where the producer differs), and MX sources or ragged block grids are decoded to dense
-``nn.Linear`` weights, one module at a time. ``docs/interop.md`` has the table.
+reordered where the producer differs), GPTQ sources (``quant_method: gptq``, compressed-tensors
+``pack-quantized``) become :class:`~floatxq.nn.gptq_linear.GPTQLinear` holding the file's words,
+and MX sources or ragged block grids are decoded to dense ``nn.Linear`` weights, one module at a
+time. ``docs/interop.md`` has the table.
 """
 
 import json
@@ -30,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from floatxq.config import GPTQConfig
 from floatxq.lifecycle.checkpoint import (
     CONFIG_FILE,
     QUANTIZE_CONFIG_FILE,
@@ -37,7 +40,7 @@ from floatxq.lifecycle.checkpoint import (
     TensorInfo,
     read_json,
 )
-from floatxq.lifecycle.payload import payload_method
+from floatxq.lifecycle.payload import gptq_config_from_payload, payload_method
 
 SIDECAR_FILE = "hf_quant_config.json"
 GPTQMODEL_MARKER_PREFIX = "unsupported"
@@ -46,6 +49,7 @@ vLLM refuse, so neither reads the inverse scales as multiplying ones."""
 
 READ_LAYOUTS: dict[str, str] = {
     "gptqmodel": "floatxq / GPT-QModel FP8 (quantize_config.json; inverse weight_scale_inv)",
+    "gptq": "GPTQ: GPT-QModel, transformers/optimum, vLLM, floatxq (quant_method gptq; qweight)",
     "hf": "transformers / DeepSeek / Qwen fine-grained FP8 (quant_method fp8)",
     "compressed-tensors": "compressed-tensors (llm-compressor, vLLM)",
     "modelopt": "NVIDIA ModelOpt (quant_method modelopt or hf_quant_config.json)",
@@ -75,7 +79,14 @@ SCALE_CONVENTIONS: dict[str, str] = {
     ),
     "mx_e8m0": "MX: E8M0 block scales (2**(byte-127)) multiply to decode",
     "mimo_mixed": "MiMo: FP8 weight_scale_inv multiplies; MXFP4 experts with E8M0 scales",
-    "gptq": "GPTQ INT4: fp16 scales multiply (code - zero)",
+    "gptq": (
+        "GPTQ INT (2/4/8-bit): scales multiply (code - zero) of each row's group g_idx; "
+        "checkpoint_format gptq (v1) stores zero - 1 per field, gptq_v2 the zero"
+    ),
+    "compressed_tensors_int": (
+        "compressed-tensors pack-quantized INT: weight_scale multiplies (q - weight_zero_point), "
+        "codes stored as q + 2**(bits-1), contiguous groups"
+    ),
     "none": "no quantized tensors",
     "undeclared": (
         "quantized tensors but no quantization_config: the direction is unknown (not guessed)"
@@ -174,6 +185,118 @@ def _decide_fp8(
     )
 
 
+# ----------------------------------------------------------------------------------------------
+# GPTQ (quant_method gptq)
+# ----------------------------------------------------------------------------------------------
+
+GPTQ_READER_KEYS: frozenset[str] = frozenset(
+    {
+        "tokenizer",
+        "dataset",
+        "true_sequential",
+        "use_exllama",
+        "exllama_config",
+        "disable_exllama",
+        "use_cuda_fp16",
+        "model_seqlen",
+        "block_name_to_quantize",
+        "module_name_preceding_first_block",
+        "batch_size",
+        "pad_token_id",
+        "max_input_length",
+        "cache_block_outputs",
+        "modules_in_block_to_quantize",
+        "backend",
+        "model_name_or_path",
+        "model_file_base_name",
+        "is_marlin_format",
+    }
+)
+"""Keys transformers' / optimum's ``GPTQConfig`` (and AutoGPTQ) write next to GPT-QModel's
+payload in ``config.json``. They describe the calibration run or pick a kernel, not what the
+tensors mean, so they are dropped before the payload is read (``is_marlin_format: true``, a
+repacked layout, is refused first). Which modules are quantized is read from the tensors."""
+
+GPTQ_LOAD_FIELDS: tuple[str, ...] = (
+    "bits",
+    "group_size",
+    "sym",
+    "desc_act",
+    "lm_head",
+    "format",
+    "dynamic",
+)
+"""The GPTQConfig fields that decide how a GPTQ checkpoint's tensors are read: ``config.json``
+and ``quantize_config.json`` must agree on each (solver settings and ``meta`` may differ)."""
+
+
+def _gptq_payload(file: Path, payload: Mapping[str, Any]) -> GPTQConfig:
+    marlin = payload.get("is_marlin_format")
+    if marlin not in (None, False):
+        raise CheckpointError(
+            f"load: {file} declares is_marlin_format={marlin!r}: Marlin-repacked GPTQ words, "
+            f"which floatxq does not read (only GPT-QModel's gptq / gptq_v2 layouts)"
+        )
+    data = {k: v for k, v in payload.items() if k not in GPTQ_READER_KEYS}
+    try:
+        config = gptq_config_from_payload(data)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"load: {file} GPTQ quantization payload: {exc}") from None
+    return config
+
+
+def read_gptq_config(
+    root: str | os.PathLike[str],
+    qconfig: Mapping[str, Any],
+    quantize_config: Mapping[str, Any] | None,
+) -> GPTQConfig:
+    """The GPTQConfig of a ``quant_method: gptq`` directory, from both of its payloads.
+
+    ``config.json``'s ``quantization_config`` is read without :data:`GPTQ_READER_KEYS`;
+    ``quantize_config.json`` (GPT-QModel's, which it reads first), when present, must be a GPTQ
+    payload agreeing with it on :data:`GPTQ_LOAD_FIELDS`, and is the one returned.
+
+    Raises:
+      CheckpointError: a payload floatxq does not read (an unknown key or value, a packing format
+        other than ``gptq`` / ``gptq_v2``, Marlin-repacked words), or the two files disagree
+        (naming both files and the fields).
+
+    Numerics: none; metadata only.
+    """
+    base = Path(root)
+    from_config = _gptq_payload(base / CONFIG_FILE, qconfig)
+    if quantize_config is None:
+        return from_config
+    quantize_file = base / QUANTIZE_CONFIG_FILE
+    method = payload_method(quantize_config)
+    if method not in (None, "gptq"):
+        raise CheckpointError(
+            f"load: {quantize_file} declares method {method!r} but {base / CONFIG_FILE} declares "
+            f"'gptq'; the two files contradict each other"
+        )
+    from_quantize = _gptq_payload(quantize_file, quantize_config)
+    differ = [
+        f"{field}: {getattr(from_quantize, field)!r} vs {getattr(from_config, field)!r}"
+        for field in GPTQ_LOAD_FIELDS
+        if getattr(from_quantize, field) != getattr(from_config, field)
+    ]
+    if differ:
+        raise CheckpointError(
+            f"load: {quantize_file} and {base / CONFIG_FILE} describe different GPTQ checkpoints "
+            f"({'; '.join(differ)}); refusing to pick one"
+        )
+    return from_quantize
+
+
+def _decide_gptq(
+    root: Path, qconfig: Mapping[str, Any], quantize_config: Mapping[str, Any] | None
+) -> LayoutDecision:
+    config = read_gptq_config(root, qconfig, quantize_config)
+    which = QUANTIZE_CONFIG_FILE if quantize_config is not None else CONFIG_FILE
+    evidence = f"{root / which}: quant_method gptq, checkpoint_format {config.format}"
+    return LayoutDecision("gptq", "gptq", None, config.format, evidence)
+
+
 def _decide_compressed_tensors(root: Path, qconfig: Mapping[str, Any]) -> LayoutDecision:
     formats = _ct_formats(qconfig)
     where = f"{root / CONFIG_FILE}: compressed-tensors format {sorted(formats)}"
@@ -183,6 +306,7 @@ def _decide_compressed_tensors(root: Path, qconfig: Mapping[str, Any]) -> Layout
         "nvfp4-pack-quantized": "compressed_tensors_nvfp4",
         "mxfp4-pack-quantized": "mx_e8m0",
         "mxfp8-quantized": "mx_e8m0",
+        "pack-quantized": "compressed_tensors_int",
     }
     formats.discard("mixed-precision")
     if not formats:
@@ -193,8 +317,7 @@ def _decide_compressed_tensors(root: Path, qconfig: Mapping[str, Any]) -> Layout
     if unknown:
         raise CheckpointError(
             f"load: {root / CONFIG_FILE} uses compressed-tensors format(s) {unknown}; floatxq "
-            f"reads {sorted(supported)} (INT pack-quantized GPTQ/AWQ weights are not available "
-            f"yet)"
+            f"reads {sorted(supported)}"
         )
     conventions = sorted({supported[f] for f in formats})
     convention = conventions[0] if len(conventions) == 1 else "+".join(conventions)
@@ -260,13 +383,11 @@ def decide_layout(
         if method == "torchao":
             return _torchao_decision(base, header_metadata, family, declared=True)
         if method == "gptq":
-            raise CheckpointError(
-                f"load: {base / CONFIG_FILE} declares method 'gptq'; GPTQ models are not "
-                f"available yet in floatxq.load"
-            )
+            return _decide_gptq(base, qconfig, quantize_config)
         raise CheckpointError(
             f"load: {base / CONFIG_FILE} quantization_config quant_method {method!r} is not read "
-            f"by floatxq; accepted: 'fp8', 'compressed-tensors', 'modelopt', 'quark', 'torchao'"
+            f"by floatxq; accepted: 'fp8', 'gptq', 'compressed-tensors', 'modelopt', 'quark', "
+            f"'torchao'"
         )
     if sidecar is not None:
         algo = sidecar.get("quant_algo")
@@ -489,6 +610,7 @@ def read_module(
     file: str,
     metadata: Mapping[str, Any] | None = None,
     declared: tuple[str, tuple[int, int] | None] | None = None,
+    gptq: GPTQConfig | None = None,
 ) -> nn.Module | None:
     """The module that runs one quantized module's tensors under ``decision``'s convention.
 
@@ -496,6 +618,8 @@ def read_module(
     is the ``(weight_scale_method, weight_block_size)`` the payload gives this module
     (``gptqmodel`` layout): the scale tensor must have exactly that layout's shape, so a grid that
     happens to tile the weight another way (a ``1x256`` grid read as ``256x3`` blocks) is refused.
+    ``gptq`` is the module's resolved GPTQConfig (``gptq`` layout; None when the config excludes
+    the module): its bits, group size, ``sym`` and ``desc_act`` must be what the tensors hold.
 
     Raises:
       CheckpointError: missing, unknown or mis-shaped tensors (named with their file).
@@ -505,6 +629,12 @@ def read_module(
     weight = source.tensors.get("weight")
     qconfig = qconfig or {}
     layout = decision.layout
+    if layout == "gptq":
+        return _gptq_module(source, original, gptq, decision.scheme or "gptq", file)
+    packed_words = source.tensors.get("weight_packed")
+    if layout == "compressed-tensors" and packed_words is not None:
+        if packed_words.dtype == torch.int32:
+            return _ct_int_module(source, original, qconfig, file)
     fp8 = weight is not None and weight.dtype in _FP8_DTYPES
     if layout in ("gptqmodel", "hf"):
         if "weight_scale_inv" not in keys and not fp8:
@@ -583,6 +713,292 @@ def read_module(
     elif scale.ndim == 2 and scale.numel() > 1 and scale.shape[1] != 1:
         block = _inferred_block(weight, scale)
     return _fp8_module(source, "weight_scale", multiply=True, block=block, dtype=dtype, file=file)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPTQ modules
+# ----------------------------------------------------------------------------------------------
+
+_GPTQ_READ_BITS = (2, 4, 8)
+"""Widths whose fields tile an int32 word (GPTQ's 3-bit packing crosses words; not read)."""
+
+
+def _repeated_field_words(value: int, bits: int, shape: tuple[int, int]) -> torch.Tensor:
+    """int32 words holding ``value`` in every ``bits``-wide field (e.g. ``0x88888888``)."""
+    word = 0
+    for field in range(32 // bits):
+        word |= value << (bits * field)
+    signed = word - (1 << 32) if word >= 1 << 31 else word
+    return torch.full(shape, signed, dtype=torch.int32)
+
+
+def _linear_shape(original: nn.Module, where: str) -> tuple[int, int]:
+    """``(out, in)`` of the module the checkpoint's tensors replace."""
+    from floatxq.nn.fp8_linear import _source_matrix
+
+    try:
+        matrix, _ = _source_matrix(original, where="load")
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"load: {where}: {exc}") from None
+    return int(matrix.shape[0]), int(matrix.shape[1])
+
+
+def _require_dtype(source: ModuleSource, key: str, accepted: str, ok: bool, where: str) -> None:
+    if not ok:
+        tensor = source.tensors[key]
+        raise CheckpointError(
+            f"load: {source.name}.{key} in {where} has dtype {tensor.dtype}; {accepted}"
+        )
+
+
+def _require_tensor_shape(
+    source: ModuleSource, key: str, shape: tuple[int, ...], why: str, where: str
+) -> None:
+    got = tuple(source.tensors[key].shape)
+    if got != shape:
+        raise CheckpointError(
+            f"load: {source.name}.{key} in {where} has shape {got}; {why} gives {shape}"
+        )
+
+
+def _check_gptq_scales_and_bias(source: ModuleSource, scale_key: str, where: str) -> None:
+    scales = source.tensors[scale_key]
+    _require_dtype(source, scale_key, "GPTQ scales are floating", scales.is_floating_point(), where)
+    if scales.numel() and not bool(torch.isfinite(scales).all()):
+        raise CheckpointError(
+            f"load: {source.name}.{scale_key} in {where} holds NaN or infinite scales"
+        )
+    bias = source.tensors.get("bias")
+    if bias is not None:
+        _require_dtype(source, "bias", "a bias is floating", bias.is_floating_point(), where)
+        if bias.numel() and not bool(torch.isfinite(bias).all()):
+            raise CheckpointError(f"load: {source.name}.bias in {where} holds NaN or infinity")
+
+
+def _build_gptq(
+    source: ModuleSource,
+    words: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    bits: int,
+    group_size: int,
+    fmt: str,
+    where: str,
+) -> nn.Module:
+    """:meth:`GPTQLinear.from_packed` on checked tensors, its errors naming the module."""
+    from floatxq.int4 import GPTQPacked
+    from floatxq.nn.gptq_linear import GPTQLinear
+
+    try:
+        return GPTQLinear.from_packed(
+            GPTQPacked(*words),
+            bits=bits,
+            group_size=group_size,
+            format=fmt,
+            bias=source.tensors.get("bias"),
+        )
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"load: {source.name} in {where}: {exc}") from None
+
+
+def _contiguous_groups(rows: int, group_size: int) -> torch.Tensor:
+    index = torch.arange(rows, dtype=torch.int32)
+    return index * 0 if group_size == -1 else torch.div(index, group_size, rounding_mode="floor")
+
+
+def _gptq_module(
+    source: ModuleSource,
+    original: nn.Module,
+    config: GPTQConfig | None,
+    fmt: str,
+    file: str,
+) -> nn.Module | None:
+    """A ``quant_method: gptq`` module (``qweight``, ``qzeros``, ``scales``, ``g_idx``) as a
+    GPTQLinear holding the file's tensors, after checking them against the config."""
+    gptq_keys = ("qweight", "qzeros", "scales", "g_idx")
+    where = f"{source.name} in {file}"
+    if not set(source.tensors) & set(gptq_keys):
+        return None
+    if config is None:
+        raise CheckpointError(
+            f"load: {where} holds GPTQ tensors, but the quantization config excludes the module "
+            f"(a '-:' dynamic rule or lm_head=false)"
+        )
+    _require(source, gptq_keys, where)
+    _extra(source, (*gptq_keys, "bias"), where)
+    bits, group_size = config.bits, config.group_size
+    if bits not in _GPTQ_READ_BITS:
+        raise CheckpointError(
+            f"load: {where}: the config declares bits={bits}; floatxq reads GPTQ words of "
+            f"{', '.join(map(str, _GPTQ_READ_BITS))} bits (whole fields per int32)"
+        )
+    qweight, qzeros, scales, g_idx = (source.tensors[k] for k in gptq_keys)
+    for key in ("qweight", "qzeros", "g_idx"):
+        ok = source.tensors[key].dtype == torch.int32
+        _require_dtype(source, key, "GPTQ checkpoints store it as int32", ok, file)
+    _check_gptq_scales_and_bias(source, "scales", file)
+    out, rows = _linear_shape(original, where)
+    per = 32 // bits
+    groups = 1 if group_size == -1 else -(-rows // group_size)
+    if tuple(qweight.shape) != (rows // per, out) or rows % per:
+        implied = ""
+        if qweight.ndim == 2 and qweight.shape[0] and (32 * qweight.shape[0]) % rows == 0:
+            implied = f" (its {qweight.shape[0]} rows are {32 * qweight.shape[0] // rows}-bit)"
+        raise CheckpointError(
+            f"load: {source.name}.qweight in {file} has shape {tuple(qweight.shape)}{implied}, "
+            f"but the config's bits={bits} for the model's ({out}, {rows}) weight gives "
+            f"({rows // per}, {out})"
+        )
+    why = f"the config's group_size={group_size} for in={rows} ({groups} groups)"
+    _require_tensor_shape(source, "scales", (groups, out), why, file)
+    _require_tensor_shape(source, "qzeros", (groups, out // per), why, file)
+    _require_tensor_shape(source, "g_idx", (rows,), "the model's in_features", file)
+    if rows and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+        raise CheckpointError(
+            f"load: {source.name}.g_idx in {file} holds group indices "
+            f"{int(g_idx.min())}..{int(g_idx.max())}, outside [0, {groups - 1}] ({why})"
+        )
+    if not config.desc_act and not torch.equal(g_idx, _contiguous_groups(rows, group_size)):
+        raise CheckpointError(
+            f"load: {source.name}.g_idx in {file} reorders the groups, but the config declares "
+            f"desc_act=false (readers then ignore g_idx and read contiguous groups)"
+        )
+    if config.sym:
+        mid = 1 << (bits - 1)
+        stored = mid - 1 if fmt == "gptq" else mid
+        if not torch.equal(qzeros, _repeated_field_words(stored, bits, tuple(qzeros.shape))):
+            raise CheckpointError(
+                f"load: {source.name}.qzeros in {file} holds zero points other than {mid}, but "
+                f"the config declares sym=true (readers then ignore qzeros)"
+            )
+    return _build_gptq(
+        source,
+        (qweight, qzeros, scales, g_idx),
+        bits=bits,
+        group_size=group_size,
+        fmt=fmt,
+        where=file,
+    )
+
+
+class _CtIntScheme(NamedTuple):
+    bits: int
+    group_size: int
+    """-1 for the channel strategy."""
+    symmetric: bool
+
+
+def _ct_int_schemes(qconfig: Mapping[str, Any], where: str) -> list[_CtIntScheme]:
+    """The ``pack-quantized`` INT weight schemes a compressed-tensors payload declares."""
+    schemes: list[_CtIntScheme] = []
+    top = _lower(qconfig.get("format"))
+    groups = qconfig.get("config_groups") or {}
+    for key, group in groups.items() if isinstance(groups, Mapping) else ():
+        if not isinstance(group, Mapping) or _lower(group.get("format") or top) != "pack-quantized":
+            continue
+        weights = group.get("weights")
+        if not isinstance(weights, Mapping):
+            raise CheckpointError(f"load: {where} config group {key!r} has no weights")
+        if group.get("input_activations") or group.get("output_activations"):
+            raise CheckpointError(
+                f"load: {where} config group {key!r} quantizes activations; floatxq loads "
+                f"weight-only (W*A16) pack-quantized checkpoints"
+            )
+        strategy = _lower(weights.get("strategy"))
+        size = weights.get("group_size")
+        bits = weights.get("num_bits")
+        if (
+            _lower(weights.get("type")) != "int"
+            or weights.get("dynamic") not in (None, False)
+            or strategy not in ("group", "channel")
+            or weights.get("actorder") not in (None, "weight", "static")
+            or not isinstance(bits, int)
+            or isinstance(bits, bool)
+            or (strategy == "group" and not (isinstance(size, int) and size > 0))
+        ):
+            raise CheckpointError(
+                f"load: {where} config group {key!r} weights {dict(weights)!r}: floatxq reads "
+                f"static int weights with the group or channel strategy and no activation "
+                f"ordering g_idx (actorder 'group')"
+            )
+        symmetric = weights.get("symmetric", True)
+        gs = size if strategy == "group" else -1
+        schemes.append(_CtIntScheme(bits, gs, bool(symmetric)))
+    return schemes
+
+
+def _ct_int_module(
+    source: ModuleSource, original: nn.Module, qconfig: Mapping[str, Any], file: str
+) -> nn.Module:
+    """A compressed-tensors ``pack-quantized`` module as a GPTQLinear (``gptq_v2`` zero words:
+    compressed-tensors stores the zero point itself, as ``zp + 2**(bits-1)``)."""
+    where = f"{source.name} in {file}"
+    keys = ("weight_packed", "weight_scale", "weight_shape")
+    _require(source, keys, where)
+    _extra(source, (*keys, "weight_zero_point", "bias"), where)
+    packed, scale, shape = (source.tensors[k] for k in keys)
+    shape_ok = not shape.is_floating_point() and shape.dtype != torch.bool and shape.numel() == 2
+    _require_dtype(source, "weight_shape", "it holds two integers (out, in)", shape_ok, file)
+    out, rows = _linear_shape(original, where)
+    if [int(v) for v in shape.flatten()] != [out, rows]:
+        raise CheckpointError(
+            f"load: {source.name}.weight_shape in {file} is {shape.flatten().tolist()}, but the "
+            f"model's weight is ({out}, {rows})"
+        )
+    _check_gptq_scales_and_bias(source, "weight_scale", file)
+    words = packed.shape[1] if packed.ndim == 2 else -1
+    bits = 32 * words // rows if rows and words > 0 and (32 * words) % rows == 0 else -1
+    if packed.ndim != 2 or packed.shape[0] != out or bits not in _GPTQ_READ_BITS:
+        raise CheckpointError(
+            f"load: {source.name}.weight_packed in {file} has shape {tuple(packed.shape)}: not "
+            f"{' / '.join(f'{b}-bit ({out}, {rows * b // 32})' for b in _GPTQ_READ_BITS)} "
+            f"packing of the ({out}, {rows}) weight"
+        )
+    groups = scale.shape[1] if scale.ndim == 2 and scale.shape[0] == out else -1
+    if groups < 1 or rows % groups:
+        raise CheckpointError(
+            f"load: {source.name}.weight_scale in {file} has shape {tuple(scale.shape)}; "
+            f"expected ({out}, groups) with groups dividing in={rows}"
+        )
+    symmetric = "weight_zero_point" not in source.tensors
+    declared = _ct_int_schemes(qconfig, f"{file} quantization_config")
+    fits = [
+        d
+        for d in declared
+        if d.bits == bits
+        and d.symmetric == symmetric
+        and (
+            (d.group_size == -1 and groups == 1)
+            or (d.group_size > 0 and d.group_size * groups == rows)
+        )
+    ]
+    if not fits:
+        held = f"{bits}-bit, {groups} group(s) of {rows // groups}, " + (
+            "symmetric" if symmetric else "asymmetric (weight_zero_point)"
+        )
+        raise CheckpointError(
+            f"load: {where} holds {held} pack-quantized weights, which no pack-quantized config "
+            f"group declares ({[tuple(d) for d in declared]})"
+        )
+    group_size = fits[0].group_size
+    per = 32 // bits
+    if symmetric:
+        qzeros = _repeated_field_words(1 << (bits - 1), bits, (groups, out // per))
+    else:
+        zero = source.tensors["weight_zero_point"]
+        ok = zero.dtype == torch.int32
+        _require_dtype(source, "weight_zero_point", "packed zero points are int32", ok, file)
+        why = f"{bits}-bit packing of ({out}, {groups}) zero points"
+        _require_tensor_shape(source, "weight_zero_point", (out // per, groups), why, file)
+        qzeros = zero.T.contiguous()
+    g_idx = _contiguous_groups(rows, group_size)
+    return _build_gptq(
+        source,
+        (packed.T.contiguous(), qzeros, scale.T.contiguous(), g_idx),
+        bits=bits,
+        group_size=group_size,
+        fmt="gptq_v2",
+        where=file,
+    )
 
 
 _FP8_DTYPES = frozenset(
@@ -723,12 +1139,15 @@ def module_sources(
 
 
 __all__ = [
+    "GPTQ_LOAD_FIELDS",
+    "GPTQ_READER_KEYS",
     "READ_LAYOUTS",
     "SCALE_CONVENTIONS",
     "LayoutDecision",
     "ModuleSource",
     "decide_layout",
     "module_sources",
+    "read_gptq_config",
     "read_module",
     "refuse_activation_scales",
 ]

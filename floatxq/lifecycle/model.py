@@ -55,7 +55,9 @@ def _resolve_backend(backend: Any, config: Any = None) -> BACKEND:
                 f"load: backend {backend!r} cannot run {what} models; use 'auto' or "
                 f"{runs_on.value!r}"
             )
-    accepted = ", ".join(repr(b.value) for b in (BACKEND.AUTO, BACKEND.FP8_TORCH, BACKEND.GPTQ_TORCH))
+    accepted = ", ".join(
+        repr(b.value) for b in (BACKEND.AUTO, BACKEND.FP8_TORCH, BACKEND.GPTQ_TORCH)
+    )
     raise ValueError(
         f"load: backend {backend!r} is not available in floatxq; accepted: {accepted} (FP8 "
         f"weight-only models run on 'fp8_torch', GPTQ W4A16 models on 'gptq_torch')"
@@ -71,8 +73,7 @@ def _as_config(value: Any) -> FP8Config | GPTQConfig:
             return gptq_config_from_payload(value)
         if method != METHOD.FP8:
             raise ValueError(
-                f"load: quantize_config method {method!r} is not supported; accepted: 'fp8', "
-                f"'gptq'"
+                f"load: quantize_config method {method!r} is not supported; accepted: 'fp8', 'gptq'"
             )
         return fp8_config_from_payload(value)
     raise TypeError(
@@ -476,12 +477,15 @@ class QuantizedModel:
         self.report: Any = None
         """The last :meth:`quantize` run's :class:`~floatxq.lifecycle.gptq.GPTQRunReport` (GPTQ)."""
         self.tokenizer: Any = None
-        """Turns calibration strings into ids: the source directory's tokenizer when it has
-        one (the byte tokenizer for the built-in tiny Llama), else None."""
+        """Turns calibration strings into ids (set it, or pass ``quantize(tokenizer=...)``);
+        when None, the source directory's tokenizer is loaded the first time a string sample
+        needs it (the byte tokenizer for the built-in tiny Llama)."""
 
     def __repr__(self) -> str:
         kind = "GPTQ" if isinstance(self.quantize_config, GPTQConfig) else "FP8"
-        state = f"{len(self.quantized_modules)} {kind} modules" if self.quantized else "not quantized"
+        state = (
+            f"{len(self.quantized_modules)} {kind} modules" if self.quantized else "not quantized"
+        )
         return f"QuantizedModel({type(self.model).__name__}, {state}, backend={self.backend.value})"
 
     def quantize(
@@ -559,7 +563,7 @@ class QuantizedModel:
         pad = getattr(hf_config, "pad_token_id", None)
         prepared = prepare_calibration(
             calibration,
-            tokenizer=tokenizer if tokenizer is not None else self.tokenizer,
+            tokenizer=tokenizer or self.tokenizer or _LazyTokenizer(self.source),
             batch_size=batch_size,
             pad_token_id=pad if isinstance(pad, int) else 0,
             vocab_size=getattr(hf_config, "vocab_size", None),
@@ -715,20 +719,44 @@ def _gptq_progress(progress: Any, total: int):
     return step, bar
 
 
-def _tokenizer_of(path: Path) -> Any:
-    """The directory's tokenizer (the byte tokenizer for the built-in tiny Llama), or None."""
-    from floatxq.tiny import TINY_LLAMA_DIR, encode_text
+class _LazyTokenizer:
+    """The source directory's tokenizer, loaded on the first string it is asked to encode (the
+    byte tokenizer for the built-in tiny Llama); a clear error when there is none."""
 
-    if path.resolve() == TINY_LLAMA_DIR.resolve():
-        return encode_text
-    if not any((path / n).is_file() for n in TOKENIZER_FILES):
-        return None
-    try:
-        from transformers import AutoTokenizer
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.tokenizer: Any = None
 
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, ImportError):
-        return None
+    def __call__(self, text: str) -> Any:
+        if self.tokenizer is None:
+            self.tokenizer = self._load()
+        return self.tokenizer(text)
+
+    def _load(self) -> Any:
+        from floatxq.tiny import TINY_LLAMA_DIR, encode_text
+
+        where = "calibration"
+        if self.path is None:
+            raise ValueError(
+                f"{where}: string samples need a tokenizer, and this model was given as a module; "
+                f"pass token-id tensors or quantize(..., tokenizer=...)"
+            )
+        if self.path.resolve() == TINY_LLAMA_DIR.resolve():
+            return encode_text
+        if not any((self.path / n).is_file() for n in TOKENIZER_FILES):
+            raise ValueError(
+                f"{where}: string samples need a tokenizer, and {self.path} has no tokenizer "
+                f"files; pass token-id tensors or quantize(..., tokenizer=...)"
+            )
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        except Exception as exc:  # transformers raises many kinds for damaged tokenizer files
+            raise ValueError(
+                f"{where}: the tokenizer in {self.path} could not be loaded "
+                f"({type(exc).__name__}: {exc}); pass token-id tensors or a tokenizer"
+            ) from exc
 
 
 def load(
@@ -771,7 +799,11 @@ def load(
         model = model_or_path.to(dev) if dev is not None and not gptq else model_or_path
         already = any(isinstance(m, _quantized_types()) for m in model.modules())
         return QuantizedModel(
-            model, quantize_config=config, backend=chosen, quantized=already and not gptq, device=dev
+            model,
+            quantize_config=config,
+            backend=chosen,
+            quantized=already and not gptq,
+            device=dev,
         )
     if not isinstance(model_or_path, (str, os.PathLike)):
         raise TypeError(
@@ -802,7 +834,6 @@ def load(
             device=dev,
         )
         source.layout = decision
-        source.tokenizer = _tokenizer_of(path)
         return source
     if model is not None:
         chosen = _resolve_backend(backend, qconfig)
@@ -816,12 +847,10 @@ def load(
             model, quantize_config=qconfig, backend=chosen, quantized=True, source=path, device=dev
         )
         loaded.layout = decision
-        loaded.tokenizer = _tokenizer_of(path)
         return loaded
     chosen = _resolve_backend(backend, config)
     model = _load_plain(path, device=None if gptq else dev, dtype=dtype)
     loaded = QuantizedModel(model, quantize_config=config, backend=chosen, source=path, device=dev)
-    loaded.tokenizer = _tokenizer_of(path)
     return loaded
 
 
