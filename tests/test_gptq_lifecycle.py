@@ -418,3 +418,25 @@ def test_transformers_reads_the_compressed_tensors_export(quantized_tiny, tmp_pa
         got = theirs(input_ids=ids).logits
     # compressed-tensors decompresses to the same FP32 weights; only GEMM order may differ
     assert torch.allclose(got, ours, rtol=0, atol=1e-5), (got - ours).abs().max()
+
+
+def test_replaced_modules_are_released_layer_by_layer():
+    # A replaced module kept alive would keep its weights on the work device for the whole run.
+    import gc
+
+    model = _model()
+    originals = {
+        n: weakref.ref(m) for n, m in model.named_modules() if isinstance(m, nn.Linear)
+    }
+    alive_at: dict[str, list[str]] = {}
+
+    def on_module(name: str) -> None:
+        gc.collect()
+        alive_at[name] = [n for n, ref in originals.items() if ref() is not None]
+
+    qm = floatxq.load(model, quantize_config=CONFIG)
+    qm.quantize(_samples(2), progress=on_module)
+    # once layer 1 is being solved, none of layer 0's replaced linears is referenced any more
+    assert not [n for n in alive_at["model.layers.1.self_attn.q_proj"] if ".layers.0." in n]
+    gc.collect()
+    assert [n for n, ref in originals.items() if ref() is not None] == ["lm_head"]

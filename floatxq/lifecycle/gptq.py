@@ -337,10 +337,13 @@ def _capture_inputs(
         for batch in calibration.batches:
             mask = batch.attention_mask.to(device)
             current["mask"] = mask
+            # Unpadded batches pass no mask: the model then takes its causal fast path, as it
+            # does in use; padded ones pass the keep-mask, which also masks attention.
+            attention = None if bool(batch.attention_mask.all()) else mask.to(torch.int64)
             with contextlib.suppress(_Stop):
                 model(
                     input_ids=batch.input_ids.to(device),
-                    attention_mask=mask.to(torch.int64),
+                    attention_mask=attention,
                     use_cache=False,
                 )
     finally:
@@ -509,9 +512,53 @@ class _DecodedStandIn(nn.Module):
         if x.dtype not in self.decoded:
             self.decoded[x.dtype] = self.packed.dequantize_weight(x.dtype)
         bias = self.packed.bias
-        return nn.functional.linear(
-            x, self.decoded[x.dtype], None if bias is None else bias.to(x.dtype)
+        rows = x.reshape(-1, x.shape[-1])  # 2-D, as GPTQLinear multiplies (same GEMM, same bits)
+        out = nn.functional.linear(
+            rows, self.decoded[x.dtype], None if bias is None else bias.to(x.dtype)
         )
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class _LayerStep(NamedTuple):
+    """One decoder layer's solves (a function's scope, so no replaced module outlives it)."""
+
+    model: nn.Module
+    layer: nn.Module
+    index: int
+    inputs: list[_LayerInput]
+    device: torch.device
+    rows: int
+    on_module: Callable[[str], None] | None
+
+    def solve(
+        self, configs: dict[str, GPTQConfig], solved: dict[str, nn.Module]
+    ) -> list[GPTQModuleReport]:
+        """Solve ``configs``' modules group by group; each is replaced by a stand-in (and its
+        ``GPTQLinear`` kept in ``solved``) so later groups see its quantized outputs."""
+        reports = []
+        wanted = [(n, self.model.get_submodule(n)) for n in configs]
+        groups = _groups_by_input(self.layer, wanted, self.inputs[0])
+        del wanted
+        for group in groups:
+            names = [n for n, _ in group]
+            first = group[0][1]
+            hessian = _fold_group(
+                self.layer, first, names, self.inputs, _features(first)[0], self.device
+            )
+            del first
+            while group:  # popped, so the replaced module is released once it is solved
+                name, module = group.pop(0)
+                built, report = _solve_module(
+                    name, module, hessian, configs[name], self.rows, self.index, self.device
+                )
+                del module
+                solved[name] = built
+                self.model.set_submodule(name, _DecodedStandIn(built))
+                reports.append(report)
+                if self.on_module is not None:
+                    self.on_module(name)
+            del hessian
+        return reports
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -557,7 +604,6 @@ def quantize_gptq_model(
     plans = plan_gptq(model, config)
     targets = {p.name: p for p in plans if p.config is not None}
     layers_name, layers = decoder_layers(model)
-    modules = dict(model.named_modules())
     head = _output_embedding(model)
     head_plan = targets.get(head[0]) if head is not None else None
     start = time.perf_counter()
@@ -565,70 +611,65 @@ def quantize_gptq_model(
     skip = {id(layers)} | ({id(head[1])} if head is not None else set())
     home = {id(m): _device_of(m) for m in layers}
     outside_home = _device_of(
-        modules[layers_name.rsplit(".", 1)[0]] if "." in layers_name else model
+        model.get_submodule(layers_name.rsplit(".", 1)[0]) if "." in layers_name else model
     )
     was_training = model.training
     model.eval()
-    with torch.no_grad():
-        _move_outside(model, skip, device)
-        first = layers[0]
-        _move(first, device)
-        inputs = _capture_inputs(model, first, calibration, device)
-        rows = calibration.tokens
-        solved: dict[str, nn.Module] = {}
-        for index, layer in enumerate(layers):
-            _move(layer, device)
-            prefix = f"{layers_name}.{index}."
-            wanted = [(n, modules[n]) for n in targets if n.startswith(prefix)]
-            if wanted:
-                for group in _groups_by_input(layer, wanted, inputs[0]):
-                    names = [n for n, _ in group]
-                    in_features = _features(group[0][1])[0]
-                    hessian = _fold_group(layer, group[0][1], names, inputs, in_features, device)
-                    for name, module in group:
-                        plan = targets[name]
-                        built, report = _solve_module(
-                            name, module, hessian, plan.config, rows, index, device
-                        )
-                        solved[name] = built
-                        model.set_submodule(name, _DecodedStandIn(built))
-                        reports.append(report)
-                        if on_module is not None:
-                            on_module(name)
-                    del hessian
-            last = index == len(layers) - 1
-            if not last or head_plan is not None:
-                for i, item in enumerate(inputs):
-                    out = _layer_output(_call_layer(layer, item))
-                    inputs[i] = item._replace(hidden=out)
-            for name, built in solved.items():
-                model.set_submodule(name, built)
-            solved.clear()
-            _move(layer, home[id(layer)])
-            if on_layer is not None:
-                on_layer(index, len(layers))
-        if head_plan is not None and head is not None:
-            name, module = head
-            norm = _final_norm(model, layers_name)
-            _move(module, device)
-            state = hessian_init(_features(module)[0], device=device)
-            for item in inputs:
-                state = hessian_update(state, norm(item.hidden), item.mask)
-            try:
-                hessian = hessian_finalize(state)
-            except ValueError as exc:
-                raise ValueError(
-                    f"GPTQ: the calibration activations reaching {name} are not finite ({exc})"
-                ) from None
-            built, report = _solve_module(
-                name, module, hessian, head_plan.config, rows, None, device
-            )
-            model.set_submodule(name, built.to(outside_home))
-            reports.append(report)
-            if on_module is not None:
-                on_module(name)
-        del inputs
+    try:
+        with torch.no_grad():
+            _move_outside(model, skip, device)
+            first = layers[0]
+            _move(first, device)
+            inputs = _capture_inputs(model, first, calibration, device)
+            _move_outside(model, skip, outside_home)  # the embeddings are done with: off the device
+            rows = calibration.tokens
+            solved: dict[str, nn.Module] = {}
+            for index, layer in enumerate(layers):
+                _move(layer, device)
+                prefix = f"{layers_name}.{index}."
+                names = [n for n in targets if n.startswith(prefix)]
+                if names:
+                    step = _LayerStep(model, layer, index, inputs, device, rows, on_module)
+                    reports.extend(step.solve({n: targets[n].config for n in names}, solved))
+                last = index == len(layers) - 1
+                if not last or head_plan is not None:
+                    for i, item in enumerate(inputs):
+                        out = _layer_output(_call_layer(layer, item))
+                        inputs[i] = item._replace(hidden=out)
+                for name, built in solved.items():
+                    model.set_submodule(name, built)
+                solved.clear()
+                _move(layer, home[id(layer)])
+                if on_layer is not None:
+                    on_layer(index, len(layers))
+            if head_plan is not None and head is not None:
+                name, module = head
+                norm = _final_norm(model, layers_name)
+                _move(norm, device)
+                _move(module, device)
+                state = hessian_init(_features(module)[0], device=device)
+                for item in inputs:
+                    state = hessian_update(state, norm(item.hidden), item.mask)
+                try:
+                    hessian = hessian_finalize(state)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"GPTQ: the calibration activations reaching {name} are not finite ({exc})"
+                    ) from None
+                built, report = _solve_module(
+                    name, module, hessian, head_plan.config, rows, None, device
+                )
+                model.set_submodule(name, built.to(outside_home))
+                reports.append(report)
+                if on_module is not None:
+                    on_module(name)
+            del inputs
+            if head_plan is not None:
+                _move(_final_norm(model, layers_name), outside_home)
+    finally:  # also after an error: nothing is left on the work device
         _move_outside(model, skip, outside_home)
+        for layer in layers:
+            _move(layer, home[id(layer)])
     model.train(was_training)
     return GPTQRunReport(
         tuple(reports),
