@@ -33,7 +33,10 @@ def _samples(count: int = 6, *, seed: int = 0) -> list[torch.Tensor]:
 
 
 def _quantized(config=CONFIG, samples=None, *, batch_size=1, model=None):
-    qm = floatxq.load(model if model is not None else _model(), quantize_config=config)
+    # device="cpu": these tests compare against hand runs on the CPU (CUDA would be the default)
+    qm = floatxq.load(
+        model if model is not None else _model(), quantize_config=config, device="cpu"
+    )
     return qm.quantize(
         samples if samples is not None else _samples(), batch_size=batch_size, progress=False
     )
@@ -322,7 +325,7 @@ def _decoded_twin(source: nn.Module) -> nn.Module:
 
 def _requantize_and_compare(path: Path, monkeypatch, module_type: type) -> None:
     samples = _samples(3)
-    source = floatxq.load(path, quantize_config=CONFIG, dtype=torch.float32)
+    source = floatxq.load(path, quantize_config=CONFIG, dtype=torch.float32, device="cpu")
     assert not source.quantized
     twin = _decoded_twin(source.model)
     live: list[weakref.ref] = []
@@ -338,7 +341,8 @@ def _requantize_and_compare(path: Path, monkeypatch, module_type: type) -> None:
     source.quantize(samples, progress=False)
     monkeypatch.undo()
     assert live, "no source module was decoded"
-    expected = floatxq.load(twin, quantize_config=CONFIG).quantize(samples, progress=False)
+    expected = floatxq.load(twin, quantize_config=CONFIG, device="cpu")
+    expected.quantize(samples, progress=False)
     assert source.quantized_modules == expected.quantized_modules
     for name in expected.quantized_modules:
         got, want = source.model.get_submodule(name), expected.model.get_submodule(name)
@@ -425,9 +429,7 @@ def test_replaced_modules_are_released_layer_by_layer():
     import gc
 
     model = _model()
-    originals = {
-        n: weakref.ref(m) for n, m in model.named_modules() if isinstance(m, nn.Linear)
-    }
+    originals = {n: weakref.ref(m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     alive_at: dict[str, list[str]] = {}
 
     def on_module(name: str) -> None:
