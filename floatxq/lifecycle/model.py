@@ -91,12 +91,29 @@ def _build_from_config(config_payload: Mapping[str, Any], *, device: Any, dtype:
         raise CheckpointError(f"load: {CONFIG_FILE} has no 'model_type'")
     config = AutoConfig.for_model(model_type, **payload)
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    with torch.device(device if device is not None else "cpu"):
+    # No random initialization: every tensor is loaded or replaced from the files next (a
+    # missing one is refused), and the dense weights of modules that are replaced by packed ones
+    # are never written, so their pages are never committed: a native source is not materialized
+    # as a dense model in host memory.
+    with _no_init_weights(), torch.device(device if device is not None else "cpu"):
         try:
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         except TypeError:  # transformers releases that still call it torch_dtype
             model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     return model.eval()
+
+
+def _no_init_weights() -> Any:
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - older transformers keep it in modeling_utils
+        try:
+            from transformers.modeling_utils import no_init_weights
+        except ImportError:
+            import contextlib
+
+            return contextlib.nullcontext()
+    return no_init_weights()
 
 
 def _load_plain(path: Path, *, device: Any, dtype: Any) -> nn.Module:
