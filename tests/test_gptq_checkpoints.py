@@ -566,8 +566,10 @@ def test_gptqmodel_decodes_floatxqs_gptq_files_as_floatxq_does(floatxq_exports, 
                       ("quantize_config.json", "quantize_config_json_sha256")):  # fmt: skip
         digest = hashlib.sha256((tmp_path / name / file).read_bytes()).hexdigest()
         if digest != metadata[key]:  # GPT-QModel's record holds for these exact bytes only
-            pytest.skip(f"{name}/{file} exports differently here (float sums of the solve or "
-                        f"another torch), so GPT-QModel's recorded results do not apply")
+            pytest.skip(
+                f"{name}/{file} exports differently here (float sums of the solve or "
+                f"another torch), so GPT-QModel's recorded results do not apply"
+            )
     model = floatxq.load(tmp_path / name, dtype=torch.float16)
     _assert_decodes_alike(model.model, reference, symmetric=name == "sym_v1")
     ours = _logits_of(model.model, reference["token_ids"])
