@@ -190,8 +190,10 @@ def test_symmetric_v1_zero_words_are_gptqmodels(tmp_path):
 def test_a_module_held_in_the_other_format_is_converted_exactly(tmp_path):
     model = gptq_model(GPTQConfig(bits=4, group_size=32, sym=False, format="gptq_v2"))
     model.quantize_config = dataclasses.replace(model.quantize_config, format="gptq")
-    if any(m.unpacked().zeros.eq(0).any() for m in model.model.modules() if hasattr(m, "qzeros")):
-        pytest.skip("a zero point of 0 has no v1 form")
+    # a zero point of 0 has no v1 form (refused elsewhere); this model must not hold one
+    assert not any(
+        m.unpacked().zeros.eq(0).any() for m in model.model.modules() if hasattr(m, "qzeros")
+    )
     model.save(tmp_path / "m", layout="gptq")
     back = floatxq.load(tmp_path / "m")
     for name, module in model.model.named_modules():

@@ -280,13 +280,11 @@ class _Stop(Exception):
 
 class _LayerInput(NamedTuple):
     hidden: torch.Tensor
+    args: tuple[Any, ...]
+    """The layer's other positional arguments, as the model passed them."""
     kwargs: dict[str, Any]
     mask: torch.Tensor
     """bool (batch, length): True on real tokens."""
-
-
-def _move(module: nn.Module, device: torch.device) -> None:
-    module.to(device)
 
 
 def _move_outside(model: nn.Module, skip: set[int], device: torch.device) -> None:
@@ -328,8 +326,7 @@ def _capture_inputs(
     def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
         kwargs = dict(kwargs)
         hidden = args[0] if args else kwargs.pop("hidden_states")
-        kwargs.update({f"__arg{i}": a for i, a in enumerate(args[1:])})
-        captured.append(_LayerInput(hidden, kwargs, current["mask"]))
+        captured.append(_LayerInput(hidden, tuple(args[1:]), kwargs, current["mask"]))
         raise _Stop
 
     handle = first_layer.register_forward_pre_hook(hook, with_kwargs=True)
@@ -357,10 +354,7 @@ def _capture_inputs(
 
 
 def _call_layer(layer: nn.Module, item: _LayerInput) -> Any:
-    extra = sorted((k for k in item.kwargs if k.startswith("__arg")), key=lambda k: int(k[5:]))
-    args = [item.kwargs[k] for k in extra]
-    kwargs = {k: v for k, v in item.kwargs.items() if not k.startswith("__arg")}
-    return layer(item.hidden, *args, **kwargs)
+    return layer(item.hidden, *item.args, **item.kwargs)
 
 
 def _groups_by_input(
@@ -619,13 +613,13 @@ def quantize_gptq_model(
         with torch.no_grad():
             _move_outside(model, skip, device)
             first = layers[0]
-            _move(first, device)
+            first.to(device)
             inputs = _capture_inputs(model, first, calibration, device)
             _move_outside(model, skip, outside_home)  # the embeddings are done with: off the device
             rows = calibration.tokens
             solved: dict[str, nn.Module] = {}
             for index, layer in enumerate(layers):
-                _move(layer, device)
+                layer.to(device)
                 prefix = f"{layers_name}.{index}."
                 names = [n for n in targets if n.startswith(prefix)]
                 if names:
@@ -639,14 +633,14 @@ def quantize_gptq_model(
                 for name, built in solved.items():
                     model.set_submodule(name, built)
                 solved.clear()
-                _move(layer, home[id(layer)])
+                layer.to(home[id(layer)])
                 if on_layer is not None:
                     on_layer(index, len(layers))
             if head_plan is not None and head is not None:
                 name, module = head
                 norm = _final_norm(model, layers_name)
-                _move(norm, device)
-                _move(module, device)
+                norm.to(device)
+                module.to(device)
                 state = hessian_init(_features(module)[0], device=device)
                 for item in inputs:
                     state = hessian_update(state, norm(item.hidden), item.mask)
@@ -665,11 +659,11 @@ def quantize_gptq_model(
                     on_module(name)
             del inputs
             if head_plan is not None:
-                _move(_final_norm(model, layers_name), outside_home)
+                _final_norm(model, layers_name).to(outside_home)
     finally:  # also after an error: nothing is left on the work device
         _move_outside(model, skip, outside_home)
         for layer in layers:
-            _move(layer, home[id(layer)])
+            layer.to(home[id(layer)])
     model.train(was_training)
     return GPTQRunReport(
         tuple(reports),

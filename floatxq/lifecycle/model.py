@@ -549,7 +549,10 @@ class QuantizedModel:
                 UserWarning,
                 stacklevel=2,
             )
-        callback, bar = _progress(progress, self.model, self.quantize_config)
+        from floatxq.lifecycle.fp8 import plan_fp8
+
+        total = sum(p.config is not None for p in plan_fp8(self.model, self.quantize_config))
+        callback, bar = _progress(progress, total, "fp8 quantize")
         start = time.perf_counter()
         try:
             self.quantized_modules = quantize_fp8_modules(
@@ -587,7 +590,7 @@ class QuantizedModel:
             max_length=getattr(hf_config, "max_position_embeddings", None),
         )
         work = self.device or _default_work_device(self.model)
-        callback, bar = _gptq_progress(progress, sum(p.config is not None for p in plans))
+        callback, bar = _progress(progress, sum(p.config is not None for p in plans), "gptq")
         start = time.perf_counter()
         try:
             self.report = quantize_gptq_model(
@@ -692,7 +695,9 @@ def _parse_size(value: object) -> int:
     return size
 
 
-def _progress(progress: Any, model: nn.Module, config: FP8Config):
+def _progress(progress: Any, total: int, desc: str):
+    """``(callback per module name, bar to close)`` for ``quantize(progress=...)``: the user's
+    callable as is, nothing for False, else a tqdm bar over ``total`` modules."""
     if callable(progress) and not isinstance(progress, bool):
         return progress, None
     if not progress:
@@ -701,39 +706,22 @@ def _progress(progress: Any, model: nn.Module, config: FP8Config):
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm comes with transformers
         return None, None
-    from floatxq.lifecycle.fp8 import plan_fp8
+    bar = tqdm(total=total, desc=desc, unit="module", leave=False)
 
-    total = sum(p.config is not None for p in plan_fp8(model, config))
-    bar = tqdm(total=total, desc="fp8 quantize", unit="module", leave=False)
-    return (lambda _name: bar.update(1)), bar
+    def step(name: str) -> None:
+        bar.set_postfix_str(name)
+        bar.update(1)
+
+    return step, bar
 
 
 def _default_work_device(model: nn.Module) -> torch.device:
     """Where GPTQ works when ``load`` was given no device: the model's CUDA device if it is
     on one, else the first CUDA device when there is one, else the CPU."""
-    for tensor in model.parameters():
-        if tensor.device.type == "cuda":
-            return tensor.device
-        break
+    first = next(model.parameters(), None)
+    if first is not None and first.device.type == "cuda":
+        return first.device
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _gptq_progress(progress: Any, total: int):
-    if callable(progress) and not isinstance(progress, bool):
-        return progress, None
-    if not progress:
-        return None, None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm comes with transformers
-        return None, None
-    bar = tqdm(total=total, desc="gptq", unit="module", leave=False)
-
-    def step(name: str) -> None:
-        bar.set_postfix_str(name.rsplit(".", 3)[-3] if name.count(".") >= 3 else name)
-        bar.update(1)
-
-    return step, bar
 
 
 class _LazyTokenizer:
