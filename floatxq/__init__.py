@@ -98,10 +98,15 @@ from floatxq.int4 import (
 )
 from floatxq.kernels import (
     FP8ScaledLinearTrace,
+    dequantize_gptq_kernel,
+    fp8_linear,
+    fp8_linear_prepacked,
+    fp8_pack,
     fp8_scaled_linear_kernel,
     fp8_scaled_linear_kernel_with_codes,
     quantize_fp8_weight_auto,
     quantize_fp8_weight_kernel,
+    w4a16_linear_kernel,
 )
 from floatxq.nn import (
     ROUTES,
@@ -112,6 +117,7 @@ from floatxq.nn import (
     GPTQLinear,
     TorchFP4Linear,
     TorchFP8Linear,
+    W4AFP8Linear,
     select_fp8_route,
 )
 from floatxq.nvfp4 import (
@@ -164,6 +170,19 @@ from floatxq.swizzle import (
     unswizzle_scales,
     unswizzle_scales_per_group,
 )
+from floatxq.w4a import (
+    W4A_OUTPUT_DTYPES,
+    centered_weight,
+    w4a16_linear,
+    w4a_fp8_linear,
+    w4a_fp8_linear_prepacked,
+)
+from floatxq.w4a_activation import (
+    W4A_ACTIVATION_MODES,
+    W4AActivation,
+    W4AActivationMode,
+    pack_activation,
+)
 
 __version__ = "0.1.0"
 
@@ -212,6 +231,8 @@ __all__ = [
     "NVFP4_SCALE_MIN",
     "ROUTES",
     "SOURCE_FAMILIES",
+    "W4A_ACTIVATION_MODES",
+    "W4A_OUTPUT_DTYPES",
     "CheckpointError",
     "CheckpointReport",
     "ConvGeometry",
@@ -251,7 +272,11 @@ __all__ = [
     "SourceFamily",
     "TorchFP4Linear",
     "TorchFP8Linear",
+    "W4AActivation",
+    "W4AActivationMode",
+    "W4AFP8Linear",
     "centered_int4",
+    "centered_weight",
     "convert_gptq_format",
     "decode_e8m0",
     "decode_fp8_block_grid",
@@ -260,6 +285,7 @@ __all__ = [
     "dequantize_fp8_weight",
     "dequantize_fp8_weight_transposed",
     "dequantize_gptq",
+    "dequantize_gptq_kernel",
     "direct_to_inverse_scale",
     "e2m1_decode",
     "e2m1_encode",
@@ -269,8 +295,11 @@ __all__ = [
     "fp8_cast",
     "fp8_decode",
     "fp8_dtype",
+    "fp8_linear",
+    "fp8_linear_prepacked",
     "fp8_max",
     "fp8_module_from_source",
+    "fp8_pack",
     "fp8_scaled_linear",
     "fp8_scaled_linear_kernel",
     "fp8_scaled_linear_kernel_with_codes",
@@ -316,6 +345,7 @@ __all__ = [
     "nvfp4_to_compressed_tensors",
     "nvfp4_to_modelopt",
     "nvfp4_uses_headroom",
+    "pack_activation",
     "pack_e2m1",
     "pack_gptq",
     "pack_gptq_int4",
@@ -336,4 +366,8 @@ __all__ = [
     "unpack_gptq_int4",
     "unswizzle_scales",
     "unswizzle_scales_per_group",
+    "w4a16_linear",
+    "w4a16_linear_kernel",
+    "w4a_fp8_linear",
+    "w4a_fp8_linear_prepacked",
 ]

@@ -70,7 +70,9 @@ class FORMAT(_StrEnum):
 
 class BACKEND(_StrEnum):
     """Inference backend: ``AUTO`` lets the loader pick, ``FP8_TORCH`` runs ``TorchFP8Linear``,
-    ``GPTQ_TORCH`` runs ``GPTQLinear`` (W4A16: INT weights decoded for each call).
+    ``GPTQ_TORCH`` runs ``GPTQLinear`` (W4A16: INT weights decoded for each call),
+    ``GPTQ_W4AFP8`` runs ``W4AFP8Linear`` (symmetric 4-bit g128 GPTQ weights × per-token FP8
+    activations; chosen explicitly when loading a GPTQ checkpoint, never by ``AUTO``).
 
     Only backends with a runtime in floatxq are members; others join when their runtime lands.
     """
@@ -78,6 +80,7 @@ class BACKEND(_StrEnum):
     AUTO = "auto"
     FP8_TORCH = "fp8_torch"
     GPTQ_TORCH = "gptq_torch"
+    GPTQ_W4AFP8 = "gptq_w4afp8"
 
 
 # --------------------------------------------------------------------------------------------

@@ -382,7 +382,10 @@ def _pack(
     qzeros = _to_int32_words(_pack_fields(zeros, 1, bits))
     if fmt == "gptq":
         qzeros = _shift_words(qzeros, -_v1_offset(bits))
-    return GPTQPacked(qweight, qzeros, scales16, g_idx.to(torch.int32).contiguous())
+    return GPTQPacked(
+        qweight.contiguous(), qzeros.contiguous(), scales16.contiguous(),
+        g_idx.to(torch.int32).contiguous(),
+    )  # fmt: skip
 
 
 def _float16_scales(scales: Tensor, *, where: str) -> Tensor:

@@ -19,6 +19,8 @@ import floatxq.nn
 import floatxq.nvfp4
 import floatxq.nvfp4_report
 import floatxq.swizzle
+import floatxq.w4a
+import floatxq.w4a_activation
 
 OWNERS = (
     floatxq.config,
@@ -34,6 +36,8 @@ OWNERS = (
     floatxq.nvfp4_report,
     floatxq.sources,
     floatxq.swizzle,
+    floatxq.w4a,
+    floatxq.w4a_activation,
 )
 
 
@@ -78,6 +82,11 @@ def test_kernel_entry_points_are_reexported():
         "fp8_scaled_linear_kernel",
         "fp8_scaled_linear_kernel_with_codes",
         "FP8ScaledLinearTrace",
+        "fp8_pack",
+        "fp8_linear",
+        "fp8_linear_prepacked",
+        "dequantize_gptq_kernel",
+        "w4a16_linear_kernel",
     ):
         assert getattr(fq, name) is getattr(floatxq.kernels, name)
 

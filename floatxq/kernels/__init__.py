@@ -30,12 +30,32 @@ from floatxq.kernels.fp8_weight import (
     quantize_fp8_input,
     quantize_fp8_weight_kernel,
 )
+from floatxq.kernels.w4a16 import (
+    W4A16Tuning,
+    dequantize_gptq_kernel,
+    w4a16_linear_kernel,
+    w4a16_route,
+)
+from floatxq.kernels.w4a_fp8 import (
+    W4AFP8Tuning,
+    fp8_linear,
+    fp8_linear_prepacked,
+    fp8_pack,
+    w4a_fp8_operand,
+    w4a_fp8_unavailable_reason,
+)
 
 __all__ = [
     "FP8ScaledLinearTrace",
     "FP8SmallMTiles",
     "FP8SmallMTuning",
     "FP8WeightTuning",
+    "W4A16Tuning",
+    "W4AFP8Tuning",
+    "dequantize_gptq_kernel",
+    "fp8_linear",
+    "fp8_linear_prepacked",
+    "fp8_pack",
     "fp8_scaled_linear_kernel",
     "fp8_scaled_linear_kernel_with_codes",
     "quantize_fp8_input",
@@ -44,6 +64,10 @@ __all__ = [
     "triton_available",
     "triton_interpret_enabled",
     "triton_unavailable_reason",
+    "w4a16_linear_kernel",
+    "w4a16_route",
+    "w4a_fp8_operand",
+    "w4a_fp8_unavailable_reason",
 ]
 
 

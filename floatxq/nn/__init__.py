@@ -8,6 +8,8 @@ themselves are free functions (:mod:`floatxq.nn.fp8_routes`); convolution suppor
 :mod:`floatxq.nn.conv`. ``TorchFP4Linear`` holds NVFP4 weights (packed E2M1 codes, E4M3 block
 scales, an FP32 global scale) and decodes them per call. ``GPTQLinear`` holds GPTQ-packed 2, 4 or
 8-bit weights (GPT-QModel's ``qweight``/``qzeros``/``scales``/``g_idx``) and decodes them per call.
+``W4AFP8Linear`` holds the same buffers for symmetric 4-bit g128 weights and multiplies them by
+per-token FP8 activations (the W4A-FP8 GEMM; a non-persistent E4M3 staging of the weight).
 """
 
 from floatxq.nn.conv import ConvGeometry
@@ -21,6 +23,7 @@ from floatxq.nn.route_policy import (
     FP8RouteTuning,
     select_fp8_route,
 )
+from floatxq.nn.w4a_fp8_linear import W4AFP8Linear
 
 __all__ = [
     "ROUTES",
@@ -31,5 +34,6 @@ __all__ = [
     "GPTQLinear",
     "TorchFP4Linear",
     "TorchFP8Linear",
+    "W4AFP8Linear",
     "select_fp8_route",
 ]

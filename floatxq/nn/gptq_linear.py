@@ -18,10 +18,20 @@ against the module's geometry (shape, dtype, ``g_idx`` range, finite scales and 
 ``ValueError`` naming the key, so a damaged state dict never loads; incoming scales and bias keep
 their own floating dtype (the module adopts it rather than casting).
 
-A call flattens ``x`` ``(*, in)`` to rows, decodes the weight with
-:func:`floatxq.int4.dequantize_gptq` in ``x``'s dtype for that call only (no dense weight is kept)
-and runs ``F.linear``. ``last_route`` names the route taken; ``dequant_matmul`` is the only one
-so far (``_route`` is the seam where a fused W4A16 kernel can be chosen).
+A call flattens ``x`` ``(*, in)`` to rows and takes one of three routes, all computing
+:func:`floatxq.w4a.w4a16_linear` (the weight decoded exactly as
+:func:`floatxq.int4.dequantize_gptq` decodes it, rounded to ``x``'s dtype, FP32 accumulation):
+
+* ``w4a16_fused`` (CUDA, float16/bfloat16 ``x``, up to ``W4A16Tuning.fused_max_rows`` rows):
+  the Triton kernel decodes the weight tiles in registers and multiplies them on the tensor
+  cores (:mod:`floatxq.kernels.w4a16`);
+* ``w4a16_decode_gemm`` (CUDA, more rows): the Triton decode writes the weight once, then the
+  library GEMM;
+* ``dequant_matmul`` (everywhere else): the weight decoded in torch for the call, then
+  ``F.linear``.
+
+No dense weight is kept between calls. ``last_route`` names the route taken and
+``last_reason`` why the Triton routes were not (``None`` when one was).
 """
 
 import math
@@ -45,6 +55,9 @@ from floatxq.int4 import (
     pack_gptq,
     unpack_gptq,
 )
+from floatxq.kernels import w4a16
+from floatxq.kernels._triton import triton_unavailable_reason
+from floatxq.kernels.w4a16 import w4a16_route
 from floatxq.nn.fp8_linear import _move_bytes  # buffers move as bytes, never cast
 
 __all__ = ["GPTQLinear"]
@@ -187,6 +200,7 @@ class GPTQLinear(nn.Module):
         stored = torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None
         self.register_buffer("bias", stored)
         self._set_last("none")
+        self.__dict__["_groups_seen"] = None
 
     # ------------------------------------------------------------------------------------------
     # Construction and export
@@ -440,18 +454,49 @@ class GPTQLinear(nn.Module):
 
     @property
     def last_route(self) -> str:
-        """The route the last forward took (``"dequant_matmul"``; ``"none"`` before any call)."""
+        """The route the last forward took (``"w4a16_fused"``, ``"w4a16_decode_gemm"``,
+        ``"dequant_matmul"``; ``"none"`` before any call)."""
         return self._last
 
-    def _set_last(self, route: str) -> None:
+    @property
+    def last_reason(self) -> str | None:
+        """Why the last forward did not take a Triton route (``None`` when it did)."""
+        return self.__dict__.get("_reason")
+
+    def _set_last(self, route: str, reason: str | None = None) -> None:
         self.__dict__["_last"] = route  # past nn.Module.__setattr__ (per-call cost)
+        self.__dict__["_reason"] = reason
 
-    def _route(self, x: Tensor) -> str:
-        """The route for the rows ``x``: the name of a runner in :data:`_RUNNERS`.
+    def contiguous_group_size(self) -> int | None:
+        """The group size when ``g_idx == arange(in) // group_size`` (``in`` for one group),
+        else ``None`` (``desc_act``: the kernels then read each row's group from ``g_idx``).
 
-        Only ``dequant_matmul`` exists; a fused W4A16 kernel would be chosen here.
-        """
-        return DECODE_ROUTE
+        Checked once per ``g_idx`` tensor and version (one host sync), then cached; during CUDA
+        graph capture an unchecked ``g_idx`` is read by row (always correct)."""
+        g = self.g_idx
+        seen = self.__dict__.get("_groups_seen")
+        key = (g.data_ptr(), g._version, g.device)
+        if seen is not None and seen[0] == key:
+            return seen[1]
+        if g.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        size = self.in_features if self.group_size == -1 else self.group_size
+        rows = torch.arange(self.in_features, device=g.device, dtype=torch.int64)
+        contiguous = bool(torch.equal(g.to(torch.int64), rows // max(size, 1)))
+        self.__dict__["_groups_seen"] = (key, size if contiguous else None)
+        return size if contiguous else None
+
+    def _route(self, x: Tensor) -> tuple[str, str | None]:
+        """``(route, reason)`` for the rows ``x``: the name of a runner in :data:`_RUNNERS`,
+        and why the Triton routes were not taken (``None`` when one was)."""
+        if x.device.type != "cuda":
+            return DECODE_ROUTE, f"x is on {x.device}; the W4A16 kernels run on CUDA"
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            return DECODE_ROUTE, f"x is {x.dtype}; the W4A16 kernels take float16/bfloat16"
+        reason = triton_unavailable_reason(x.device)
+        if reason is not None:
+            return DECODE_ROUTE, reason
+        return w4a16_route(x.shape[0]), None
 
     def forward(self, x: Float[Tensor, "*batch in"]) -> Float[Tensor, "*batch out"]:
         """``x @ W.T + bias`` in ``x``'s dtype.
@@ -476,9 +521,9 @@ class GPTQLinear(nn.Module):
                 f"{self.qweight.device}; move one of them with .to()"
             )
         x_flat = x.reshape(math.prod(x.shape[:-1]), self.in_features)
-        route = self._route(x_flat)
+        route, reason = self._route(x_flat)
         out = _RUNNERS[route](self, x_flat)
-        self._set_last(route)
+        self._set_last(route, reason)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -493,5 +538,23 @@ def _dequant_matmul(module: GPTQLinear, x: Tensor) -> Tensor:
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
-_RUNNERS: dict[str, Callable[[GPTQLinear, Tensor], Tensor]] = {DECODE_ROUTE: _dequant_matmul}
+def _triton_runner(route: str) -> Callable[[GPTQLinear, Tensor], Tensor]:
+    def run(module: GPTQLinear, x: Tensor) -> Tensor:
+        """The W4A16 kernels (:mod:`floatxq.kernels.w4a16`) on the module's buffers."""
+        group = module.contiguous_group_size()
+        n, k = module.out_features, module.in_features
+        v1 = module.format == "gptq"
+        return w4a16._linear(
+            x, module.packed(), module.bias, k, n, module.bits, v1, group or 0, x.device,
+            route, w4a16.DEFAULT_W4A16_TUNING,
+        )  # fmt: skip
+
+    return run
+
+
+_RUNNERS: dict[str, Callable[[GPTQLinear, Tensor], Tensor]] = {
+    DECODE_ROUTE: _dequant_matmul,
+    "w4a16_fused": _triton_runner("w4a16_fused"),
+    "w4a16_decode_gemm": _triton_runner("w4a16_decode_gemm"),
+}
 """Route name → runner ``(module, rows) -> (rows, out)``; :meth:`GPTQLinear._route` picks one."""

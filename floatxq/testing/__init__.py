@@ -8,7 +8,9 @@ codes and packed GPTQ words, for testing your own quantizers) needs ``hypothesis
 needs ``pytest``: they come with the
 ``test`` extra and are imported only when those modules are. ``assert_fp8_linear_close`` is the
 per-element bound every FP8 GEMM path is held to against ``floatxq.fp8_scaled_linear``, for an
-error model of its accumulation (``FP32_ACCUMULATION``, ``HOPPER_FP8_ACCUMULATION``).
+error model of its accumulation (``FP32_ACCUMULATION``, ``HOPPER_FP8_ACCUMULATION``);
+``w4a_fp8_linear_error_bound`` and ``w4a16_linear_error_bound`` give the same bounds for the
+INT4-weight GEMMs, checked with ``assert_within_bound``.
 ``unchecked`` (one function) and ``production_checks`` (a block) switch the test run's
 jaxtyping/beartype check off, to see the errors users get; ``assert_fields_match_annotations``
 checks that a config's fields hold their declared types.
@@ -22,10 +24,13 @@ from floatxq.testing.assertions import (
     assert_bitwise_equal,
     assert_fields_match_annotations,
     assert_fp8_linear_close,
+    assert_within_bound,
     bits_of,
     fp8_linear_error_bound,
     production_checks,
     unchecked,
+    w4a16_linear_error_bound,
+    w4a_fp8_linear_error_bound,
 )
 
 __all__ = [
@@ -36,8 +41,11 @@ __all__ = [
     "assert_bitwise_equal",
     "assert_fields_match_annotations",
     "assert_fp8_linear_close",
+    "assert_within_bound",
     "bits_of",
     "fp8_linear_error_bound",
     "production_checks",
     "unchecked",
+    "w4a16_linear_error_bound",
+    "w4a_fp8_linear_error_bound",
 ]

@@ -254,31 +254,165 @@ def fp8_linear_error_bound(
     width = chunk if chunk > 1 else (128 if recipe == "blockwise" else max(k, 1))
     parts = _stretch_sums(cx, cw, sx, sw, recipe, width)
     absolute = _stretch_sums(cx.abs(), cw.abs(), sx, sw, recipe, width)
+    squares = None
+    if chunk == 1:
+        squares = _stretch_sums(cx.square(), cw.square(), sx.square(), sw.square(), recipe, width)
+    rounded_bias = (
+        bias.to(x.dtype).double() if bias is not None else parts.new_zeros(n)
+    )  # as the routes add it
+    return _bounds(parts, absolute, squares, k, accumulation, rounded_bias, x.dtype)
+
+
+def _bounds(
+    parts: Tensor,
+    absolute: Tensor,
+    squares: Tensor | None,
+    k: int,
+    accumulation: Accumulation,
+    rounded_bias: Tensor,
+    dtype: torch.dtype,
+) -> FP8LinearBound:
+    """The two bounds of :func:`fp8_linear_error_bound` from the ``(m, n, stretches)`` sums of
+    the terms and of their magnitudes (``squares``: per-stretch sums of squared terms, for FP32
+    accumulation, where every term is its own stretch)."""
+    chunk = accumulation.chunk
     total, s = parts.sum(-1), absolute.sum(-1)
     if chunk > 1:
         stretches = parts.shape[-1]
-        squares = parts.square().sum(-1)
+        sq = parts.square().sum(-1)
         truncation = 2.0**-accumulation.chunk_bits * absolute.square().sum(-1).sqrt()
         worst_truncation = 2 * chunk * 2.0**-accumulation.chunk_bits * s
     else:
         stretches = k
-        squares = _stretch_sums(cx.square(), cw.square(), sx.square(), sw.square(), recipe, width)
-        squares = squares.sum(-1)
+        sq = squares.sum(-1)
         truncation = worst_truncation = torch.zeros_like(s)
-    rounded_bias = (
-        bias.to(x.dtype).double() if bias is not None else total.new_zeros(n)
-    )  # as the routes add it
     b = rounded_bias.abs()
     u = _FP32_UNIT
     worst = worst_truncation + (stretches + 8) * u * s + 2 * u * b
-    summing = u * (stretches * (total.square() + squares)).sqrt()
+    summing = u * (stretches * (total.square() + sq)).sqrt()
     statistical = _SPREAD * (truncation + summing) + 3 * u * (parts.abs().sum(-1) + b)
     statistical = torch.minimum(statistical, worst)
     exact = total + rounded_bias
     return FP8LinearBound(
         exact,
-        worst + _rounding(exact, worst, x.dtype),
-        statistical + _rounding(exact, statistical, x.dtype),
+        worst + _rounding(exact, worst, dtype),
+        statistical + _rounding(exact, statistical, dtype),
+    )
+
+
+def _grouped_sums(a: Tensor, w: Tensor, width: int) -> Tensor:
+    """``(m, n, k / width)`` sums of ``a[m, k] · w[k, n]`` over consecutive ``width``-wide
+    stretches of k (``width`` divides k)."""
+    (m, k), n = a.shape, w.shape[1]
+    return torch.einsum(
+        "mjc,jcn->mnj", a.reshape(m, k // width, width), w.reshape(k // width, width, n)
+    )
+
+
+def w4a_fp8_linear_error_bound(
+    codes: Shaped[Tensor, "m k"],
+    row_scale: Float32[Tensor, "m"],  # noqa: F821
+    weight: Shaped[Tensor, "rows n"],
+    scales: Float[Tensor, "groups n"],
+    bias: Float[Tensor, "n"] | None,  # noqa: F821
+    *,
+    output_dtype: torch.dtype,
+    accumulation: Accumulation = FP32_ACCUMULATION,
+) -> FP8LinearBound:
+    """:func:`fp8_linear_error_bound` for the grouped W4A-FP8 GEMM.
+
+    The terms are ``t_k = code[m, k] · c[k, n] · scales[k // 128, n] · row_scale[m]`` (every
+    product exact), summed per 128-wide group in stretches of ``accumulation.chunk`` (which
+    must divide 128) and then across groups in FP32; the bounds are those of
+    :func:`fp8_linear_error_bound` for these terms, the bias as the GEMM adds it (FP32 of its
+    stored value) and one rounding to ``output_dtype``. ``exact`` is the float64 value of
+    :func:`floatxq.w4a.w4a_fp8_linear_prepacked` before any rounding.
+
+    Numerics: float64 on ``codes``' device.
+    """
+    from floatxq.w4a import centered_weight
+
+    chunk = accumulation.chunk
+    if 128 % chunk:
+        raise ValueError(f"w4a_fp8_linear_error_bound: chunk must divide 128, got {chunk}")
+    k = codes.shape[1]
+    a = codes.float().double()
+    w = centered_weight(weight).double()
+    n = w.shape[1]
+    width = chunk if chunk > 1 else 128
+    groups = torch.arange(k // width, device=a.device) * width // 128
+    scale = scales.double()[groups].T[None] * row_scale.double()[:, None, None]  # (m, n, j)
+    parts = _grouped_sums(a, w, width) * scale
+    absolute = _grouped_sums(a.abs(), w.abs(), width) * scale.abs()
+    squares = None
+    if chunk == 1:
+        squares = _grouped_sums(a.square(), w.square(), width) * scale.square()
+    b = bias.double() if bias is not None else parts.new_zeros(n)
+    return _bounds(parts, absolute, squares, k, accumulation, b, output_dtype)
+
+
+def w4a16_linear_error_bound(
+    x: Float[Tensor, "m k"],
+    weight: Float[Tensor, "n k"],
+    bias: Float[Tensor, "n"] | None,  # noqa: F821
+    *,
+    accumulation: Accumulation = FP32_ACCUMULATION,
+) -> FP8LinearBound:
+    """:func:`fp8_linear_error_bound` for ``F.linear(x, weight, bias)`` with FP32 accumulation
+    of exact products (``x`` and ``weight`` in float16/bfloat16, the W4A16 kernels' operands:
+    ``weight`` is the decoded GPTQ weight in ``x``'s dtype), the bias in ``x``'s dtype, one
+    rounding to ``x``'s dtype.
+
+    Numerics: float64 on ``x``'s device.
+    """
+    k = x.shape[1]
+    a, w = x.double(), weight.double().T
+    width = accumulation.chunk if accumulation.chunk > 1 else max(k, 1)
+    pad = -k % width
+    if pad:
+        a = torch.cat([a, a.new_zeros(a.shape[0], pad)], 1)
+        w = torch.cat([w, w.new_zeros(pad, w.shape[1])], 0)
+    parts = _grouped_sums(a, w, width)
+    absolute = _grouped_sums(a.abs(), w.abs(), width)
+    squares = _grouped_sums(a.square(), w.square(), width) if accumulation.chunk == 1 else None
+    b = bias.to(x.dtype).double() if bias is not None else parts.new_zeros(weight.shape[0])
+    return _bounds(parts, absolute, squares, k, accumulation, b, x.dtype)
+
+
+def assert_within_bound(
+    actual: Shaped[Tensor, "m n"],
+    bound: FP8LinearBound,
+    *,
+    which: Literal["statistical", "worst_case"] = "statistical",
+    msg: str = "",
+) -> None:
+    """Assert ``|actual - bound.exact| <= bound.<which>`` element by element.
+
+    Raises:
+      AssertionError: a shape other than the bound's, or elements outside it (the worst ones
+        named, with ``error / bound``).
+    """
+    prefix = f"{msg}: " if msg else ""
+    if tuple(actual.shape) != tuple(bound.exact.shape):
+        raise AssertionError(
+            f"{prefix}shape {tuple(actual.shape)} != expected {tuple(bound.exact.shape)}"
+        )
+    limit = bound.statistical if which == "statistical" else bound.worst_case
+    error = (actual.double() - bound.exact).abs()
+    bad = ~(error <= limit)
+    if not bool(bad.any()):
+        return
+    n = actual.shape[1]
+    ratio = torch.where(bad, error / limit, torch.zeros_like(error))
+    worst = ratio.flatten().argsort(descending=True)[: min(int(bad.sum()), 5)]
+    shown = [
+        (divmod(int(i), n), actual.flatten()[i].item(), bound.exact.flatten()[i].item(),
+         round(ratio.flatten()[i].item(), 3))
+        for i in worst
+    ]  # fmt: skip
+    raise AssertionError(
+        f"{prefix}{int(bad.sum())} of {actual.numel()} elements outside the {which} bound "
+        f"(index, actual, exact, error / bound): {shown}"
     )
 
 

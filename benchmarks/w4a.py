@@ -1,0 +1,319 @@
+# ruff: noqa: B023, B905  (each lambda is timed within its own loop iteration)
+"""INT4-weight linears on an H200: W4A-FP8 and W4A16 against bf16, FP8 and tinygemm.
+
+Usage (GPU): ``python3 benchmarks/w4a.py [pack] [linear] [sweep] [decode]`` (no argument: pack
+and linear).
+
+Every figure is the median GPU time per call over CUDA-graph replays (``graph_us``). A graph
+cycles through several copies of each weight, together at least three times the L2 cache, so
+no call finds its weight in L2 (an INT4 8192×8192 weight is 33 MB, L2 is 50 MB): the weights
+stream from HBM as they do in a model.
+
+- ``pack``: :func:`floatxq.kernels.fp8_pack` on 8192×8192 bf16 against a plain copy of the same
+  tensor (bytes read + written per second).
+- ``linear``: for M ∈ {1, 8, 16, 128, 4096} and (N, K) ∈ {(8192, 8192), (28672, 8192),
+  (8192, 28672)}, bf16 activations: bf16 ``F.linear``; FP8 ``torch._scaled_mm`` rowwise on
+  already quantized operands (the raw cuBLAS call, no input quantization); torch's tinygemm
+  INT4 kernel (``torch._weight_int4pack_mm``, the layout torchao's INT4 weight-only layer
+  uses); floatxq's W4A-FP8 ``fp8_linear`` (token packing included) and its GEMM alone on packed
+  tokens; floatxq's W4A16 kernel (the route ``GPTQLinear`` takes).
+- ``sweep``: launch shapes of the words-form W4A-FP8 GEMM and the fused W4A16 kernel at M = 1
+  and 16, and of the E4M3 GEMM at M = 4096.
+- ``decode``: one-token forwards of a random Llama-3-8B-shaped model (32 layers, hidden 4096,
+  MLP 14336, GQA 32/8 heads; lm_head kept bf16 in every variant), batch 1 and 16, under CUDA
+  graphs: bf16, FP8 (``TorchFP8Linear``, row scales), W4A16 (``GPTQLinear``) and W4A-FP8
+  (``W4AFP8Linear``); tokens per second. No KV cache: the step's attention covers one token,
+  so this measures the weight-streaming part of a decode step.
+"""
+
+import copy
+import pathlib
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import floatxq as fq
+from floatxq.int4 import centered_int4, int4_to_e4m3, pack_gptq_int4
+from floatxq.kernels import w4a16 as w4a16_kernels
+from floatxq.kernels import w4a_fp8 as w4a_fp8_kernels
+
+SHAPES = ((8192, 8192), (28672, 8192), (8192, 28672))
+ROWS = (1, 8, 16, 128, 4096)
+L2_BYTES = 50 * 2**20
+
+
+def graph_us(fns, calls: int = 30, replays: int = 7) -> float:
+    """Median GPU microseconds per call over CUDA-graph replays of ``calls`` calls cycling
+    through ``fns`` (one per weight copy)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def eager_us(fn, calls: int = 20) -> float:
+    """Median microseconds per call of ``fn`` run eagerly (events around each call)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copies_for(nbytes: int) -> int:
+    return max(1, -(-3 * L2_BYTES // max(nbytes, 1)))
+
+
+def pack_bench() -> None:
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    xs = [x.clone() for _ in range(2)]
+    out = torch.empty_like(x)
+    copy_us = graph_us([lambda t=t: out.copy_(t) for t in xs])
+    pack_us = graph_us([lambda t=t: fq.fp8_pack(t) for t in xs])
+    moved_copy = 2 * x.numel() * 2
+    moved_pack = x.numel() * 2 + x.numel() + 8192 * 4
+    print(f"copy 8192x8192 bf16: {copy_us:.1f} us, {moved_copy / copy_us / 1e6:.2f} TB/s")
+    print(
+        f"fp8_pack: {pack_us:.1f} us, {moved_pack / pack_us / 1e6:.2f} TB/s, "
+        f"{moved_pack / pack_us / (moved_copy / copy_us):.3f}x copy bandwidth"
+    )
+
+
+def _gptq(n: int, k: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    codes = torch.randint(0, 16, (k, n), device="cuda", generator=g)
+    zeros = torch.full((k // 128, n), 8, device="cuda")
+    scales = torch.rand(k // 128, n, device="cuda", generator=g) * 0.01 + 0.001
+    g_idx = torch.arange(k, dtype=torch.int32, device="cuda") // 128
+    return pack_gptq_int4(codes, zeros, scales, g_idx, format="gptq")
+
+
+def _tinygemm(n: int, k: int):
+    """torch's tinygemm INT4 layout for an (n, k) weight, or None where this torch lacks it."""
+    try:
+        w = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
+        w_uint8 = (w[:, ::2] << 4 | w[:, 1::2]).to(torch.uint8)
+        packed = torch._convert_weight_to_int4pack(w_uint8, 8)
+        sz = torch.rand(k // 128, n, 2, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        torch._weight_int4pack_mm(x, packed, 128, sz)
+        return packed, sz
+    except Exception as exc:  # an API change: reported, not timed
+        print(f"  tinygemm unavailable: {type(exc).__name__}: {str(exc)[:100]}")
+        return None
+
+
+def linear_bench() -> None:
+    print("| N | K | M | bf16 us | fp8 scaled_mm us | tinygemm us | w4a-fp8 us | w4a-fp8 gemm "
+          "us | w4a16 us | w4a-fp8 / fp8 | w4a-fp8 / bf16 | w4a16 / bf16 |")  # fmt: skip
+    print("|---" * 13 + "|")
+    for n, k in SHAPES:
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                 for _ in range(copies_for(n * k * 2))]  # fmt: skip
+        fp8 = [(torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn),
+                torch.rand(1, n, device="cuda")) for _ in range(copies_for(n * k))]  # fmt: skip
+        gptq = [_gptq(n, k, i) for i in range(copies_for(n * k // 2))]
+        staged = [
+            int4_to_e4m3(centered_int4(p)).T.contiguous().T for p in gptq[: copies_for(n * k)]
+        ]
+        tiny = [_tinygemm(n, k) for _ in range(copies_for(n * k // 2))]
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq = x.to(torch.float8_e4m3fn)
+            sa = torch.rand(m, 1, device="cuda")
+            codes, row_scale = fq.fp8_pack(x)
+            t_bf16 = graph_us([lambda w=w: F.linear(x, w) for w in dense])
+            t_fp8 = graph_us([
+                lambda w=w, s=s: torch._scaled_mm(xq, w.t(), sa, s, out_dtype=torch.bfloat16)
+                for w, s in fp8
+            ])  # fmt: skip
+            t_tiny = float("nan")
+            if tiny[0] is not None:
+                t_tiny = graph_us([lambda p=p: torch._weight_int4pack_mm(x, p[0], 128, p[1])
+                                   for p in tiny])  # fmt: skip
+            operand = w4a_fp8_kernels.w4a_fp8_operand(m)
+            weights = [p.qweight for p in gptq] if operand == "words" else staged
+            t_w4a = graph_us([lambda w=w, p=p: fq.fp8_linear(x, w, p.scales)
+                              for w, p in zip(weights, gptq)])  # fmt: skip
+            t_gemm = graph_us([lambda w=w, p=p: fq.fp8_linear_prepacked(
+                codes, row_scale, w, p.scales, None, torch.bfloat16)
+                for w, p in zip(weights, gptq)])  # fmt: skip
+            t_w16 = graph_us([lambda p=p: fq.w4a16_linear_kernel(x, p, group_size=128)
+                              for p in gptq])  # fmt: skip
+            print(
+                f"| {n} | {k} | {m} | {t_bf16:.1f} | {t_fp8:.1f} | {t_tiny:.1f} | {t_w4a:.1f} | "
+                f"{t_gemm:.1f} | {t_w16:.1f} | {t_fp8 / t_w4a:.2f} | {t_bf16 / t_w4a:.2f} | "
+                f"{t_bf16 / t_w16:.2f} |",
+                flush=True,
+            )
+            if m == 4096:
+                flop = 2 * m * n * k
+                print(
+                    f"|   |   | TFLOP/s | {flop / t_bf16 / 1e6:.0f} | {flop / t_fp8 / 1e6:.0f} | "
+                    f"{flop / t_tiny / 1e6:.0f} | {flop / t_w4a / 1e6:.0f} | "
+                    f"{flop / t_gemm / 1e6:.0f} | {flop / t_w16 / 1e6:.0f} | | | |"
+                )
+        del dense, fp8, gptq, staged, tiny
+        torch.cuda.empty_cache()
+
+
+def sweep() -> None:
+    n = k = 8192
+    gptq = [_gptq(n, k, i) for i in range(copies_for(n * k // 2))]
+    quick = "quick" in sys.argv
+    for m in (1,) if quick else (1, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        codes, row_scale = fq.fp8_pack(x)
+        for bn in (64, 128, 256) if quick else (32, 64, 128, 256):
+            for warps in (4,) if quick else (4, 8):
+                for stages in (3, 5) if quick else (2, 3, 4, 5):
+                    for target in (4, 8) if quick else (2, 4, 8):
+                        t8 = w4a_fp8_kernels.W4AFP8Tuning(
+                            words_block_n=bn, words_warps=warps, words_stages=stages,
+                            target_programs=target,
+                        )  # fmt: skip
+                        t16 = w4a16_kernels.W4A16Tuning(
+                            block_n=bn, warps=warps, stages=stages, target_programs=target
+                        )
+                        try:
+                            a = graph_us([lambda p=p: fq.fp8_linear_prepacked(
+                                codes, row_scale, p.qweight, p.scales, None, torch.bfloat16,
+                                tuning=t8) for p in gptq], calls=10, replays=3)  # fmt: skip
+                            b = graph_us([lambda p=p: fq.w4a16_linear_kernel(
+                                x, p, group_size=128, tuning=t16) for p in gptq],
+                                calls=10, replays=3)  # fmt: skip
+                        except Exception as exc:
+                            print(f"M={m} bn={bn} w={warps} s={stages}: {type(exc).__name__}")
+                            continue
+                        print(f"sweep M={m} bn={bn} warps={warps} stages={stages} "
+                              f"target={target}: w4a-fp8 {a:.1f} us, w4a16 {b:.1f} us",
+                              flush=True)  # fmt: skip
+    m = 4096
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    codes, row_scale = fq.fp8_pack(x)
+    staged = [int4_to_e4m3(centered_int4(p)).T.contiguous().T for p in gptq[:2]]
+    for bm, bn_, warps, stages, gm in ((128, 128, 8, 3, 8), (128, 256, 8, 3, 8),
+                                       (128, 128, 4, 4, 8), (128, 256, 8, 4, 8),
+                                       (256, 128, 8, 3, 8), (128, 128, 8, 5, 8)):  # fmt: skip
+        t = w4a_fp8_kernels.W4AFP8Tuning(e4m3_block_m=bm, e4m3_block_n=bn_, e4m3_warps=warps,
+                                         e4m3_stages=stages, e4m3_group_m=gm)  # fmt: skip
+        try:
+            us = graph_us([lambda w=w, p=p: fq.fp8_linear_prepacked(
+                codes, row_scale, w, p.scales, None, torch.bfloat16, tuning=t)
+                for w, p in zip(staged, gptq)], calls=5, replays=3)  # fmt: skip
+            print(f"sweep M=4096 e4m3 {bm}x{bn_} warps={warps} stages={stages}: {us:.1f} us, "
+                  f"{2 * m * n * k / us / 1e6:.0f} TFLOP/s", flush=True)  # fmt: skip
+        except Exception as exc:
+            print(f"sweep M=4096 {bm}x{bn_} w={warps} s={stages}: {type(exc).__name__} {exc!s:.80}")
+
+
+def _swap(model, make) -> None:
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear) and "lm_head" not in f"{name}.{child_name}":
+                setattr(module, child_name, make(child))
+
+
+def _w4a16(linear):
+    from floatxq.gptq import GPTQSolveOptions, rtn_quantize
+
+    sol = rtn_quantize(linear.weight.float(), GPTQSolveOptions(bits=4, group_size=128))
+    return fq.GPTQLinear.from_solution(sol, bits=4, group_size=128, format="gptq")
+
+
+def decode_bench() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=8192, torch_dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    variants = {"bf16": lambda: base}
+    variants["fp8 (TorchFP8Linear, row)"] = lambda: _converted(
+        base, lambda lin: fq.TorchFP8Linear.from_linear(lin, weight_scale_method="row")
+    )
+    variants["w4a16 (GPTQLinear)"] = lambda: _converted(base, _w4a16)
+    variants["w4a-fp8 (W4AFP8Linear)"] = lambda: _converted(
+        base, lambda lin: fq.W4AFP8Linear.from_gptq_linear(_w4a16(lin))
+    )
+    print("| model | batch | ms / step | tokens/s | vs bf16 |")
+    print("|---|---|---|---|---|")
+    base_tps = {}
+    for name, build in variants.items():
+        started = time.time()
+        model = build()
+        for batch in (1, 16):
+            ids = torch.randint(0, config.vocab_size, (batch, 1), device="cuda")
+            how = "graph"
+            with torch.inference_mode():
+                try:
+                    us = graph_us([lambda: model(input_ids=ids, use_cache=False)], calls=5,
+                                  replays=5)  # fmt: skip
+                except Exception as exc:  # a capture the model refuses: eager timing instead
+                    print(f"  (graph capture failed: {type(exc).__name__}: {str(exc)[:80]})")
+                    how = "eager"
+                    us = eager_us(lambda: model(input_ids=ids, use_cache=False))
+            tps = batch / (us * 1e-6)
+            base_tps.setdefault(batch, tps)
+            print(f"| {name} | {batch} | {us / 1e3:.2f} ({how}) | {tps:.0f} | "
+                  f"{tps / base_tps[batch]:.2f}x |", flush=True)  # fmt: skip
+        if model is not base:
+            del model
+            torch.cuda.empty_cache()
+        print(f"  ({name}: built and timed in {time.time() - started:.0f} s)", flush=True)
+
+
+def _converted(base, make):
+    model = copy.deepcopy(base)
+    with torch.no_grad():
+        _swap(model, make)
+    return model
+
+
+def main() -> None:
+    wanted = set(sys.argv[1:]) or {"pack", "linear"}
+    props = torch.cuda.get_device_properties(0)
+    print(f"# {props.name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC')}")
+    if "pack" in wanted:
+        pack_bench()
+    if "linear" in wanted:
+        linear_bench()
+    if "sweep" in wanted:
+        sweep()
+    if "decode" in wanted:
+        decode_bench()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""Triton W4A16: GPTQ weights decoded in registers and multiplied in ``x``'s dtype.
+
+Twin of :func:`floatxq.w4a.w4a16_linear` (what :class:`floatxq.nn.GPTQLinear` computes): every
+weight element is decoded exactly as :func:`floatxq.int4.dequantize_gptq` decodes it (an FP32
+product ``scale · (code - zero)`` rounded once to ``x``'s float16/bfloat16), so the kernels
+multiply the very operands of the reference and differ from it only in FP32 summation order.
+
+Two routes, by row count (:func:`w4a16_route`):
+
+``w4a16_fused`` (decode-sized calls)
+    one launch: each program streams its ``BLOCK_K × BLOCK_N`` tiles of the packed words
+    (``bits / 8`` bytes per weight), unpacks and decodes them in registers and feeds the
+    tensor cores with FP32 accumulation; K is split over programs so a few rows fill the GPU.
+``w4a16_decode_gemm`` (prefill-sized calls)
+    :func:`dequantize_gptq_kernel` writes the decoded weight once (a pass over ``2 · K · N``
+    bytes), then the library GEMM multiplies at its full rate; for thousands of rows the
+    decode is a few percent of the product.
+
+Both read 2, 4 or 8-bit words in either zero-point convention, contiguous groups of any size
+(every ``group_size`` that is a multiple of the tile) or any ``g_idx`` (``desc_act``
+checkpoints: each row's group gathered). Launch shapes come from a frozen :class:`W4A16Tuning`.
+"""
+
+import dataclasses
+import functools
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from floatxq._typing import Float, Tensor
+from floatxq.formats import normalize_gptq_format
+from floatxq.int4 import GPTQPacked, _check_bits, _check_packed
+from floatxq.kernels import fp8_small_m
+from floatxq.kernels._triton import (
+    CachedLauncher,
+    import_kernel_sources,
+    launch_device,
+    triton_interpret_enabled,
+    triton_unavailable_reason,
+)
+
+__all__ = [
+    "DEFAULT_W4A16_TUNING",
+    "W4A16Tuning",
+    "dequantize_gptq_kernel",
+    "w4a16_linear_kernel",
+    "w4a16_route",
+]
+
+W4A16Route = Literal["w4a16_fused", "w4a16_decode_gemm"]
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class W4A16Tuning:
+    """Launch shapes of the W4A16 kernels (defaults measured on an H200).
+
+    Raises:
+      ValueError: a tile that is not a power of two >= 16, or a count below 1.
+
+    Numerics: none; results agree for every tuning up to FP32 summation order.
+
+    Example:
+      >>> W4A16Tuning(fused_max_rows=32).fused_max_rows
+      32
+    """
+
+    fused_max_rows: int = 64
+    """Largest row count for the fused route (above it: decode, then the library GEMM)."""
+    block_n: int = 64
+    block_k: int = 128
+    warps: int = 4
+    stages: int = 3
+    target_programs: int = 4
+    """K is split until about this many programs per SM are launched."""
+    decode_block_k: int = 64
+    decode_block_n: int = 128
+    decode_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"W4A16Tuning: {f.name} must be an int >= 1, got {value!r}")
+        for name in ("block_n", "block_k", "decode_block_k", "decode_block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"W4A16Tuning: {name} must be a power of two >= 16, got {value}")
+
+
+DEFAULT_W4A16_TUNING = W4A16Tuning()
+
+
+def w4a16_route(rows: int, tuning: W4A16Tuning = DEFAULT_W4A16_TUNING) -> W4A16Route:
+    """The W4A16 route for an ``rows``-row call.
+
+    Example:
+      >>> w4a16_route(1), w4a16_route(4096)
+      ('w4a16_fused', 'w4a16_decode_gemm')
+    """
+    return "w4a16_fused" if rows <= tuning.fused_max_rows else "w4a16_decode_gemm"
+
+
+@functools.cache
+def _launchers(interpret: bool) -> tuple[CachedLauncher, CachedLauncher]:
+    sources = import_kernel_sources(
+        "floatxq.kernels._w4a_jit", interpret=interpret, where="floatxq.kernels.w4a16"
+    )
+    return CachedLauncher(sources.w4a16_kernel), CachedLauncher(sources.gptq_decode_kernel)
+
+
+def _checked(
+    packed: GPTQPacked, bits: int, format: str, group_size: int | None, *, where: str
+) -> tuple[int, int, int, bool, int]:
+    """``(k, n, bits, v1, group_size or 0)`` after the argument checks (no host sync when
+    ``group_size`` is given: the caller vouches that ``g_idx == arange(k) // group_size``)."""
+    bits = _check_bits(bits, where=where)
+    fmt = normalize_gptq_format(format, where=where)
+    if group_size is None:
+        k, n, _ = _check_packed(packed, where=where, bits=bits)
+        return k, n, bits, fmt == "gptq", 0
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"{where}: group_size must be a positive int or None, got {group_size!r}")
+    qweight, qzeros, scales = packed.qweight, packed.qzeros, packed.scales
+    k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
+    groups = -(-k // group_size)
+    if tuple(qzeros.shape) != (groups, n * bits // 32) or tuple(scales.shape) != (groups, n):
+        raise ValueError(
+            f"{where}: qzeros {tuple(qzeros.shape)} and scales {tuple(scales.shape)} do not "
+            f"fit k={k}, n={n}, group_size={group_size}"
+        )
+    return k, n, bits, fmt == "gptq", group_size
+
+
+def _device(tensors: tuple[Tensor, ...], *, where: str) -> torch.device:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        got = sorted(map(str, devices))
+        raise TypeError(f"{where}: every tensor must be on one device, got {got}")
+    device = devices.pop()
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        if device.type != "cuda" and "Triton is not importable" not in reason:
+            raise TypeError(f"{where}: {reason}")
+        raise RuntimeError(f"{where}: {reason}")
+    return device
+
+
+def _tile_k(group_size: int, k: int, preferred: int) -> tuple[int, bool]:
+    """``(BLOCK_K, gather)``: the widest power-of-two tile (16..preferred) that divides the
+    group size (so a tile lies in one group), else gathering each row's group."""
+    if group_size:
+        tile = preferred
+        while tile >= 16:
+            if group_size % tile == 0 or group_size >= k:
+                return tile, False
+            tile //= 2
+    return preferred, True
+
+
+def dequantize_gptq_kernel(
+    packed: GPTQPacked,
+    *,
+    bits: int = 4,
+    format: str = "gptq",
+    dtype: torch.dtype = torch.bfloat16,
+    group_size: int | None = None,
+    tuning: W4A16Tuning = DEFAULT_W4A16_TUNING,
+) -> Float[Tensor, "out in"]:
+    """:func:`floatxq.int4.dequantize_gptq` in one launch.
+
+    Args:
+      packed: a :class:`floatxq.int4.GPTQPacked` on CUDA.
+      bits: 2, 4 or 8. format: ``"gptq"`` (v1) or ``"gptq_v2"``.
+      dtype: float16 or bfloat16.
+      group_size: the contiguous group size the caller guarantees (``g_idx == arange(in) //
+        group_size``; ``in`` for one group), or None to read each row's group from ``g_idx``.
+      tuning: launch shapes.
+
+    Returns:
+      ``(out, in)`` in ``dtype``: the transposed view of a contiguous ``(in, out)`` tensor.
+
+    Raises:
+      TypeError, ValueError: as :func:`floatxq.int4.dequantize_gptq`; another dtype.
+      RuntimeError: Triton missing.
+
+    Numerics: bit for bit :func:`floatxq.int4.dequantize_gptq`.
+    """
+    where = "dequantize_gptq_kernel"
+    if dtype not in _DTYPES:
+        raise TypeError(f"{where}: dtype must be float16 or bfloat16, got {dtype!r}")
+    k, n, bits, v1, group = _checked(packed, bits, format, group_size, where=where)
+    device = _device(tuple(packed), where=where)
+    return _decode(packed, k, n, bits, v1, group, dtype, device, tuning).T
+
+
+def _decode(
+    packed: GPTQPacked, k: int, n: int, bits: int, v1: bool, group: int, dtype: torch.dtype,
+    device: torch.device, tuning: W4A16Tuning,
+) -> Tensor:  # fmt: skip
+    qweight, qzeros, scales, g_idx = packed
+    w = torch.empty((k, n), dtype=dtype, device=device)
+    if k == 0 or n == 0:
+        return w
+    block_k, gather = _tile_k(group, k, tuning.decode_block_k)
+    block_n = tuning.decode_block_n
+    interpret = triton_interpret_enabled()
+    grid = (-(-k // block_k), -(-n // block_n), 1)
+    args = (
+        qweight, qzeros, scales, g_idx, w, k, n, group or k, *qweight.stride(),
+        *qzeros.stride(), *scales.stride(), bits, v1, gather, block_k, block_n,
+    )  # fmt: skip
+    key = (k, n, bits, v1, gather, group, scales.dtype, dtype, qweight.stride(),
+           qzeros.stride(), scales.stride(), device, interpret, tuning)  # fmt: skip
+    guard, index = launch_device(device)
+    with guard:
+        _launchers(interpret)[1](key, grid, args, {"num_warps": tuning.decode_warps}, index)
+    return w
+
+
+_PLANS: dict[Any, tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]] = {}
+
+
+def w4a16_linear_kernel(
+    x: Float[Tensor, "m k"],
+    packed: GPTQPacked,
+    bias: Float[Tensor, "n"] | None = None,  # noqa: F821
+    *,
+    bits: int = 4,
+    format: str = "gptq",
+    group_size: int | None = None,
+    route: W4A16Route | None = None,
+    tuning: W4A16Tuning = DEFAULT_W4A16_TUNING,
+) -> Float[Tensor, "m n"]:
+    """:func:`floatxq.w4a.w4a16_linear` on CUDA.
+
+    Args:
+      x: ``(m, k)`` float16/bfloat16 CUDA activations (any strides).
+      packed: the GPTQ tensors on ``x``'s device.
+      bias: ``(n,)`` floating or None.
+      bits, format: as :func:`floatxq.int4.dequantize_gptq`.
+      group_size: the contiguous group size the caller guarantees, or None (gather by
+        ``g_idx``; see :func:`dequantize_gptq_kernel`).
+      route: ``"w4a16_fused"`` or ``"w4a16_decode_gemm"``; None picks by rows
+        (:func:`w4a16_route`).
+      tuning: launch shapes.
+
+    Returns:
+      ``(m, n)`` in ``x.dtype``.
+
+    Raises:
+      TypeError, ValueError: wrong dtypes, shapes, devices (as the pure function).
+      RuntimeError: Triton missing.
+
+    Numerics: the reference's decoded operands (bit for bit), FP32 accumulation in another
+    order, the bias added in FP32 (the fused route) or by the library GEMM, one rounding.
+    """
+    where = "w4a16_linear_kernel"
+    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in _DTYPES:
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{where}: x must be a 2-D float16/bfloat16 tensor, got {got}")
+    k, n, bits, v1, group = _checked(packed, bits, format, group_size, where=where)
+    if x.shape[1] != k:
+        raise ValueError(f"{where}: x must have shape (m, {k}), got {tuple(x.shape)}")
+    if bias is not None and (
+        not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.shape != (n,)
+    ):
+        raise ValueError(f"{where}: bias must be a floating ({n},) tensor")
+    extra = (bias,) if bias is not None else ()
+    device = _device((x, *packed, *extra), where=where)
+    return _linear(x, packed, bias, k, n, bits, v1, group, device, route, tuning)
+
+
+def _linear(
+    x: Tensor, packed: GPTQPacked, bias: Tensor | None, k: int, n: int, bits: int, v1: bool,
+    group: int, device: torch.device, route: str | None, tuning: W4A16Tuning,
+) -> Tensor:  # fmt: skip
+    """The launch(es), arguments already checked (``GPTQLinear`` calls this directly)."""
+    m = x.shape[0]
+    if (route or w4a16_route(m, tuning)) == "w4a16_decode_gemm":
+        w = _decode(packed, k, n, bits, v1, group, x.dtype, device, tuning)
+        return F.linear(x, w.T, None if bias is None else bias.to(x.dtype))
+    out = torch.empty((m, n), dtype=x.dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.to(x.dtype).expand(m, n)) if bias is not None else out.zero_()
+    qweight, qzeros, scales, g_idx = packed
+    interpret = triton_interpret_enabled()
+    key = (
+        m, n, k, bits, v1, group, x.dtype, x.stride(), scales.dtype, qweight.stride(),
+        qzeros.stride(), scales.stride(), None if bias is None else bias.dtype, device,
+        interpret, tuning,
+    )  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        block_k, gather = _tile_k(group, k, tuning.block_k)
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        block_n = tuning.block_n
+        tiles = -(-m // block_m) * -(-n // block_n)
+        steps = -(-k // block_k)
+        sms = fp8_small_m._sm_count(device) or 1
+        split = 1
+        for d in range(1, steps + 1):  # the largest even split near the target programs
+            if steps % d == 0 and tiles * d <= tuning.target_programs * sms:
+                split = d
+        tail = (bits, v1, gather, bias is not None, block_m, block_n, block_k, steps // split,
+                split)  # fmt: skip
+        options = {"num_warps": tuning.warps, "num_stages": tuning.stages}
+        plan = _PLANS[key] = ((tiles, split, 1), tail, options)
+    grid, tail, options = plan
+    split = grid[1]
+    guard, index = launch_device(device)
+    with guard:
+        if split > 1:
+            part, counts, _ = fp8_small_m._workspace(device, index, split * m * n, grid[0])
+        else:
+            part = counts = out
+        args = (
+            x, qweight, qzeros, scales, g_idx, bias if bias is not None else scales, out, part,
+            counts, m, n, k, group or k, x.stride(0), x.stride(1), *qweight.stride(),
+            *qzeros.stride(), *scales.stride(), out.stride(0), *tail,
+        )  # fmt: skip
+        aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:9])
+        _launchers(interpret)[0]((key, aligned), grid, args, options, index)
+    return out
