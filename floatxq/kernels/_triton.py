@@ -19,6 +19,7 @@ __all__ = [
     "import_kernel_sources",
     "import_triton",
     "launch_device",
+    "require_kernel_device",
     "triton_available",
     "triton_interpret_enabled",
     "triton_unavailable_reason",
@@ -128,6 +129,40 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     if not torch.cuda.is_available():
         return "torch.cuda is not available"
     return None
+
+
+def require_kernel_device(
+    tensors: tuple[torch.Tensor, ...],
+    *,
+    where: str,
+    reason: Any = None,
+) -> torch.device:
+    """The one device of ``tensors``, where a kernel can run on it (else an exception).
+
+    Args:
+      tensors: the kernel's tensor arguments.
+      where: the caller's name, used in error messages.
+      reason: ``device -> str | None``, why the kernel cannot run there (default
+        :func:`triton_unavailable_reason`).
+
+    Raises:
+      TypeError: tensors on several devices, or on a device no kernel runs on (CPU without
+        ``TRITON_INTERPRET=1``).
+      RuntimeError: Triton missing, or a GPU the kernel does not support.
+
+    Numerics: none.
+    """
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        got = sorted(map(str, devices))
+        raise TypeError(f"{where}: every tensor must be on one device, got {got}")
+    device = devices.pop()
+    why = (reason or triton_unavailable_reason)(device)
+    if why is not None:
+        if device.type != "cuda" and _import_error() is None:
+            raise TypeError(f"{where}: {why}")
+        raise RuntimeError(f"{where}: {why}")
+    return device
 
 
 class CachedLauncher:

@@ -319,7 +319,8 @@ def w4a16_kernel(
     """``out[m-tile, n-tile]`` of :func:`floatxq.w4a.w4a16_linear`: each weight tile decoded in
     registers (:func:`decoded_tile`, the exact decode rounded to ``x``'s dtype), multiplied on
     the tensor cores with FP32 accumulation, split over K by ``program_id(1)`` (``K_ITERS``
-    steps each, reduced by :func:`split_k_reduce`), the bias added in FP32, one rounding."""
+    steps each, reduced by :func:`split_k_reduce`), the bias (rounded to ``x``'s dtype, as the
+    reference adds it) added in FP32, one rounding."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)

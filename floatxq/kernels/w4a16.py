@@ -36,8 +36,8 @@ from floatxq.kernels._triton import (
     CachedLauncher,
     import_kernel_sources,
     launch_device,
+    require_kernel_device,
     triton_interpret_enabled,
-    triton_unavailable_reason,
 )
 
 __all__ = [
@@ -133,20 +133,6 @@ def _checked(
     return k, n, bits, fmt == "gptq", group_size
 
 
-def _device(tensors: tuple[Tensor, ...], *, where: str) -> torch.device:
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        got = sorted(map(str, devices))
-        raise TypeError(f"{where}: every tensor must be on one device, got {got}")
-    device = devices.pop()
-    reason = triton_unavailable_reason(device)
-    if reason is not None:
-        if device.type != "cuda" and "Triton is not importable" not in reason:
-            raise TypeError(f"{where}: {reason}")
-        raise RuntimeError(f"{where}: {reason}")
-    return device
-
-
 def _tile_k(group_size: int, k: int, preferred: int) -> tuple[int, bool]:
     """``(BLOCK_K, gather)``: the widest power-of-two tile (16..preferred) that divides the
     group size (so a tile lies in one group), else gathering each row's group."""
@@ -191,7 +177,7 @@ def dequantize_gptq_kernel(
     if dtype not in _DTYPES:
         raise TypeError(f"{where}: dtype must be float16 or bfloat16, got {dtype!r}")
     k, n, bits, v1, group = _checked(packed, bits, format, group_size, where=where)
-    device = _device(tuple(packed), where=where)
+    device = require_kernel_device(tuple(packed), where=where)
     return _decode(packed, k, n, bits, v1, group, dtype, device, tuning).T
 
 
@@ -254,7 +240,8 @@ def w4a16_linear_kernel(
       RuntimeError: Triton missing.
 
     Numerics: the reference's decoded operands (bit for bit), FP32 accumulation in another
-    order, the bias added in FP32 (the fused route) or by the library GEMM, one rounding.
+    order, the bias (in ``x``'s dtype) added in FP32 (the fused route) or by the library
+    GEMM, one rounding.
     """
     where = "w4a16_linear_kernel"
     if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in _DTYPES:
@@ -268,7 +255,7 @@ def w4a16_linear_kernel(
     ):
         raise ValueError(f"{where}: bias must be a floating ({n},) tensor")
     extra = (bias,) if bias is not None else ()
-    device = _device((x, *packed, *extra), where=where)
+    device = require_kernel_device((x, *packed, *extra), where=where)
     return _linear(x, packed, bias, k, n, bits, v1, group, device, route, tuning)
 
 

@@ -37,6 +37,7 @@ from floatxq.kernels._triton import (
     CachedLauncher,
     import_kernel_sources,
     launch_device,
+    require_kernel_device,
     triton_interpret_enabled,
     triton_unavailable_reason,
 )
@@ -128,11 +129,6 @@ def w4a_fp8_operand(
     return "words" if rows <= tuning.words_max_rows else "e4m3"
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def w4a_fp8_unavailable_reason(device: torch.device) -> str | None:
     """Why the W4A-FP8 kernels cannot run on ``device``'s tensors here, or ``None``.
 
@@ -145,7 +141,7 @@ def w4a_fp8_unavailable_reason(device: torch.device) -> str | None:
     if reason is not None or device.type != "cuda":
         return reason
     index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = _capability(index)
+    cap = fp8_weight._capability(index)
     if cap < _MIN_CAPABILITY:
         return (
             f"CUDA device {index} is SM {cap[0]}.{cap[1]} < {_MIN_CAPABILITY[0]}."
@@ -160,21 +156,6 @@ def _launchers(interpret: bool) -> tuple[CachedLauncher, CachedLauncher]:
         "floatxq.kernels._w4a_jit", interpret=interpret, where="floatxq.kernels.w4a_fp8"
     )
     return CachedLauncher(sources.fp8_pack_kernel), CachedLauncher(sources.w4a_fp8_kernel)
-
-
-def _require_device(tensors: tuple[Tensor, ...], *, where: str) -> torch.device:
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise TypeError(
-            f"{where}: every tensor must be on one device, got {sorted(map(str, devices))}"
-        )
-    device = devices.pop()
-    reason = w4a_fp8_unavailable_reason(device)
-    if reason is not None:
-        if device.type != "cuda" and "Triton is not importable" not in reason:
-            raise TypeError(f"{where}: {reason}")
-        raise RuntimeError(f"{where}: {reason}")
-    return device
 
 
 def fp8_pack(
@@ -207,7 +188,7 @@ def fp8_pack(
     if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in W4A_OUTPUT_DTYPES:
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{where}: x must be a 2-D float16/bfloat16/float32 tensor, got {got}")
-    device = _require_device((x,), where=where)
+    device = require_kernel_device((x,), where=where, reason=w4a_fp8_unavailable_reason)
     rows, k = x.shape
     codes = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=device)
     scale = torch.empty((rows,), dtype=torch.float32, device=device)
@@ -274,7 +255,7 @@ def fp8_linear(
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{where}: x must be a 2-D float16/bfloat16/float32 tensor, got {got}")
     _check_operands(x.shape[1], x.device, weight, scales, bias, where=where)
-    _require_device((x,), where=where)
+    require_kernel_device((x,), where=where, reason=w4a_fp8_unavailable_reason)
     codes, row_scale = fp8_pack(x, tuning=tuning)
     return _run(codes, row_scale, weight, scales, bias, x.dtype, route, tuning, where=where)
 
@@ -321,7 +302,7 @@ def fp8_linear_prepacked(
     if output_dtype not in W4A_OUTPUT_DTYPES:
         raise TypeError(f"{where}: output_dtype must be float16, bfloat16 or float32")
     _check_operands(k, codes.device, weight, scales, bias, where=where)
-    _require_device((codes, row_scale), where=where)
+    require_kernel_device((codes, row_scale), where=where, reason=w4a_fp8_unavailable_reason)
     if k and codes.stride(1) != 1:
         codes = codes.contiguous()
     return _run(codes, row_scale, weight, scales, bias, output_dtype, route, tuning, where=where)
@@ -361,7 +342,7 @@ def w4a_fp8_gemm_route(
     if weight.device.type != "cuda":
         return "triton", f"the weight is on {weight.device}"
     index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
-    cap = _capability(index)
+    cap = fp8_weight._capability(index)
     if cap < (9, 0):
         return "triton", f"SM {cap[0]}.{cap[1]} < 9.0: cuBLAS's blockwise FP8 GEMM needs Hopper"
     return "scaled_mm_blockwise", None

@@ -402,18 +402,28 @@ def assert_within_bound(
     bad = ~(error <= limit)
     if not bool(bad.any()):
         return
+    raise AssertionError(
+        f"{prefix}{_outside(actual, bad)} the {which} bound "
+        f"(index, actual, exact, error / bound): {_worst(actual, bound.exact, error, limit, bad)}"
+    )
+
+
+def _outside(actual: Tensor, bad: Tensor) -> str:
+    return f"{int(bad.sum())} of {actual.numel()} elements outside"
+
+
+def _worst(
+    actual: Tensor, exact: Tensor, error: Tensor, limit: Tensor, bad: Tensor
+) -> list[tuple[Any, ...]]:
+    """The five elements furthest outside their bound: ``((row, col), actual, exact, ratio)``."""
     n = actual.shape[1]
     ratio = torch.where(bad, error / limit, torch.zeros_like(error))
     worst = ratio.flatten().argsort(descending=True)[: min(int(bad.sum()), 5)]
-    shown = [
-        (divmod(int(i), n), actual.flatten()[i].item(), bound.exact.flatten()[i].item(),
+    return [
+        (divmod(int(i), n), actual.flatten()[i].item(), exact.flatten()[i].item(),
          round(ratio.flatten()[i].item(), 3))
         for i in worst
     ]  # fmt: skip
-    raise AssertionError(
-        f"{prefix}{int(bad.sum())} of {actual.numel()} elements outside the {which} bound "
-        f"(index, actual, exact, error / bound): {shown}"
-    )
 
 
 def _stretch_sums(
@@ -502,16 +512,8 @@ def assert_fp8_linear_close(
     bad = ~(error <= limit) & ~same
     if not bool(bad.any()):
         return
-    n = actual.shape[1]
-    ratio = torch.where(bad, error / limit, torch.zeros_like(error))
-    count = int(bad.sum())
-    worst = ratio.flatten().argsort(descending=True)[: min(count, 5)]
-    shown = [
-        (divmod(int(i), n), actual.flatten()[i].item(), bounds.exact.flatten()[i].item(),
-         round(ratio.flatten()[i].item(), 3))
-        for i in worst
-    ]  # fmt: skip
+    shown = _worst(actual, bounds.exact, error, limit, bad)
     raise AssertionError(
-        f"{prefix}{count} of {actual.numel()} elements outside the {bound} bound for "
+        f"{prefix}{_outside(actual, bad)} the {bound} bound for "
         f"{accumulation} (index, actual, exact, error / bound): {shown}"
     )
