@@ -1,8 +1,9 @@
 # ruff: noqa: B023, B905  (each lambda is timed within its own loop iteration)
 """INT4-weight linears on an H200: W4A-FP8 and W4A16 against bf16, FP8 and tinygemm.
 
-Usage (GPU): ``python3 benchmarks/w4a.py [pack] [linear] [sweep] [decode]`` (no argument: pack
-and linear).
+Usage (GPU): ``python3 benchmarks/w4a.py [pack] [linear] [sweep] [decode] [--rows 1,8,...]
+[--batches 1,16]`` (no section: pack and linear; ``--rows`` / ``--batches`` limit the linear
+table's M and the decode batches).
 
 Every figure is the median GPU time per call over CUDA-graph replays (``graph_us``). A graph
 cycles through several copies of each weight, together at least three times the L2 cache, so
@@ -43,6 +44,16 @@ from floatxq.kernels import w4a_fp8 as w4a_fp8_kernels
 
 SHAPES = ((8192, 8192), (28672, 8192), (8192, 28672))
 ROWS = (1, 8, 16, 128, 4096)
+BATCHES = (1, 16)
+
+
+def _option(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    """``--name 1,2,3`` from the command line, else ``default``."""
+    if name in sys.argv:
+        return tuple(int(v) for v in sys.argv[sys.argv.index(name) + 1].split(","))
+    return default
+
+
 L2_BYTES = 50 * 2**20
 
 
@@ -144,7 +155,7 @@ def linear_bench() -> None:
             int4_to_e4m3(centered_int4(p)).T.contiguous().T for p in gptq[: copies_for(n * k)]
         ]
         tiny = [_tinygemm(n, k) for _ in range(copies_for(n * k // 2))]
-        for m in ROWS:
+        for m in _option("--rows", ROWS):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq = x.to(torch.float8_e4m3fn)
             sa = torch.rand(m, 1, device="cuda")
@@ -273,7 +284,7 @@ def decode_bench() -> None:
     for name, build in variants.items():
         started = time.time()
         model = build()
-        for batch in (1, 16):
+        for batch in _option("--batches", BATCHES):
             ids = torch.randint(0, config.vocab_size, (batch, 1), device="cuda")
             how = "graph"
             with torch.inference_mode():
@@ -302,7 +313,8 @@ def _converted(base, make):
 
 
 def main() -> None:
-    wanted = set(sys.argv[1:]) or {"pack", "linear"}
+    wanted = {a for a in sys.argv[1:] if a in ("pack", "linear", "sweep", "decode")}
+    wanted = wanted or {"pack", "linear"}
     props = torch.cuda.get_device_properties(0)
     print(f"# {props.name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC')}")
     if "pack" in wanted:
