@@ -18,6 +18,7 @@ from floatxq.fp8 import fp8_token_qdq, fp8_token_quantize
 from floatxq.gptq import GPTQSolveOptions, gptq_solve, rtn_quantize
 from floatxq.int4 import GPTQPacked, pack_gptq_int4
 from floatxq.nn.w4a_fp8_linear import w4a_fp8_ineligibility, w4a_fp8_route
+from floatxq.testing import FP32_ACCUMULATION, Accumulation, w4a_fp8_linear_error_bound
 from floatxq.testing.interpreter import can_interpret, needs_interpreter, run_interpreted_tests
 from floatxq.w4a import w4a_fp8_linear
 
@@ -387,43 +388,26 @@ def test_routes_and_reasons(monkeypatch):
 # The Triton route against a float64 oracle (GPU, or the interpreter without CUDA)
 # ----------------------------------------------------------------------------------------------
 
-_U = 2.0**-24  # FP32 unit roundoff
-_MANTISSA = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}
-
 
 def _oracle_and_bound(
     x: torch.Tensor, layer: W4AFP8Linear, *, chunk_bits: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact W4A-FP8 result in float64 and a per-element bound on an FP32 GEMM's error.
+    """The exact W4A-FP8 result in float64 and floatxq.testing's statistical bound on a GEMM's
+    error for it (the one a single wrong weight code breaks), for FP32 sums or, with
+    ``chunk_bits``, tensor cores that truncate inside a group.
 
-    Operands decoded independently of the staged cache: token codes and scales of
-    ``fp8_token_quantize``, the words' codes minus 8, the group scales. Each group's 128 exact
-    products summed in FP32 err by at most ``127 u · A_g`` (``A_g`` the group's absolute sum),
-    or ``2 · 2**-chunk_bits · A_g`` on tensor cores that truncate inside a group; scaling and
-    adding ``G`` groups, the token scale and the bias add ``(G + 3) u`` of the absolute sum;
-    the output rounding one unit in the last place of the output dtype.
+    The operands are decoded independently of the staged cache: the token codes and scales
+    of ``fp8_token_quantize``, the int32 words read as ``code - 8``, the group scales.
     """
     tokens = fp8_token_quantize(x)
-    a = tokens.codes.double()
-    m, groups = a.shape[0], K // 128
-    a = a.reshape(m, groups, 128)
-    c = (layer.unpacked().codes.to(torch.float64) - 8).reshape(groups, 128, N)
-    s = layer.scales.double()
-    partial = torch.einsum("mgk,gkn->mgn", a, c)
-    absolute = torch.einsum("mgk,gkn->mgn", a.abs(), c.abs())
-    row = tokens.scale.double()  # (m, 1)
-    bias = (
-        layer.bias.double()
-        if layer.bias is not None
-        else torch.zeros(N, dtype=torch.float64, device=a.device)
+    accumulation = (
+        FP32_ACCUMULATION if chunk_bits is None else Accumulation(chunk=128, chunk_bits=chunk_bits)
     )
-    exact = (partial * s).sum(1) * row + bias
-    inner = 127 * _U if chunk_bits is None else 2.0 * 2.0**-chunk_bits
-    scaled = (absolute * s.abs()).sum(1)
-    bound = (inner + (groups + 3) * _U) * scaled * row + 2 * _U * bias.abs()
-    magnitude = (exact.abs() + bound).clamp_min(torch.finfo(x.dtype).tiny)
-    ulp = torch.exp2(torch.floor(torch.log2(magnitude)) - _MANTISSA[x.dtype])
-    return exact, bound + ulp
+    bound = w4a_fp8_linear_error_bound(
+        tokens.codes, tokens.scale[:, 0], layer.qweight, layer.scales, layer.bias,
+        output_dtype=x.dtype, accumulation=accumulation,
+    )  # fmt: skip
+    return bound.exact, bound.statistical
 
 
 def _check_triton(device: str, rows: int, dtype: torch.dtype, *, chunk_bits: int | None) -> None:

@@ -92,6 +92,12 @@ class W4A16Tuning:
 DEFAULT_W4A16_TUNING = W4A16Tuning()
 
 
+def _tuning_key(tuning: W4A16Tuning) -> W4A16Tuning | None:
+    """The tuning's part of a plan key: ``None`` for the default (hashing a record field by
+    field costs microseconds a decode-sized call should not pay)."""
+    return None if tuning is DEFAULT_W4A16_TUNING else tuning
+
+
 def w4a16_route(rows: int, tuning: W4A16Tuning = DEFAULT_W4A16_TUNING) -> W4A16Route:
     """The W4A16 route for an ``rows``-row call.
 
@@ -198,7 +204,7 @@ def _decode(
         *qzeros.stride(), *scales.stride(), bits, v1, gather, block_k, block_n,
     )  # fmt: skip
     key = (k, n, bits, v1, gather, group, scales.dtype, dtype, qweight.stride(),
-           qzeros.stride(), scales.stride(), device, interpret, tuning)  # fmt: skip
+           qzeros.stride(), scales.stride(), device, interpret, _tuning_key(tuning))  # fmt: skip
     guard, index = launch_device(device)
     with guard:
         _launchers(interpret)[1](key, grid, args, {"num_warps": tuning.decode_warps}, index)
@@ -278,7 +284,7 @@ def _linear(
     key = (
         m, n, k, bits, v1, group, x.dtype, x.stride(), scales.dtype, qweight.stride(),
         qzeros.stride(), scales.stride(), None if bias is None else bias.dtype, device,
-        interpret, tuning,
+        interpret, _tuning_key(tuning),
     )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:

@@ -189,6 +189,11 @@ def fp8_pack(
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{where}: x must be a 2-D float16/bfloat16/float32 tensor, got {got}")
     device = require_kernel_device((x,), where=where, reason=w4a_fp8_unavailable_reason)
+    return _pack(x, device, tuning)
+
+
+def _pack(x: Tensor, device: torch.device, tuning: W4AFP8Tuning) -> tuple[Tensor, Tensor]:
+    """:func:`fp8_pack`'s launch, arguments already checked."""
     rows, k = x.shape
     codes = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=device)
     scale = torch.empty((rows,), dtype=torch.float32, device=device)
@@ -255,8 +260,8 @@ def fp8_linear(
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{where}: x must be a 2-D float16/bfloat16/float32 tensor, got {got}")
     _check_operands(x.shape[1], x.device, weight, scales, bias, where=where)
-    require_kernel_device((x,), where=where, reason=w4a_fp8_unavailable_reason)
-    codes, row_scale = fp8_pack(x, tuning=tuning)
+    device = require_kernel_device((x,), where=where, reason=w4a_fp8_unavailable_reason)
+    codes, row_scale = _pack(x, device, tuning)
     return _run(codes, row_scale, weight, scales, bias, x.dtype, route, tuning, where=where)
 
 
