@@ -104,6 +104,12 @@ from floatxq.kernels import (
     fp8_pack,
     fp8_scaled_linear_kernel,
     fp8_scaled_linear_kernel_with_codes,
+    nvfp4_accumulate_group,
+    nvfp4_decode,
+    nvfp4_dequantize_kernel,
+    nvfp4_linear,
+    nvfp4_linear_prepacked,
+    nvfp4_pack_and_swizzle,
     quantize_fp8_weight_auto,
     quantize_fp8_weight_kernel,
     w4a16_linear_kernel,
@@ -118,6 +124,7 @@ from floatxq.nn import (
     TorchFP4Linear,
     TorchFP8Linear,
     W4AFP8Linear,
+    W4ANVFP4Linear,
     select_fp8_route,
 )
 from floatxq.nvfp4 import (
@@ -141,6 +148,7 @@ from floatxq.nvfp4_layouts import (
     nvfp4_to_modelopt,
     swap_nibbles,
 )
+from floatxq.nvfp4_operand import nvfp4_decode_swizzled, nvfp4_pack_swizzled
 from floatxq.nvfp4_report import (
     DEFAULT_REPORT_RECIPES,
     RecipeRow,
@@ -176,6 +184,9 @@ from floatxq.w4a import (
     w4a16_linear,
     w4a_fp8_linear,
     w4a_fp8_linear_prepacked,
+    w4a_nvfp4_accumulate_group,
+    w4a_nvfp4_linear,
+    w4a_nvfp4_linear_prepacked,
 )
 from floatxq.w4a_activation import (
     W4A_ACTIVATION_MODES,
@@ -275,6 +286,7 @@ __all__ = [
     "W4AActivation",
     "W4AActivationMode",
     "W4AFP8Linear",
+    "W4ANVFP4Linear",
     "centered_int4",
     "centered_weight",
     "convert_gptq_format",
@@ -330,10 +342,14 @@ __all__ = [
     "normalize_fp8_weight_format",
     "normalize_gptq_format",
     "normalize_nvfp4_recipe",
+    "nvfp4_accumulate_group",
     "nvfp4_block_qdq",
     "nvfp4_block_scales",
     "nvfp4_block_sse",
+    "nvfp4_decode",
+    "nvfp4_decode_swizzled",
     "nvfp4_dequantize",
+    "nvfp4_dequantize_kernel",
     "nvfp4_dequantize_weight",
     "nvfp4_from_comfy",
     "nvfp4_from_compressed_tensors",
@@ -341,6 +357,10 @@ __all__ = [
     "nvfp4_from_torchao",
     "nvfp4_global_scale",
     "nvfp4_kernel_recipe",
+    "nvfp4_linear",
+    "nvfp4_linear_prepacked",
+    "nvfp4_pack_and_swizzle",
+    "nvfp4_pack_swizzled",
     "nvfp4_quantize",
     "nvfp4_to_compressed_tensors",
     "nvfp4_to_modelopt",
@@ -370,4 +390,7 @@ __all__ = [
     "w4a16_linear_kernel",
     "w4a_fp8_linear",
     "w4a_fp8_linear_prepacked",
+    "w4a_nvfp4_accumulate_group",
+    "w4a_nvfp4_linear",
+    "w4a_nvfp4_linear_prepacked",
 ]

@@ -72,7 +72,9 @@ class BACKEND(_StrEnum):
     """Inference backend: ``AUTO`` lets the loader pick, ``FP8_TORCH`` runs ``TorchFP8Linear``,
     ``GPTQ_TORCH`` runs ``GPTQLinear`` (W4A16: INT weights decoded for each call),
     ``GPTQ_W4AFP8`` runs ``W4AFP8Linear`` (symmetric 4-bit g128 GPTQ weights × per-token FP8
-    activations; chosen explicitly when loading a GPTQ checkpoint, never by ``AUTO``).
+    activations; chosen explicitly when loading a GPTQ checkpoint, never by ``AUTO``),
+    ``GPTQ_W4A_NVFP4`` runs ``W4ANVFP4Linear`` (the same GPTQ weights × NVFP4 activations; also
+    chosen explicitly, never by ``AUTO``).
 
     Only backends with a runtime in floatxq are members; others join when their runtime lands.
     """
@@ -81,6 +83,7 @@ class BACKEND(_StrEnum):
     FP8_TORCH = "fp8_torch"
     GPTQ_TORCH = "gptq_torch"
     GPTQ_W4AFP8 = "gptq_w4afp8"
+    GPTQ_W4A_NVFP4 = "gptq_w4a_nvfp4"
 
 
 # --------------------------------------------------------------------------------------------

@@ -196,6 +196,20 @@ def nvfp4_global_scale(
     return scale
 
 
+def _device_global_scale(
+    amax: Tensor, *, grid_dtype: torch.dtype | None, recipe: str
+) -> Float32[Tensor, ""]:
+    """:func:`nvfp4_global_scale` of an ``amax`` tensor without reading it on the host (no
+    checks: a non-finite ``amax`` gives a non-finite scale, which the kernels mark as NaN)."""
+    v = amax.to(torch.float32)
+    divisor = torch.full_like(v, FP8_E4M3_MAX * _divisor(recipe))
+    scale = torch.where(v > 0, v / divisor, torch.ones_like(v))
+    if grid_dtype is not None:
+        rounded = scale.to(grid_dtype).to(torch.float32)
+        scale = torch.where(rounded > 0, rounded, scale)
+    return scale
+
+
 def _resolve_global_scale(
     x: Tensor, global_scale: Tensor | float | None, recipe: str, *, where: str
 ) -> Tensor:

@@ -1,8 +1,9 @@
-"""Pure references of the INT4-weight GEMMs: W4A-FP8 (grouped, FP8 tokens) and W4A16.
+"""Pure references of the INT4-weight GEMMs: W4A-FP8, W4A-NVFP4 (grouped) and W4A16.
 
-Both take ordinary GPTQ checkpoints. The Triton kernels in :mod:`floatxq.kernels.w4a_fp8` and
-:mod:`floatxq.kernels.w4a16` must equal these up to FP32 summation order (their tests bound the
-difference per element against a float64 oracle of the same operands).
+All take ordinary GPTQ checkpoints. The Triton kernels in :mod:`floatxq.kernels.w4a_fp8`,
+:mod:`floatxq.kernels.nvfp4` and :mod:`floatxq.kernels.w4a16` must equal these up to FP32
+summation order (their tests bound the difference per element against a float64 oracle of the
+same operands).
 
 W4A-FP8 (a symmetric 4-bit GPTQ weight with groups of 128 and ``desc_act=False``): ``x`` is
 quantized per token to E4M3 (:func:`floatxq.fp8_token_quantize`), the weight is the centered
@@ -14,6 +15,18 @@ with each group's 128 products summed in FP32 (every product of an E4M3 code and
 magnitude ≤ 8 is exact), the groups added in ascending order, the token scale applied once at the
 end, then the bias, then one rounding to the output dtype.
 
+W4A-NVFP4 (the same GPTQ weight): ``x`` is an NVFP4 operand (:mod:`floatxq.nvfp4_operand`:
+E2M1 codes, swizzled E4M3 block scales, one FP32 global scale ``gs``), and
+
+    out[m, n] = (Σ_g scales[g, n] · Σ_{k in group g} a[m, k] · c[k, n]) · gs · token_scale[m]
+                + bias[n]
+
+with ``a = e2m1(code) · block_scale`` (exact in FP32, no global scale) and ``c = low + 4·high``
+multiplied as its two exact E2M1 planes (:func:`floatxq.int4.split_int4_planes`), as NVFP4
+tensor cores do: per group the planes' FP32 sums are recombined, scaled and added in ascending
+order (:func:`w4a_nvfp4_accumulate_group`), then the global scale, the token scale, the bias and
+one rounding.
+
 W4A16: the weight decoded exactly as :func:`floatxq.int4.dequantize_gptq` does, rounded once to
 ``x``'s dtype, then ``F.linear`` (FP32 accumulation) and the bias in ``x``'s dtype: what
 :class:`floatxq.nn.GPTQLinear` computes.
@@ -23,15 +36,26 @@ import torch
 import torch.nn.functional as F
 
 from floatxq._checks import (
+    real_scalar,
     require_data,
+    require_e4m3_scales,
+    require_finite,
     require_floating,
     require_positive_finite,
     require_tensor,
 )
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor
-from floatxq.formats import GPTQ_W4A_GROUP_SIZE
+from floatxq.formats import GPTQ_W4A_GROUP_SIZE, NVFP4RecipeName, normalize_nvfp4_recipe
 from floatxq.fp8 import fp8_token_quantize
-from floatxq.int4 import GPTQPacked, _unpack_fields, dequantize_gptq
+from floatxq.int4 import (
+    GPTQPacked,
+    Int4Planes,
+    _unpack_fields,
+    dequantize_gptq,
+    split_int4_planes,
+)
+from floatxq.nvfp4 import _validated_global_scale, nvfp4_global_scale
+from floatxq.nvfp4_operand import nvfp4_decode_swizzled, nvfp4_pack_swizzled, padded_rows
 
 __all__ = [
     "W4A_OUTPUT_DTYPES",
@@ -39,6 +63,9 @@ __all__ = [
     "w4a16_linear",
     "w4a_fp8_linear",
     "w4a_fp8_linear_prepacked",
+    "w4a_nvfp4_accumulate_group",
+    "w4a_nvfp4_linear",
+    "w4a_nvfp4_linear_prepacked",
 ]
 
 W4A_OUTPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
@@ -278,3 +305,345 @@ def w4a16_linear(
     if x.ndim != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"{where}: x must have shape (m, {weight.shape[1]}), got {tuple(x.shape)}")
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def w4a_nvfp4_accumulate_group(
+    both: Float32[Tensor, "m two_n"],
+    group_scale: Float[Tensor, "n"],  # noqa: F821
+    acc: Float32[Tensor, "m n"] | None = None,
+    *,
+    last: bool = False,
+    global_scale: Float[Tensor, "*one"] | float | None = None,
+    token_scale: Float32[Tensor, "m"] | None = None,  # noqa: F821
+    bias: Float[Tensor, "n"] | None = None,  # noqa: F821
+    output_dtype: torch.dtype = torch.float32,
+) -> Float[Tensor, "m n"]:
+    """One 128-row group of the W4A-NVFP4 GEMM folded into the running FP32 sum.
+
+    The NVFP4 tensor cores multiply the activation by the two exact E2M1 planes of the INT4
+    weight (``c = low + 4·high``, :func:`floatxq.int4.split_int4_planes`) side by side, giving
+    ``both = [Σ a·low | Σ a·high]``; this step recombines them with the GPTQ group scale.
+
+    Args:
+      both: ``(m, 2n)`` FP32: columns ``0..n-1`` the low plane's sums, ``n..2n-1`` the high's.
+      group_scale: ``(n,)`` this group's GPTQ scales (any floating dtype, read as FP32).
+      acc: ``(m, n)`` FP32 sum of the earlier groups, or None for the first group.
+      last: this is the last group: apply the global scale, the token scale and the bias, and
+        round once to ``output_dtype``.
+      global_scale: the activation's FP32 global scale (required when ``last``).
+      token_scale: ``(m,)`` FP32 per-row factor, or None (only with ``last``).
+      bias: ``(n,)`` floating bias, or None (only with ``last``).
+      output_dtype: float16, bfloat16 or float32 (only with ``last``; FP32 otherwise).
+
+    Returns:
+      ``(m, n)``: the FP32 running sum, or the output in ``output_dtype`` when ``last``.
+
+    Raises:
+      ValueError: shapes that do not fit; a ``global_scale`` missing when ``last`` or given
+        when not; ``token_scale``, ``bias`` or a non-FP32 ``output_dtype`` without ``last``.
+      TypeError: non-FP32 ``both``/``acc``/``token_scale``, another ``output_dtype``, tensors on
+        different devices.
+
+    Numerics: FP32 in exactly this order, with no fused multiply-add: ``t = (acc or 0) +
+    (low + 4·high) · float32(group_scale)`` (``4·high`` exact; the first group adds to +0), then
+    when ``last``: ``t · global_scale``, ``· token_scale[row]``, ``+ float32(bias)``, one
+    nearest-even rounding.
+
+    Example:
+      >>> both = torch.tensor([[1.0, 2.0, 0.5, -1.0]])  # n = 2: low sums | high sums
+      >>> w4a_nvfp4_accumulate_group(both, torch.tensor([2.0, 1.0])).tolist()
+      [[6.0, -2.0]]
+    """
+    where = "w4a_nvfp4_accumulate_group"
+    for name, t in (("both", both), ("acc", acc), ("token_scale", token_scale)):
+        if t is not None:
+            require_tensor(t, name=name, where=where)
+            if t.dtype != torch.float32:
+                raise TypeError(f"{where}: {name} must be float32, got {t.dtype}")
+    if both.ndim != 2 or both.shape[1] % 2:
+        raise ValueError(f"{where}: both must be (m, 2n), got {tuple(both.shape)}")
+    m, n = both.shape[0], both.shape[1] // 2
+    require_floating(group_scale, name="group_scale", where=where)
+    if tuple(group_scale.shape) != (n,):
+        raise ValueError(
+            f"{where}: group_scale must have shape ({n},), got {tuple(group_scale.shape)}"
+        )
+    if acc is not None and tuple(acc.shape) != (m, n):
+        raise ValueError(f"{where}: acc must have shape {(m, n)}, got {tuple(acc.shape)}")
+    if not last:
+        extras = (("global_scale", global_scale), ("token_scale", token_scale), ("bias", bias))
+        given = [name for name, value in extras if value is not None]
+        if given or output_dtype != torch.float32:
+            what = ", ".join(given) or f"output_dtype={output_dtype}"
+            raise ValueError(f"{where}: {what} apply only to the last group (last=True)")
+    elif global_scale is None:
+        raise ValueError(f"{where}: the last group needs the activation's global_scale")
+    if output_dtype not in W4A_OUTPUT_DTYPES:
+        raise TypeError(
+            f"{where}: output_dtype must be float16, bfloat16 or float32, got {output_dtype!r}"
+        )
+    if token_scale is not None and tuple(token_scale.shape) != (m,):
+        raise ValueError(
+            f"{where}: token_scale must have shape ({m},), got {tuple(token_scale.shape)}"
+        )
+    if bias is not None:
+        require_floating(bias, name="bias", where=where)
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"{where}: bias must have shape ({n},), got {tuple(bias.shape)}")
+    tensors = [t for t in (both, group_scale, acc, token_scale, bias) if t is not None]
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise TypeError(
+            f"{where}: every tensor must be on one device, got {sorted(map(str, devices))}"
+        )
+    low, high = both[:, :n], both[:, n:]
+    start = torch.zeros((), dtype=torch.float32, device=both.device) if acc is None else acc
+    t = start + (low + high * 4.0) * group_scale.to(torch.float32)
+    if not last:
+        return t
+    g = real_scalar(global_scale, name="global_scale", where=where, device=both.device)
+    t = t * g
+    if token_scale is not None:
+        t = t * token_scale[:, None]
+    if bias is not None:
+        t = t + bias.to(torch.float32)
+    return t.to(output_dtype)
+
+
+_E2M1_CODE_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)
+
+
+def _check_nvfp4_weight_side(
+    k: int, device: torch.device, weight: object, group_scales: object, bias: object, *,
+    where: str,
+) -> int:  # fmt: skip
+    """:func:`_check_operands` with the group scales named ``group_scales``; returns ``n``."""
+    _check_weight(weight, where=where)
+    n = weight.shape[1]
+    require_floating(group_scales, name="group_scales", where=where)
+    if tuple(group_scales.shape) != (k // _GROUP, n):
+        raise ValueError(
+            f"{where}: group_scales must have shape {(k // _GROUP, n)} (one per group of "
+            f"{_GROUP} input rows and output column), got {tuple(group_scales.shape)}"
+        )
+    return _check_operands(k, device, weight, group_scales, bias, where=where)
+
+
+def _check_nvfp4_operands(
+    codes: object, scales: object, global_scale: object, weight: object, group_scales: object,
+    bias: object, token_scale: object, output_dtype: object, *, where: str,
+) -> tuple[int, int, int, Tensor]:  # fmt: skip
+    """Every check of the W4A-NVFP4 GEMM's operands; returns ``(m, k, n, global scale)`` with
+    the global scale a 0-d FP32 tensor on ``codes``' device. Kinds, shapes and devices first,
+    then the value checks (each one host sync)."""
+    require_tensor(codes, name="codes", where=where)
+    if codes.dtype not in _E2M1_CODE_DTYPES or codes.ndim != 2:
+        raise TypeError(
+            f"{where}: codes must be a 2-D float4_e2m1fn_x2 or uint8 (m, k/2) tensor, got "
+            f"{codes.dtype} {tuple(codes.shape)}"
+        )
+    require_data(codes, name="codes", where=where)
+    m, k = codes.shape[0], codes.shape[1] * 2
+    if k == 0 or k % _GROUP:
+        raise ValueError(
+            f"{where}: k = 2 * codes.shape[1] = {k} must be a positive multiple of {_GROUP} "
+            f"(GPTQ groups of {_GROUP}, desc_act=False)"
+        )
+    require_tensor(scales, name="scales", where=where)
+    if scales.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{where}: scales must be float8_e4m3fn, got {scales.dtype}")
+    require_data(scales, name="scales", where=where)
+    n = _check_nvfp4_weight_side(k, codes.device, weight, group_scales, bias, where=where)
+    expected = (k // _GROUP, padded_rows(m) * 8)
+    if tuple(scales.shape) != expected:
+        raise ValueError(
+            f"{where}: scales must have shape {expected} (k/128, padded_rows(m)*8) for m={m} "
+            f"rows, got {tuple(scales.shape)}"
+        )
+    if scales.device != codes.device:
+        raise TypeError(f"{where}: scales are on {scales.device}, codes on {codes.device}")
+    if token_scale is not None:
+        require_tensor(token_scale, name="token_scale", where=where)
+        if token_scale.dtype != torch.float32:
+            raise TypeError(f"{where}: token_scale must be float32, got {token_scale.dtype}")
+        if tuple(token_scale.shape) != (m,):
+            raise ValueError(
+                f"{where}: token_scale must have shape ({m},) (one per row of codes), got "
+                f"{tuple(token_scale.shape)}"
+            )
+        if token_scale.device != codes.device:
+            raise TypeError(
+                f"{where}: token_scale is on {token_scale.device}, codes on {codes.device}"
+            )
+    if output_dtype not in W4A_OUTPUT_DTYPES:
+        raise TypeError(
+            f"{where}: output_dtype must be float16, bfloat16 or float32, got {output_dtype!r}"
+        )
+    g = _validated_global_scale(global_scale, codes.device, where=where)
+    if token_scale is not None:
+        require_positive_finite(token_scale, name="token_scale", where=where)
+    require_e4m3_scales(scales, name="scales", where=where)
+    return m, k, n, g
+
+
+def _weight_planes(weight: Tensor, *, where: str) -> tuple[Tensor, Int4Planes]:
+    """The centered weight as int16 ``(k, n)`` and its two E2M1 planes. A staged E4M3 operand
+    must hold integers in ``-8..7``: only those split into exact planes (GPTQ words always do).
+    """
+    c = centered_weight(weight, where=where)
+    if weight.dtype != torch.int32:
+        bad = (c != c.round()) | (c < -8) | (c > 7)  # (NaN is not its own rounding)
+        if bool(bad.any()):
+            raise ValueError(
+                f"{where}: a float8_e4m3fn weight must hold integers in -8..7 (code - 8), got "
+                f"{int(bad.sum())} other value(s), such as {c[bad][:4].tolist()}"
+            )
+    c = c.to(torch.int16)
+    return c, split_int4_planes(c)
+
+
+def w4a_nvfp4_linear_prepacked(
+    codes: Shaped[Tensor, "m half"],
+    scales: Float8e4m3fn[Tensor, "groups padded"],
+    global_scale: Float[Tensor, "*one"] | float,
+    weight: Shaped[Tensor, "rows n"],
+    group_scales: Float[Tensor, "groups n"],
+    bias: Float[Tensor, "n"] | None = None,  # noqa: F821
+    *,
+    token_scale: Float32[Tensor, "m"] | None = None,  # noqa: F821
+    output_dtype: torch.dtype,
+) -> Float[Tensor, "m n"]:
+    """The W4A-NVFP4 GEMM on an NVFP4 activation operand: what the FP4 tensor cores compute.
+
+    The activation ``a = e2m1(code) · block_scale`` (no global scale) meets the weight's two
+    E2M1 planes (``c = low + 4·high``) side by side, one 128-row group at a time.
+
+    Args:
+      codes: ``(m, k/2)`` ``float4_e2m1fn_x2`` or ``uint8`` packed E2M1 codes (element ``2j``
+        in the low nibble); ``k`` a positive multiple of 128.
+      scales: ``float8_e4m3fn (k/128, padded_rows(m)·8)`` block scales, swizzled per 128-wide
+        group (:func:`floatxq.nvfp4_operand.nvfp4_pack_swizzled`).
+      global_scale: the activation's global scale: one positive finite value (read as FP32).
+      weight: the centered weight as ``int32 (k/8, n)`` symmetric GPTQ words or a
+        ``float8_e4m3fn (k, n)`` staged operand (see :func:`centered_weight`).
+      group_scales: ``(k/128, n)`` GPTQ group scales, any floating dtype (read as FP32).
+      bias: ``(n,)`` floating or None (read as FP32).
+      token_scale: ``(m,)`` FP32 per-row factors, positive and finite, or None.
+      output_dtype: float16, bfloat16 or float32.
+
+    Returns:
+      ``(m, n)`` in ``output_dtype``; ``(0, n)`` for no rows.
+
+    Raises:
+      TypeError: wrong dtypes or ranks, an ``output_dtype`` other than the three, tensors on
+        different devices, meta tensors, a global scale that is not a real number.
+      ValueError: ``k`` not a positive multiple of 128, shapes that do not fit ``k``, ``n`` or
+        ``m`` (scales padded to ``padded_rows(m)``), a global scale that is not one positive
+        finite value, a ``token_scale`` that is not positive and finite, a NaN or negative
+        block scale, a staged weight value other than an integer in ``-8..7``.
+
+    Numerics: per group ``g`` ascending: ``[Σ a·low | Σ a·high]`` as one FP32 matmul (every
+    product exact: ``a`` has at most 6 significant bits and the planes 2, so even a TF32 matmul
+    is exact), then :func:`w4a_nvfp4_accumulate_group`: ``acc = (acc or +0) + (low + 4·high) ·
+    float32(group_scales[g])``, after the last group ``· global_scale``, ``· token_scale[m]``,
+    ``+ float32(bias)``, one nearest-even rounding (no saturation: FP32 overflow gives ±inf).
+
+    Example:
+      >>> codes = torch.full((1, 64), 0x22, dtype=torch.uint8)  # every element e2m1 1.0
+      >>> scales = torch.zeros(1, 1024, dtype=torch.float8_e4m3fn)
+      >>> scales[0, [0, 1, 2, 3, 512, 513, 514, 515]] = 0.5  # row 0's 8 block scales
+      >>> w = torch.full((128, 2), 3.0).to(torch.float8_e4m3fn)
+      >>> w4a_nvfp4_linear_prepacked(codes, scales, 2.0, w, torch.ones(1, 2),
+      ...     output_dtype=torch.float32).tolist()
+      [[384.0, 384.0]]
+    """
+    where = "w4a_nvfp4_linear_prepacked"
+    m, k, n, g = _check_nvfp4_operands(
+        codes, scales, global_scale, weight, group_scales, bias, token_scale, output_dtype,
+        where=where,
+    )  # fmt: skip
+    _, planes = _weight_planes(weight, where=where)
+    if m == 0:
+        return torch.empty((0, n), dtype=output_dtype, device=codes.device)
+    groups = k // _GROUP
+    a = nvfp4_decode_swizzled(codes, scales, 1.0, k, torch.float32)  # exact: no global scale
+    w = torch.cat([planes.low, planes.high], dim=1).to(torch.float32)  # (k, 2n): [low | high]
+    both = torch.bmm(a.reshape(m, groups, _GROUP).transpose(0, 1), w.reshape(groups, _GROUP, 2 * n))
+    acc = None
+    for i in range(groups):  # ascending, strictly in FP32
+        if i < groups - 1:
+            acc = w4a_nvfp4_accumulate_group(both[i], group_scales[i], acc)
+            continue
+        acc = w4a_nvfp4_accumulate_group(
+            both[i], group_scales[i], acc, last=True, global_scale=g, token_scale=token_scale,
+            bias=bias, output_dtype=output_dtype,
+        )  # fmt: skip
+    return acc
+
+
+def w4a_nvfp4_linear(
+    x: Float[Tensor, "m k"],
+    weight: Shaped[Tensor, "rows n"],
+    group_scales: Float[Tensor, "groups n"],
+    bias: Float[Tensor, "n"] | None = None,  # noqa: F821
+    *,
+    global_scale: Float[Tensor, "*one"] | float | None = None,
+    recipe: NVFP4RecipeName = "least_squares",
+) -> Float[Tensor, "m n"]:
+    """The W4A-NVFP4 linear: ``x`` quantized to the NVFP4 operand, then the INT4-plane GEMM.
+
+    Args:
+      x: ``(m, k)`` float16/bfloat16/float32 activations, finite; ``k`` a positive multiple of
+        128.
+      weight, group_scales, bias: as :func:`w4a_nvfp4_linear_prepacked`.
+      global_scale: one positive finite value (read as FP32), or None for the dynamic one:
+        :func:`floatxq.nvfp4_global_scale` of ``max|x|`` over the whole tensor on ``x.dtype``'s
+        grid (1 for no rows), as :func:`floatxq.w4a_activation.pack_activation` derives it.
+      recipe: the block-scale recipe (:func:`floatxq.nvfp4.nvfp4_block_scales`; aliases
+        accepted).
+
+    Returns:
+      ``(m, n)`` in ``x.dtype``.
+
+    Raises:
+      TypeError, ValueError: as :func:`w4a_nvfp4_linear_prepacked`; NaN or infinity in ``x``,
+        an unknown recipe.
+
+    Numerics: :func:`floatxq.nvfp4_operand.nvfp4_pack_swizzled` with that global scale (the
+    bytes :func:`floatxq.w4a_activation.pack_activation` makes), then
+    :func:`w4a_nvfp4_linear_prepacked` with ``output_dtype = x.dtype``.
+
+    Example:
+      >>> w = torch.full((128, 2), 3.0).to(torch.float8_e4m3fn)
+      >>> x = torch.ones(1, 128)  # block scale 1/4, code 4: exact
+      >>> w4a_nvfp4_linear(x, w, torch.full((1, 2), 0.5), global_scale=1.0).tolist()
+      [[192.0, 192.0]]
+    """
+    where = "w4a_nvfp4_linear"
+    require_floating(x, name="x", where=where)
+    require_data(x, name="x", where=where)
+    if x.ndim != 2 or x.dtype not in W4A_OUTPUT_DTYPES:
+        raise TypeError(
+            f"{where}: x must be a 2-D float16/bfloat16/float32 (m, k) tensor, got {x.dtype} "
+            f"{tuple(x.shape)}"
+        )
+    rows, k = x.shape
+    if k == 0 or k % _GROUP:
+        raise ValueError(
+            f"{where}: k={k} must be a positive multiple of {_GROUP} (GPTQ groups of {_GROUP}, "
+            f"desc_act=False)"
+        )
+    _check_nvfp4_weight_side(k, x.device, weight, group_scales, bias, where=where)
+    recipe = normalize_nvfp4_recipe(recipe)
+    require_finite(x, name="x", where=where)
+    if global_scale is not None:
+        g = _validated_global_scale(global_scale, x.device, where=where)
+    elif rows:
+        amax = x.to(torch.float32).abs().amax()
+        g = nvfp4_global_scale(amax, grid_dtype=x.dtype, recipe=recipe)
+    else:
+        g = torch.ones((), dtype=torch.float32, device=x.device)
+    codes, scales = nvfp4_pack_swizzled(x, g, recipe=recipe)
+    return w4a_nvfp4_linear_prepacked(
+        codes, scales, g, weight, group_scales, bias, output_dtype=x.dtype
+    )

@@ -418,9 +418,25 @@ def _pack_nvfp4(
         g = real_scalar(global_scale, name="global_scale", where=where, device=x2.device)
         if not bool(torch.isfinite(g) & (g > 0)):
             raise ValueError(f"{where}: global_scale must be positive and finite, got {g.item()!r}")
+    if _nvfp4_pack_reason(x2) is None:  # the Triton packer: the same bytes in one launch
+        from floatxq.kernels.nvfp4 import nvfp4_pack_and_swizzle
+
+        codes, scales = nvfp4_pack_and_swizzle(x2, g, recipe=recipe)
+        return codes, scales, g.reshape(())
     blocks = nvfp4_block_scales(x32, g, recipe)
     codes = pack_e2m1(blocks.codes).view(_FP4X2)
     return codes, swizzle_scales_per_group(blocks.block_scales), blocks.global_scale
+
+
+def _nvfp4_pack_reason(x2: Tensor) -> str | None:
+    """Why the Triton ``nvfp4_pack_and_swizzle`` is not taken for ``x2``, or None when it is."""
+    if x2.dtype not in _KERNEL_DTYPES:
+        return f"x is {x2.dtype}; the kernel reads float16, bfloat16 or float32"
+    if x2.device.type != "cuda":
+        return f"x is on {x2.device}; the packer kernel runs on CUDA tensors"
+    from floatxq.kernels.nvfp4 import nvfp4_unavailable_reason
+
+    return nvfp4_unavailable_reason(x2.device)
 
 
 def pack_activation(
@@ -450,7 +466,8 @@ def pack_activation(
 
     Returns:
       The carrier; FP8 through the Triton ``fp8_pack`` on CUDA (or under ``TRITON_INTERPRET=1``)
-      where it runs, else :func:`floatxq.fp8_token_quantize`: the same bytes either way.
+      where it runs, else :func:`floatxq.fp8_token_quantize`; NVFP4 through the Triton
+      ``nvfp4_pack_and_swizzle`` on CUDA, else the pure functions: the same bytes either way.
 
     Raises:
       TypeError: a non-floating ``x``, a ``model_dtype`` that is not a dtype, a ``reference``

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from floatxq.kernels._triton import triton_unavailable_reason
+from floatxq.nn import fp4_linear
 from floatxq.nn.fp4_linear import TorchFP4Linear
 from floatxq.nvfp4 import nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
 from floatxq.nvfp4_layouts import NVFP4Weight
@@ -250,7 +252,10 @@ def test_cuda_forward_says_why_it_decoded():
     out = layer(x)
     dense = layer.dequantize_weight(torch.bfloat16)
     if importlib.util.find_spec("torchao") is None:
-        assert layer.last_route == "dequant_matmul"
+        decoder = (
+            "triton_decode" if triton_unavailable_reason(x.device) is None else "dequant_matmul"
+        )
+        assert layer.last_route == decoder
         assert layer.last_fallback_reason.startswith("torchao is not installed")
         assert_bitwise_equal(out, F.linear(x, dense, layer.bias))
     elif layer.last_route == "torchao_nvfp4":
@@ -258,3 +263,69 @@ def test_cuda_forward_says_why_it_decoded():
         torch.testing.assert_close(out, F.linear(x, dense, layer.bias), rtol=2e-2, atol=2e-2)
     else:
         assert "NVFP4Tensor raised" in layer.last_fallback_reason
+
+
+# ----------------------------------------------------------------------------------------------
+# The CUDA decode: the Triton kernel where it runs, else the pure function
+# ----------------------------------------------------------------------------------------------
+
+
+def test_cuda_decode_route_takes_the_kernel_where_triton_runs(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(fp4_linear, "triton_unavailable_reason", lambda device: None)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        assert fp4_linear._decode_route(cuda, dtype) == ("triton_decode", None)
+    route, reason = fp4_linear._decode_route(cuda, torch.float64)
+    assert route == "dequant_matmul" and "not torch.float64" in reason
+    monkeypatch.setattr(fp4_linear, "triton_unavailable_reason", lambda device: "no Triton here")
+    assert fp4_linear._decode_route(cuda, torch.bfloat16) == ("dequant_matmul", "no Triton here")
+
+
+def test_cpu_forward_keeps_the_pure_decode_where_triton_runs(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Triton decode was called on CPU")
+
+    monkeypatch.setattr(fp4_linear, "triton_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(fp4_linear, "nvfp4_dequantize_kernel", refuse)
+    layer = random_layer(seed=12)
+    x = torch.randn(4, 64, generator=_gen(13)).bfloat16()
+    expected = F.linear(x, layer.dequantize_weight(torch.bfloat16), layer.bias)
+    assert_bitwise_equal(layer(x), expected)
+    assert layer.last_route == "dequant_matmul" and layer.last_fallback_reason is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cuda_triton_decode_is_bitwise_the_pure_decode(monkeypatch, dtype, bias):
+    monkeypatch.setattr(fp4_linear, "_torchao_missing", lambda: "torchao is not installed")
+    for seed, (out_features, in_features, batch) in enumerate(
+        [(24, 64, (3,)), (1, 16, (1,)), (300, 4096, (2, 5)), (4096, 1024, (7,))]
+    ):
+        layer = random_layer(out_features, in_features, bias=bias, seed=seed, dtype=dtype).cuda()
+        x = torch.randn(*batch, in_features, generator=_gen(seed)).to(dtype).cuda()
+        out = layer(x)
+        assert layer.last_route == "triton_decode"
+        assert layer.last_fallback_reason.startswith("torchao is not installed; the weight was")
+        dense = nvfp4_dequantize(*layer.to_nvfp4(), dtype=dtype)
+        expected = F.linear(x, dense, None if layer.bias is None else layer.bias.to(dtype))
+        assert_bitwise_equal(out, expected, msg=f"{(out_features, in_features)} {dtype}")
+
+
+@pytest.mark.gpu
+def test_cuda_decode_falls_back_to_torch_and_says_why(monkeypatch):
+    monkeypatch.setattr(fp4_linear, "_torchao_missing", lambda: "torchao is not installed")
+    layer = random_layer().cuda()
+    x64 = torch.randn(3, 64, generator=_gen(14), dtype=torch.float64).cuda()
+    out = layer(x64)
+    assert layer.last_route == "dequant_matmul"
+    assert "torchao is not installed" in layer.last_fallback_reason
+    assert "not torch.float64" in layer.last_fallback_reason
+    expected = F.linear(x64, layer.dequantize_weight(torch.float64), layer.bias.double())
+    assert_bitwise_equal(out, expected)
+    monkeypatch.setattr(fp4_linear, "triton_unavailable_reason", lambda device: "no Triton here")
+    x = x64.bfloat16()
+    out = layer(x)
+    assert layer.last_route == "dequant_matmul"
+    assert layer.last_fallback_reason.endswith("the Triton decode cannot run (no Triton here)")
+    assert_bitwise_equal(out, F.linear(x, layer.dequantize_weight(torch.bfloat16), layer.bias))

@@ -30,6 +30,19 @@ from floatxq.kernels.fp8_weight import (
     quantize_fp8_input,
     quantize_fp8_weight_kernel,
 )
+from floatxq.kernels.nvfp4 import (
+    NVFP4Tuning,
+    nvfp4_linear,
+    nvfp4_linear_prepacked,
+    nvfp4_pack_and_swizzle,
+    nvfp4_unavailable_reason,
+)
+from floatxq.kernels.nvfp4_decoding import (
+    NVFP4DecodeTuning,
+    nvfp4_accumulate_group,
+    nvfp4_decode,
+    nvfp4_dequantize_kernel,
+)
 from floatxq.kernels.w4a16 import (
     W4A16Tuning,
     dequantize_gptq_kernel,
@@ -50,6 +63,8 @@ __all__ = [
     "FP8SmallMTiles",
     "FP8SmallMTuning",
     "FP8WeightTuning",
+    "NVFP4DecodeTuning",
+    "NVFP4Tuning",
     "W4A16Tuning",
     "W4AFP8Tuning",
     "dequantize_gptq_kernel",
@@ -58,6 +73,13 @@ __all__ = [
     "fp8_pack",
     "fp8_scaled_linear_kernel",
     "fp8_scaled_linear_kernel_with_codes",
+    "nvfp4_accumulate_group",
+    "nvfp4_decode",
+    "nvfp4_dequantize_kernel",
+    "nvfp4_linear",
+    "nvfp4_linear_prepacked",
+    "nvfp4_pack_and_swizzle",
+    "nvfp4_unavailable_reason",
     "quantize_fp8_input",
     "quantize_fp8_weight_auto",
     "quantize_fp8_weight_kernel",

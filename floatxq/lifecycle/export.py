@@ -437,8 +437,28 @@ def _gptq_export(model: nn.Module, modules: _Modules, config: Any, layout: str) 
     state: dict[str, Tensor] = {}
     for key, tensor in model.state_dict().items():
         prefix, _, leaf = key.rpartition(".")
+        if leaf == _ACTIVATION_SCALE_BITS:  # a W4A-NVFP4 module's activation global scale
+            _check_dynamic_activation_scale(layout, prefix, tensor)
+            continue
         state[key] = replaced.get(prefix, {}).get(leaf, tensor)
     return LayoutExport(state, gptq_config_to_payload(config), gptq_config_to_payload(config))
+
+
+_ACTIVATION_SCALE_BITS = "activation_global_scale_bits"
+
+
+def _check_dynamic_activation_scale(layout: str, name: str, bits: Tensor) -> None:
+    """A W4A-NVFP4 module's activation scale is not written: the checkpoint is ordinary GPTQ.
+    That loses nothing while the scale is 0.0 (derived per call); a calibrated one is refused
+    rather than dropped."""
+    if int(bits) != 0:
+        value = float(bits.view(torch.float32))
+        raise ValueError(
+            f"export: layout {layout!r} writes ordinary GPTQ tensors; {name} holds a calibrated "
+            f"activation global scale ({value!r}) that it has no place for. Saving W4A "
+            f"activation policies with their scales arrives with GPTQConfig.activation; set "
+            f"activation_global_scale_bits to 0 (dynamic) to save the weights alone"
+        )
 
 
 def _gptq_ct_tensors(name: str, module: nn.Module, facts: _GptqFacts) -> dict[str, Tensor]:
@@ -538,6 +558,9 @@ def _converted_state(
     state: dict[str, Tensor] = {}
     for key, tensor in model.state_dict().items():
         prefix, _, leaf = key.rpartition(".")
+        if leaf == _ACTIVATION_SCALE_BITS:  # a W4A-NVFP4 module's activation global scale
+            _check_dynamic_activation_scale(layout, prefix, tensor)
+            continue
         if prefix in gptq:
             continue
         entry = renamed.get(prefix, {}).get(leaf)

@@ -37,11 +37,15 @@ from floatxq.lifecycle.payload import (
 )
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
+_W4A_BACKENDS = (BACKEND.GPTQ_W4AFP8, BACKEND.GPTQ_W4A_NVFP4)
+"""Backends that run a GPTQ checkpoint with quantized activations (explicit, never ``auto``)."""
+
 
 def _resolve_backend(backend: Any, config: Any = None, *, checkpoint: bool = False) -> BACKEND:
     """The backend that runs the model: FP8 weight-only models run on ``fp8_torch``, GPTQ
     (W4A16) models on ``gptq_torch``; an explicit backend must be the one the method runs on.
-    ``gptq_w4afp8`` runs GPTQ ``checkpoint``s (directories already quantized), never by ``auto``."""
+    ``gptq_w4afp8`` and ``gptq_w4a_nvfp4`` run GPTQ ``checkpoint``s (directories already
+    quantized), never by ``auto``."""
     runs_on = BACKEND.GPTQ_TORCH if isinstance(config, GPTQConfig) else BACKEND.FP8_TORCH
     if isinstance(backend, str):
         try:
@@ -50,15 +54,15 @@ def _resolve_backend(backend: Any, config: Any = None, *, checkpoint: bool = Fal
             chosen = None
         if chosen == BACKEND.AUTO or chosen == runs_on:
             return runs_on
-        if chosen == BACKEND.GPTQ_W4AFP8 and runs_on == BACKEND.GPTQ_TORCH:
+        if chosen in _W4A_BACKENDS and runs_on == BACKEND.GPTQ_TORCH:
             if checkpoint:
                 return chosen
             raise ValueError(
                 f"load: backend {backend!r} runs GPTQ checkpoints loaded from a directory; "
                 f"quantize with backend 'auto', save with layout 'gptq', then load that "
-                f"directory with backend='gptq_w4afp8'"
+                f"directory with backend={chosen.value!r}"
             )
-        if chosen in (BACKEND.FP8_TORCH, BACKEND.GPTQ_TORCH, BACKEND.GPTQ_W4AFP8):
+        if chosen in (BACKEND.FP8_TORCH, BACKEND.GPTQ_TORCH, *_W4A_BACKENDS):
             what = "GPTQ (W4A16)" if runs_on == BACKEND.GPTQ_TORCH else "FP8 weight-only"
             raise ValueError(
                 f"load: backend {backend!r} cannot run {what} models; use 'auto' or "
@@ -68,7 +72,7 @@ def _resolve_backend(backend: Any, config: Any = None, *, checkpoint: bool = Fal
     raise ValueError(
         f"load: backend {backend!r} is not available in floatxq; accepted: {accepted} (FP8 "
         f"weight-only models run on 'fp8_torch', GPTQ W4A16 models on 'gptq_torch', symmetric "
-        f"4-bit g128 GPTQ checkpoints also on 'gptq_w4afp8')"
+        f"4-bit g128 GPTQ checkpoints also on 'gptq_w4afp8' and 'gptq_w4a_nvfp4')"
     )
 
 
@@ -92,6 +96,29 @@ def _install_w4a_fp8(model: nn.Module) -> None:
             )
     for name, module in gptq:
         model.set_submodule(name, W4AFP8Linear.from_gptq_linear(module))
+
+
+def _install_w4a_nvfp4(model: nn.Module) -> None:
+    """Replace every GPTQLinear of a loaded checkpoint by a W4ANVFP4Linear sharing its tensors
+    (dynamic activation global scales: GPTQ checkpoints hold none).
+
+    Raises:
+      ValueError: naming the first module that cannot run as W4A-NVFP4 and why, before any
+        module is replaced.
+    """
+    from floatxq.nn.gptq_linear import GPTQLinear
+    from floatxq.nn.w4a_nvfp4_linear import W4ANVFP4Linear, w4a_nvfp4_ineligibility
+
+    gptq = [(n, m) for n, m in model.named_modules() if type(m) is GPTQLinear]
+    for name, module in gptq:
+        why = w4a_nvfp4_ineligibility(module)
+        if why is not None:
+            raise ValueError(
+                f"load: backend 'gptq_w4a_nvfp4' cannot run {name}: {why}; load with backend "
+                f"'auto' to run the checkpoint as W4A16 (gptq_torch)"
+            )
+    for name, module in gptq:
+        model.set_submodule(name, W4ANVFP4Linear.from_gptq_linear(module))
 
 
 def _as_config(value: Any) -> FP8Config | GPTQConfig:
@@ -818,7 +845,9 @@ def load(
       dtype: dtype of the unquantized parameters (default: the checkpoint's / the model's).
       backend: ``"auto"``, ``"fp8_torch"`` (FP8 models) or ``"gptq_torch"`` (GPTQ W4A16);
         ``"gptq_w4afp8"`` runs a GPTQ checkpoint (4-bit, groups of 128, symmetric, no
-        ``desc_act``) as ``W4AFP8Linear`` modules (FP8 per-token activations).
+        ``desc_act``) as ``W4AFP8Linear`` modules (FP8 per-token activations),
+        ``"gptq_w4a_nvfp4"`` as ``W4ANVFP4Linear`` modules (NVFP4 activations, dynamic global
+        scales).
 
     Raises:
       CheckpointError (a ValueError): missing/corrupt/truncated files, inconsistent tensors.
@@ -876,6 +905,8 @@ def load(
         chosen = _resolve_backend(backend, qconfig, checkpoint=True)
         if chosen == BACKEND.GPTQ_W4AFP8:
             _install_w4a_fp8(model)
+        elif chosen == BACKEND.GPTQ_W4A_NVFP4:
+            _install_w4a_nvfp4(model)
         if quantize_config is not None:
             warnings.warn(
                 f"load: {path} is already quantized; quantize_config is ignored",

@@ -10,6 +10,8 @@ scales, an FP32 global scale) and decodes them per call. ``GPTQLinear`` holds GP
 8-bit weights (GPT-QModel's ``qweight``/``qzeros``/``scales``/``g_idx``) and decodes them per call.
 ``W4AFP8Linear`` holds the same buffers for symmetric 4-bit g128 weights and multiplies them by
 per-token FP8 activations (the W4A-FP8 GEMM; a non-persistent E4M3 staging of the weight).
+``W4ANVFP4Linear`` holds them too and multiplies them by NVFP4 activations (the W4A-NVFP4 GEMM:
+FP4 tensor cores on SM 12.1+, an exact emulation elsewhere).
 """
 
 from floatxq.nn.conv import ConvGeometry
@@ -24,6 +26,7 @@ from floatxq.nn.route_policy import (
     select_fp8_route,
 )
 from floatxq.nn.w4a_fp8_linear import W4AFP8Linear
+from floatxq.nn.w4a_nvfp4_linear import W4ANVFP4Linear
 
 __all__ = [
     "ROUTES",
@@ -35,5 +38,6 @@ __all__ = [
     "TorchFP4Linear",
     "TorchFP8Linear",
     "W4AFP8Linear",
+    "W4ANVFP4Linear",
     "select_fp8_route",
 ]

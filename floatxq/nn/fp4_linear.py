@@ -14,8 +14,11 @@ both alone.
 
 A call decodes the weight in ``x``'s dtype for that call only (no dense copy is kept) and runs
 ``F.linear``. On CUDA the call first tries torchao's ``NVFP4Tensor`` (weight-only) when torchao
-imports; if it is missing or raises, the decode runs and ``last_fallback_reason`` says why (an
-error switches the torchao route off until the buffers move or are loaded).
+imports; if it is missing or raises, the weight is decoded and ``last_fallback_reason`` says why
+(an error switches the torchao route off until the buffers move or are loaded). That decode is
+the Triton kernel :func:`floatxq.kernels.nvfp4_decoding.nvfp4_dequantize_kernel` (route
+``"triton_decode"``, the same bits as the pure decode) where Triton runs, else the pure function
+(route ``"dequant_matmul"``, the only route off CUDA).
 """
 
 import functools
@@ -30,6 +33,8 @@ from torch import nn
 
 from floatxq._typing import Float, Tensor
 from floatxq.formats import NVFP4_BLOCK, NVFP4RecipeName
+from floatxq.kernels._triton import triton_unavailable_reason
+from floatxq.kernels.nvfp4_decoding import nvfp4_dequantize_kernel
 from floatxq.nn.fp8_linear import _move_bytes  # buffers move as bytes, never cast
 from floatxq.nvfp4 import nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
 from floatxq.nvfp4_layouts import NVFP4Weight, nvfp4_from_modelopt
@@ -39,6 +44,7 @@ __all__ = ["TorchFP4Linear"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BYTE_BUFFERS = ("weight", "weight_scale", "weight_scale_2")
 DECODE_ROUTE = "dequant_matmul"
+TRITON_DECODE_ROUTE = "triton_decode"
 TORCHAO_ROUTE = "torchao_nvfp4"
 
 
@@ -48,6 +54,15 @@ def _torchao_missing() -> str | None:
     if importlib.util.find_spec("torchao") is None:
         return "torchao is not installed"
     return None
+
+
+def _decode_route(device: torch.device, dtype: torch.dtype) -> tuple[str, str | None]:
+    """``(route, reason)`` of a CUDA call's weight decode: ``"triton_decode"`` where the kernel
+    runs for ``dtype`` (``reason`` None), else ``"dequant_matmul"`` and why not the kernel."""
+    if dtype not in _DTYPES:
+        return DECODE_ROUTE, f"it writes float16, bfloat16 or float32, not {dtype}"
+    reason = triton_unavailable_reason(device)
+    return (TRITON_DECODE_ROUTE, None) if reason is None else (DECODE_ROUTE, reason)
 
 
 def _check_dtype(dtype: Any, *, where: str) -> torch.dtype:
@@ -95,8 +110,9 @@ class TorchFP4Linear(nn.Module):
         dtype.
 
     Numerics: the decode is :func:`floatxq.nvfp4.nvfp4_dequantize` (exact code-scale product,
-    one FP32 rounding for the tensor scale, one rounding into ``x.dtype``), then ``F.linear``.
-    torchao's route (CUDA, when installed) decodes with its own rounding order.
+    one FP32 rounding for the tensor scale, one rounding into ``x.dtype``), or its Triton twin
+    on CUDA (the same bits), then ``F.linear``. torchao's route (CUDA, when installed) decodes
+    with its own rounding order.
 
     Example:
       >>> layer = TorchFP4Linear.from_linear(nn.Linear(32, 8))
@@ -336,7 +352,8 @@ class TorchFP4Linear(nn.Module):
 
     @property
     def last_route(self) -> str:
-        """The route of the last call: ``"dequant_matmul"``, ``"torchao_nvfp4"``, or ``"none"``."""
+        """The route of the last call: ``"dequant_matmul"``, ``"triton_decode"``,
+        ``"torchao_nvfp4"``, or ``"none"``."""
         return self._last[0]
 
     @property
@@ -372,13 +389,27 @@ class TorchFP4Linear(nn.Module):
             self._set_last("none", None)
             return x.new_empty((*x.shape[:-1], self.out_features))
         bias = self.bias.to(x.dtype) if self.bias is not None else None
+        route = DECODE_ROUTE
         if x.is_cuda:
             out = self._torchao_linear(x, bias)
             if out is not None:
                 return out
+            route, why = _decode_route(x.device, x.dtype)
+            reason = self.last_fallback_reason
+            if why is not None:
+                reason = f"{reason}, in torch: the Triton decode cannot run ({why})"
+            self._set_last(route, reason)
         else:
             self._set_last(DECODE_ROUTE, None)
-        return F.linear(x, self.dequantize_weight(x.dtype), bias)
+        return F.linear(x, self._decoded(route, x.dtype), bias)
+
+    def _decoded(self, route: str, dtype: torch.dtype) -> Tensor:
+        """The ``(out, in)`` weight in ``dtype`` for one call, decoded by ``route``'s code."""
+        if route == TRITON_DECODE_ROUTE:
+            return nvfp4_dequantize_kernel(
+                self.weight, self.weight_scale, self.weight_scale_2, dtype=dtype
+            )
+        return self.dequantize_weight(dtype)
 
     def _torchao_linear(self, x: Tensor, bias: Tensor | None) -> Tensor | None:
         """torchao's weight-only NVFP4 linear, or ``None`` (reason recorded) when it cannot run."""

@@ -351,6 +351,114 @@ def w4a_fp8_linear_error_bound(
     return _bounds(parts, absolute, squares, k, accumulation, b, output_dtype)
 
 
+def w4a_nvfp4_linear_error_bound(
+    codes: Shaped[Tensor, "m half"],
+    scales: Shaped[Tensor, "groups padded"],
+    global_scale: Float[Tensor, "*one"] | float,
+    weight: Shaped[Tensor, "rows n"],
+    group_scales: Float[Tensor, "groups n"],
+    bias: Float[Tensor, "n"] | None,  # noqa: F821
+    *,
+    token_scale: Float32[Tensor, "m"] | None = None,  # noqa: F821
+    output_dtype: torch.dtype,
+    accumulation: Accumulation = FP32_ACCUMULATION,
+) -> FP8LinearBound:
+    """:func:`fp8_linear_error_bound` for the W4A-NVFP4 GEMM, its two summation routes at once.
+
+    The terms are ``t_k = a[m, k] · c[k, n] · group_scales[k // 128, n] · global_scale ·
+    token_scale[m]`` in float64, ``a = e2m1(code) · block_scale`` the exact decoded activation
+    without the global scale and ``c`` the centered weight; ``exact`` is the float64 value of
+    :func:`floatxq.w4a.w4a_nvfp4_linear_prepacked` before any rounding (the bias as the GEMM adds
+    it: FP32 of its stored value). The result bounds both routes, element by element the larger
+    of their bounds:
+
+    * direct (a kernel that sums ``a · c``): the bounds of :func:`fp8_linear_error_bound` for
+      these ``k`` terms, each 128-wide group summed in stretches of ``accumulation.chunk``
+      (which must divide 128) and then across groups in FP32. Along any path a term meets
+      ``128/C - 1`` additions in its group (``C`` the chunk), the group-scale product, ``G -
+      1`` group additions (``G = k / 128``), the global and token scale products and the bias:
+      ``128/C + G + 2 <= k/C + 8`` roundings, inside the ``(k/C + 8) · u · S`` of the worst
+      case (``S = Σ|t_k|``).
+    * planes (the reference, as NVFP4 tensor cores): per group ``L = Σ a·low`` and ``H = Σ
+      a·high`` are each rounded in FP32, then ``L + 4·H`` once more. ``4·H`` is exact (a power
+      of two; the sums lie on a grid of ``2**-10``, far from FP32's subnormals), so the group's
+      value is an FP32 sum of the ``256`` terms ``a·low`` and ``4·a·high`` in one particular
+      order, with the recombination its last addition. This route is therefore the direct
+      model on the ``2k`` terms ``{a·low·s, 4·a·high·s}`` (``s`` the three scales): the bounds
+      above with ``k`` doubled, ``S = Σ(|a·low| + 4|a·high|)·|s|`` (at most ``3 Σ|t_k|``:
+      ``|low| + 4|high| <= 3|c|``, ``c = 2`` splitting as ``-2 + 4·1``), ``Σ t²`` and the
+      stretch sums of the plane terms. The rounding count ``256/C + G + 2`` stays within
+      ``2k/C + 8``.
+
+    Both routes share ``exact`` (the plane terms add to the same group sums); the output's own
+    rounding is added as in :func:`fp8_linear_error_bound`. The statistical bound holds for
+    activations of random sign (use ``worst_case`` for structured data: a long run of terms
+    that each round the same way, such as one large term and many small equal ones in a group,
+    can exceed it). Products and sums away from FP32's subnormals (scales of ordinary size).
+
+    Raises:
+      TypeError, ValueError: as :func:`floatxq.w4a.w4a_nvfp4_linear_prepacked`; an
+        ``accumulation`` that is not an :class:`Accumulation` or whose chunk does not divide
+        128.
+
+    Numerics: float64 on ``codes``' device, a few ``(m, n, k / C)`` tensors at once.
+
+    Example:
+      >>> codes = torch.full((1, 64), 0x22, dtype=torch.uint8)  # every element e2m1 1.0
+      >>> scales = torch.zeros(1, 1024, dtype=torch.float8_e4m3fn)
+      >>> scales[0, [0, 1, 2, 3, 512, 513, 514, 515]] = 0.5  # row 0's 8 block scales
+      >>> w = torch.full((128, 2), 3.0).to(torch.float8_e4m3fn)
+      >>> b = w4a_nvfp4_linear_error_bound(codes, scales, 2.0, w, torch.ones(1, 2), None,
+      ...     output_dtype=torch.float32)
+      >>> b.exact.tolist(), bool((b.statistical <= b.worst_case).all())
+      ([[384.0, 384.0]], True)
+    """
+    from floatxq.nvfp4_operand import nvfp4_decode_swizzled
+    from floatxq.w4a import _check_nvfp4_operands, _weight_planes
+
+    where = "w4a_nvfp4_linear_error_bound"
+    if not isinstance(accumulation, Accumulation):
+        raise TypeError(
+            f"{where}: accumulation must be an Accumulation, got {type(accumulation).__name__}"
+        )
+    chunk = accumulation.chunk
+    if 128 % chunk:
+        raise ValueError(f"{where}: chunk must divide 128, got {chunk}")
+    m, k, n, g = _check_nvfp4_operands(
+        codes, scales, global_scale, weight, group_scales, bias, token_scale, output_dtype,
+        where=where,
+    )  # fmt: skip
+    a = nvfp4_decode_swizzled(codes, scales, 1.0, k, torch.float32).double()  # exact
+    c, (low, high) = _weight_planes(weight, where=where)
+    width = chunk if chunk > 1 else 128
+    groups = torch.arange(k // width, device=a.device) * width // 128
+    row = g.double() * (token_scale.double() if token_scale is not None else a.new_ones(m))
+    scale = group_scales.to(torch.float32).double()[groups].T[None] * row[:, None, None]
+
+    def sums(w: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Per-stretch sums of the terms ``a · w · scale``, of their magnitudes and squares."""
+        parts = _grouped_sums(a, w, width) * scale
+        absolute = _grouped_sums(a.abs(), w.abs(), width) * scale.abs()
+        squares = None
+        if chunk == 1:
+            squares = _grouped_sums(a.square(), w.square(), width) * scale.square()
+        return parts, absolute, squares
+
+    b = bias.to(torch.float32).double() if bias is not None else a.new_zeros(n)
+    direct = _bounds(*sums(c.double()), k, accumulation, b, output_dtype)
+    (lp, la, ls), (hp, ha, hs) = sums(low.double()), sums(4 * high.double())
+    joined = None if ls is None else torch.cat([ls, hs], dim=-1)
+    planes = _bounds(
+        torch.cat([lp, hp], dim=-1), torch.cat([la, ha], dim=-1), joined, 2 * k, accumulation,
+        b, output_dtype,
+    )  # fmt: skip
+    return FP8LinearBound(
+        direct.exact,
+        torch.maximum(direct.worst_case, planes.worst_case),
+        torch.maximum(direct.statistical, planes.statistical),
+    )
+
+
 def w4a16_linear_error_bound(
     x: Float[Tensor, "m k"],
     weight: Float[Tensor, "n k"],

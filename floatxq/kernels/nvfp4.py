@@ -1,0 +1,476 @@
+"""NVFP4 activations on the GPU: the packer for every recipe and the emulated W4A-NVFP4 GEMM.
+
+* :func:`nvfp4_pack_and_swizzle` quantizes ``(rows, K)`` activations to NVFP4 and lays them
+  out as the tensor-core operand, bit for bit :func:`floatxq.nvfp4_operand.nvfp4_pack_swizzled`
+  (every recipe, ``exhaustive`` included). One program takes ``pack_rows`` rows of one 128-wide
+  K group; zero rows launch nothing.
+* :func:`nvfp4_linear_prepacked` / :func:`nvfp4_linear` compute the W4A-NVFP4 GEMM (an NVFP4
+  activation times a symmetric INT4 GPTQ weight) on FP16 tensor cores, for GPUs without FP4
+  ones (Hopper, Ada, Ampere). Every operand is exact in FP16: an activation value ``e2m1 ×
+  block scale`` has at most 6 significant bits between ``2**-10`` and 2688, a weight value is an
+  integer in ``-8..7``. So each 128-wide group's products are exact and their FP32 sum differs
+  from the native FP4 route (which sums the weight's two E2M1 planes separately) only in
+  summation order; the group scale, the ascending group sum, the global scale, the token scale
+  and the bias follow :func:`floatxq.w4a.w4a_nvfp4_linear_prepacked` exactly.
+
+Import needs neither Triton nor CUDA; the Triton sources load on the first launch. Launch shapes
+come from a frozen :class:`NVFP4Tuning` (defaults measured on an H200, ``benchmarks/nvfp4.py``).
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any, Literal
+
+import torch
+
+from floatxq._checks import real_scalar, require_floating, require_tensor
+from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor
+from floatxq.formats import NVFP4RecipeName, normalize_nvfp4_recipe, nvfp4_kernel_recipe
+from floatxq.int4 import _unpack_fields
+from floatxq.kernels import fp8_small_m, fp8_weight
+from floatxq.kernels._triton import (
+    CachedLauncher,
+    import_kernel_sources,
+    launch_device,
+    require_kernel_device,
+    triton_interpret_enabled,
+    triton_unavailable_reason,
+)
+from floatxq.nvfp4_operand import NVFP4_OPERAND_GROUP, padded_rows
+from floatxq.w4a import W4A_OUTPUT_DTYPES, _check_nvfp4_weight_side
+
+__all__ = [
+    "DEFAULT_NVFP4_TUNING",
+    "NVFP4Tuning",
+    "nvfp4_linear",
+    "nvfp4_linear_prepacked",
+    "nvfp4_pack_and_swizzle",
+    "nvfp4_unavailable_reason",
+]
+
+_MIN_CAPABILITY = (8, 9)
+"""Triton's E4M3 conversions (the staged weight and the block scales are E4M3): Ada and newer."""
+_LOCAL = {"nvidia": 0, "four_six": 1, "least_squares": 2, "least_squares_grid": 3, "exhaustive": 4}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP4X2 = torch.float4_e2m1fn_x2
+_E4M3 = torch.float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class NVFP4Tuning:
+    """Launch shapes of the NVFP4 kernels (defaults measured on an H200).
+
+    Raises:
+      ValueError: a count below 1, or a row tile that does not divide 128.
+
+    Numerics: none; every tuning gives the same bytes (packer) and the same sums up to FP32
+    order (GEMM).
+
+    Example:
+      >>> NVFP4Tuning(pack_rows=4).pack_rows
+      4
+    """
+
+    pack_rows: int = 16
+    """Rows per program of the cheap recipes (``nvidia``, ``four_six``); divides 128."""
+    pack_rows_search: int = 16
+    """Rows per program of the searching recipes (``least_squares*``, ``exhaustive``)."""
+    pack_warps: int = 4
+    words_max_rows: int = 64
+    """Largest row count for which the GEMM reads the int32 words when it is given them (above
+    it the staged E4M3 operand is faster; callers holding both pick with :func:`nvfp4_operand`)."""
+    words_block_n: int = 64
+    words_warps: int = 4
+    words_stages: int = 3
+    target_programs: int = 4
+    """The words form splits K until about this many programs per SM are launched."""
+    e4m3_block_m: int = 128
+    e4m3_block_n: int = 128
+    e4m3_warps: int = 8
+    e4m3_stages: int = 3
+    e4m3_group_m: int = 8
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"NVFP4Tuning: {f.name} must be an int >= 1, got {value!r}")
+        for name in ("pack_rows", "pack_rows_search"):
+            value = getattr(self, name)
+            if 128 % value:
+                raise ValueError(f"NVFP4Tuning: {name} must divide 128, got {value}")
+
+
+DEFAULT_NVFP4_TUNING = NVFP4Tuning()
+
+
+def nvfp4_unavailable_reason(device: torch.device) -> str | None:
+    """Why the NVFP4 kernels cannot run on ``device``'s tensors here, or ``None``.
+
+    They need Triton and CUDA SM 8.9 or newer; ``TRITON_INTERPRET=1`` runs them on CPU tensors.
+
+    Numerics: none; an environment check.
+
+    Example:
+      >>> nvfp4_unavailable_reason(torch.device("cpu")) is not None or triton_interpret_enabled()
+      True
+    """
+    reason = triton_unavailable_reason(device)
+    if reason is not None or device.type != "cuda":
+        return reason
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = fp8_weight._capability(index)
+    if cap < _MIN_CAPABILITY:
+        return (
+            f"CUDA device {index} is SM {cap[0]}.{cap[1]} < {_MIN_CAPABILITY[0]}."
+            f"{_MIN_CAPABILITY[1]}: the NVFP4 kernels need Triton's E4M3 conversions"
+        )
+    return None
+
+
+@functools.cache
+def _launchers(interpret: bool) -> tuple[CachedLauncher, ...]:
+    sources = import_kernel_sources(
+        "floatxq.kernels._nvfp4_jit", interpret=interpret, where="floatxq.kernels.nvfp4"
+    )
+    return CachedLauncher(sources.nvfp4_pack_kernel), CachedLauncher(sources.w4a_nvfp4_kernel)
+
+
+def _options(interpret: bool, warps: int) -> dict[str, object]:
+    """Launch options: no multiply-add contraction and IEEE division with subnormals kept (the
+    interpreter computes each operation on its own in NumPy anyway)."""
+    if interpret:
+        return {"num_warps": warps}
+    return {"num_warps": warps, "enable_fp_fusion": False, "enable_reflect_ftz": False}
+
+
+def _specialized(*values: int) -> tuple[tuple[bool, bool], ...]:
+    """What Triton specializes a compiled kernel on for each integer argument (equal to 1,
+    divisible by 16): a launch key must hold it, or a kernel compiled for ``M == 1`` would be
+    reused for other row counts."""
+    return tuple((v == 1, v % 16 == 0) for v in values)
+
+
+def _global_scale(global_scale: object, device: torch.device, *, where: str) -> Tensor:
+    """The global scale as a one-element FP32 tensor on ``device``.
+
+    A number (or a CPU tensor) is checked here: one positive finite value. A tensor already on
+    the GPU is not read on the host (no synchronization); the kernel stores NaN scales when it
+    is not positive and finite.
+    """
+    if isinstance(global_scale, torch.Tensor) and global_scale.device == device:
+        require_floating(global_scale, name="global_scale", where=where)
+        if global_scale.numel() != 1:
+            raise ValueError(
+                f"{where}: global_scale must hold one value, got shape {tuple(global_scale.shape)}"
+            )
+        if device.type == "cuda":
+            return global_scale.reshape(1).to(torch.float32)
+    g = real_scalar(global_scale, name="global_scale", where=where, device=torch.device("cpu"))
+    if not (math.isfinite(g.item()) and g.item() > 0):
+        raise ValueError(f"{where}: global_scale must be positive and finite, got {g.item()!r}")
+    return g.reshape(1).to(device)
+
+
+def nvfp4_pack_and_swizzle(
+    x: Float[Tensor, "rows k"],
+    global_scale: Float[Tensor, "*one"] | float,
+    *,
+    recipe: NVFP4RecipeName = "least_squares",
+    tuning: NVFP4Tuning = DEFAULT_NVFP4_TUNING,
+) -> tuple[Shaped[Tensor, "rows k//2"], Float8e4m3fn[Tensor, "k//128 padded"]]:
+    """NVFP4 codes and swizzled block scales of ``x`` in one launch.
+
+    Args:
+      x: ``(rows, K)`` float16/bfloat16/float32 CUDA tensor (any strides); ``K`` a positive
+        multiple of 128.
+      global_scale: the FP32 global scale: a positive finite number, or a one-element tensor
+        (on the GPU it is not read on the host).
+      recipe: every NVFP4 recipe (``nvidia``, ``nvidia_headroom``, ``four_six``,
+        ``least_squares``, ``least_squares_headroom``, ``least_squares_grid``, ``exhaustive``)
+        or a legacy alias.
+      tuning: launch shape (:class:`NVFP4Tuning`).
+
+    Returns:
+      ``(packed, scales)``: ``float4_e2m1fn_x2 (rows, K/2)`` and ``float8_e4m3fn (K/128,
+      padded_rows·8)`` (rows padded to 128, padding scales 0). No rows: ``(0, K/2)`` and
+      ``(K/128, 0)`` without a launch.
+
+    Raises:
+      TypeError: a CPU tensor (without ``TRITON_INTERPRET=1``), another dtype, not 2-D.
+      ValueError: ``K`` not a positive multiple of 128, an unknown recipe, a global-scale number
+        that is not positive and finite.
+      RuntimeError: Triton missing, or a GPU below SM 8.9.
+
+    Numerics: bit for bit :func:`floatxq.nvfp4_operand.nvfp4_pack_swizzled` on finite input. No
+    finiteness check on the host (no synchronization): a block holding NaN or infinity gets the
+    NaN scale byte 0x7F, so it decodes to NaN rather than to a finite wrong value.
+
+    Example:
+      >>> packed, scales = nvfp4_pack_and_swizzle(
+      ...     torch.randn(4, 256, device="cuda"), 0.01)  # doctest: +SKIP
+    """
+    where = "nvfp4_pack_and_swizzle"
+    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in _DTYPES:
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{where}: x must be a 2-D float16/bfloat16/float32 tensor, got {got}")
+    rows, k = x.shape
+    if k == 0 or k % NVFP4_OPERAND_GROUP:
+        raise ValueError(
+            f"{where}: K must be a positive multiple of {NVFP4_OPERAND_GROUP}, got K={k}"
+        )
+    local = nvfp4_kernel_recipe(normalize_nvfp4_recipe(recipe))
+    device = require_kernel_device((x,), where=where, reason=nvfp4_unavailable_reason)
+    g = _global_scale(global_scale, device, where=where)
+    groups = k // NVFP4_OPERAND_GROUP
+    packed = torch.empty((rows, k // 2), dtype=torch.uint8, device=device)
+    scales = torch.empty((groups, padded_rows(rows) * 8), dtype=torch.uint8, device=device)
+    if rows == 0:
+        return packed.view(_FP4X2), scales.view(_E4M3)
+    interpret = triton_interpret_enabled()
+    if interpret:
+        x = x.float()  # (the interpreter's own widening flushes subnormals)
+    cheap = local in ("nvidia", "four_six")
+    block_r = tuning.pack_rows if cheap else tuning.pack_rows_search
+    grid = (padded_rows(rows) // block_r, groups, 1)
+    args = (
+        x, g, packed, scales, rows, k, padded_rows(rows), x.stride(0), x.stride(1),
+        _LOCAL[local], block_r,
+    )  # fmt: skip
+    key = (x.dtype, x.data_ptr() % 16 == 0, _specialized(rows, x.stride(0), x.stride(1)),
+           _LOCAL[local], block_r, tuning.pack_warps)  # fmt: skip
+    guard, index = launch_device(device)
+    with guard:
+        _launchers(interpret)[0](key, grid, args, _options(interpret, tuning.pack_warps), index)
+    return packed.view(_FP4X2), scales.view(_E4M3)
+
+
+def nvfp4_operand(
+    rows: int, tuning: NVFP4Tuning = DEFAULT_NVFP4_TUNING
+) -> Literal["words", "e4m3"]:
+    """Which weight form an ``rows``-row GEMM reads fastest: ``"words"`` or ``"e4m3"``.
+
+    Numerics: none (both forms give the same sums up to FP32 order).
+
+    Example:
+      >>> nvfp4_operand(1), nvfp4_operand(4096)
+      ('words', 'e4m3')
+    """
+    return "words" if rows <= tuning.words_max_rows else "e4m3"
+
+
+def _check_activation(
+    codes: object, scales: object, token_scale: object, output_dtype: object, *, where: str
+) -> tuple[int, int]:
+    """Kinds, shapes and devices of the activation side (no value is read); ``(m, k)``."""
+    require_tensor(codes, name="codes", where=where)
+    if codes.dtype not in (torch.uint8, _FP4X2) or codes.ndim != 2:
+        raise TypeError(
+            f"{where}: codes must be a 2-D float4_e2m1fn_x2 or uint8 (m, k/2) tensor, got "
+            f"{codes.dtype} {tuple(codes.shape)}"
+        )
+    m, k = codes.shape[0], codes.shape[1] * 2
+    if k == 0 or k % NVFP4_OPERAND_GROUP:
+        raise ValueError(
+            f"{where}: k = 2 * codes.shape[1] = {k} must be a positive multiple of "
+            f"{NVFP4_OPERAND_GROUP}"
+        )
+    require_tensor(scales, name="scales", where=where)
+    if scales.dtype != _E4M3:
+        raise TypeError(f"{where}: scales must be float8_e4m3fn, got {scales.dtype}")
+    expected = (k // NVFP4_OPERAND_GROUP, padded_rows(m) * 8)
+    if tuple(scales.shape) != expected:
+        raise ValueError(
+            f"{where}: scales must have shape {expected} (k/128, padded_rows(m)*8) for m={m} "
+            f"rows, got {tuple(scales.shape)}"
+        )
+    if token_scale is not None:
+        require_tensor(token_scale, name="token_scale", where=where)
+        if token_scale.dtype != torch.float32 or tuple(token_scale.shape) != (m,):
+            raise TypeError(
+                f"{where}: token_scale must be float32 of shape ({m},), got "
+                f"{token_scale.dtype} {tuple(token_scale.shape)}"
+            )
+    if output_dtype not in W4A_OUTPUT_DTYPES:
+        raise TypeError(
+            f"{where}: output_dtype must be float16, bfloat16 or float32, got {output_dtype!r}"
+        )
+    return m, k
+
+
+def nvfp4_linear_prepacked(
+    codes: Shaped[Tensor, "m half"],
+    scales: Float8e4m3fn[Tensor, "groups padded"],
+    global_scale: Float[Tensor, "*one"] | float,
+    weight: Shaped[Tensor, "rows n"],
+    group_scales: Float[Tensor, "groups n"],
+    bias: Float[Tensor, "n"] | None = None,  # noqa: F821
+    *,
+    token_scale: Float32[Tensor, "m"] | None = None,  # noqa: F821
+    output_dtype: torch.dtype,
+    tuning: NVFP4Tuning = DEFAULT_NVFP4_TUNING,
+) -> Float[Tensor, "m n"]:
+    """The W4A-NVFP4 GEMM emulated on FP16 tensor cores (one launch).
+
+    Args:
+      codes: ``(m, k/2)`` ``float4_e2m1fn_x2``/uint8 CUDA codes (unit K stride).
+      scales: ``float8_e4m3fn (k/128, padded_rows(m)·8)`` swizzled block scales (contiguous).
+      global_scale: the activation's FP32 global scale (a GPU tensor is not read on the host).
+      weight: int32 GPTQ words ``(k/8, n)`` or the staged ``float8_e4m3fn (k, n)`` operand
+        (any strides; K-contiguous is fastest).
+      group_scales: ``(k/128, n)`` GPTQ group scales (any floating dtype).
+      bias: ``(n,)`` floating or None.
+      token_scale: ``(m,)`` FP32 per-row factors or None.
+      output_dtype: float16, bfloat16 or float32.
+      tuning: launch shapes.
+
+    Returns:
+      ``(m, n)`` in ``output_dtype``.
+
+    Raises:
+      TypeError, ValueError: the shape and kind errors of
+        :func:`floatxq.w4a.w4a_nvfp4_linear_prepacked` (values are not read: no host sync).
+      RuntimeError: Triton missing, or a GPU below SM 8.9.
+
+    Numerics: :func:`floatxq.w4a.w4a_nvfp4_linear_prepacked` up to FP32 summation order: each
+    group's exact products summed in FP32 by the tensor cores (the native route sums the two
+    weight planes separately), split-K partial sums added in split order for few rows; the
+    group scale, global scale, token scale, bias and rounding in the reference's order.
+    """
+    where = "nvfp4_linear_prepacked"
+    _, k = _check_activation(codes, scales, token_scale, output_dtype, where=where)
+    _check_nvfp4_weight_side(k, codes.device, weight, group_scales, bias, where=where)
+    extras = tuple(t for t in (bias, token_scale) if t is not None)
+    others = (codes, scales, weight, group_scales, *extras)
+    device = require_kernel_device(others, where=where, reason=nvfp4_unavailable_reason)
+    g = _global_scale(global_scale, device, where=where)
+    return _gemm(codes, scales, g, weight, group_scales, bias, token_scale, output_dtype, tuning)
+
+
+def nvfp4_linear(
+    x: Float[Tensor, "m k"],
+    weight: Shaped[Tensor, "rows n"],
+    group_scales: Float[Tensor, "groups n"],
+    bias: Float[Tensor, "n"] | None = None,  # noqa: F821
+    *,
+    global_scale: Float[Tensor, "*one"] | float,
+    recipe: NVFP4RecipeName = "least_squares",
+    tuning: NVFP4Tuning = DEFAULT_NVFP4_TUNING,
+) -> Float[Tensor, "m n"]:
+    """The W4A-NVFP4 linear on the GPU: :func:`nvfp4_pack_and_swizzle`, then the emulated GEMM.
+
+    Args:
+      x: ``(m, k)`` float16/bfloat16/float32 CUDA activations; ``k`` a multiple of 128.
+      weight, group_scales, bias, tuning: as :func:`nvfp4_linear_prepacked`.
+      global_scale: the activation's FP32 global scale (calibrated; derive a dynamic one with
+        :func:`floatxq.nvfp4_global_scale`).
+      recipe: the block-scale recipe.
+
+    Returns:
+      ``(m, n)`` in ``x.dtype``.
+
+    Raises:
+      TypeError, ValueError, RuntimeError: as the two kernels.
+
+    Numerics: :func:`floatxq.w4a.w4a_nvfp4_linear` with that global scale, up to FP32
+    summation order.
+    """
+    where = "nvfp4_linear"
+    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in _DTYPES:
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{where}: x must be a 2-D float16/bfloat16/float32 tensor, got {got}")
+    _check_nvfp4_weight_side(x.shape[1], x.device, weight, group_scales, bias, where=where)
+    codes, scales = nvfp4_pack_and_swizzle(x, global_scale, recipe=recipe, tuning=tuning)
+    return nvfp4_linear_prepacked(
+        codes, scales, global_scale, weight, group_scales, bias, output_dtype=x.dtype,
+        tuning=tuning,
+    )  # fmt: skip
+
+
+_PLANS: dict[Any, tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]] = {}
+
+
+def _plan(
+    m: int, n: int, groups: int, words: bool, device: torch.device, tuning: NVFP4Tuning,
+    interpret: bool,
+) -> tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]:  # fmt: skip
+    """``(grid, constexpr tail, options)`` of one GEMM launch."""
+    if m <= tuning.words_max_rows or interpret:
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        block_n = tuning.words_block_n
+        tiles = -(-m // block_m) * -(-n // block_n)
+        sms = fp8_small_m._sm_count(device) or 1
+        split = 1
+        for d in range(1, groups + 1):  # the largest split that stays near the target programs
+            if groups % d == 0 and tiles * d <= tuning.target_programs * sms:
+                split = d
+        warps, stages, group_m = tuning.words_warps, tuning.words_stages, 1
+    else:
+        block_m, block_n, split = tuning.e4m3_block_m, tuning.e4m3_block_n, 1
+        tiles = -(-m // block_m) * -(-n // block_n)
+        warps, stages, group_m = tuning.e4m3_warps, tuning.e4m3_stages, tuning.e4m3_group_m
+    tail = (block_m, block_n, groups // split, split, group_m)
+    del words
+    options: dict[str, Any] = {"num_warps": warps, "num_stages": stages}
+    if not interpret:
+        options["enable_fp_fusion"] = False
+    return (tiles, split, 1), tail, options
+
+
+def _gemm(
+    codes: Tensor, scales: Tensor, g: Tensor, weight: Tensor, group_scales: Tensor,
+    bias: Tensor | None, token_scale: Tensor | None, output_dtype: torch.dtype,
+    tuning: NVFP4Tuning,
+) -> Tensor:  # fmt: skip
+    """The GEMM launch, arguments already checked."""
+    m, k = codes.shape[0], codes.shape[1] * 2
+    n = weight.shape[1]
+    device = codes.device
+    out = torch.empty((m, n), dtype=output_dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+    words = weight.dtype == torch.int32
+    interpret = triton_interpret_enabled()
+    c = codes.view(torch.uint8)
+    key = (
+        m, n, k, words, weight.stride(), group_scales.stride(), group_scales.dtype, c.stride(0),
+        None if bias is None else bias.dtype, token_scale is not None, output_dtype, device,
+        interpret, None if tuning is DEFAULT_NVFP4_TUNING else tuning,
+    )  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(m, n, k // 128, words, device, tuning, interpret)
+    grid, tail, options = plan
+    split = grid[1]
+    decoded = m > tuning.words_max_rows and not interpret
+    act, mode = c, 0 if words else 1
+    if decoded:  # prefill: both operands decoded exactly to FP16 first (pipelined MMA loads)
+        from floatxq.kernels.nvfp4_decoding import nvfp4_decode
+
+        act = nvfp4_decode(codes, scales, 1.0, k, torch.float16)  # e2m1 · block scale: exact
+        if words:
+            weight = (_unpack_fields(weight, 0, 4).to(torch.int16) - 8).to(torch.float16)
+        else:
+            weight = weight.to(torch.float16)  # (keeps the operand's strides)
+        mode = 2
+    w = weight if mode != 1 else weight.view(torch.int8)
+    guard, index = launch_device(device)
+    with guard:
+        if split > 1:
+            tiles_m = -(-m // tail[0])
+            part, counts, _ = fp8_small_m._workspace(
+                device, index, split * m * n, tiles_m * -(-n // tail[1])
+            )
+        else:
+            part = counts = out
+        args = (
+            act, scales.view(torch.uint8), g, token_scale if token_scale is not None else g, w,
+            group_scales, bias if bias is not None else group_scales, out, part, counts, m, n, k,
+            padded_rows(m), act.stride(0), w.stride(0), w.stride(1), group_scales.stride(0),
+            group_scales.stride(1), out.stride(0), mode, decoded, token_scale is not None,
+            bias is not None, *tail,
+        )  # fmt: skip
+        aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:10])
+        _launchers(interpret)[1]((key, aligned), grid, args, options, index)
+    return out
