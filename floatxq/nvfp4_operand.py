@@ -102,6 +102,42 @@ def nvfp4_pack_swizzled(
     return pack_e2m1(blocks.codes).view(_FP4X2), swizzle_scales_per_group(blocks.block_scales)
 
 
+def _check_decode_operands(
+    codes: object, scales: object, width: object, out_dtype: object, *, where: str
+) -> int:
+    """Kinds, shapes and devices of a decode's operands (no value is read); returns ``rows``."""
+    require_tensor(codes, name="codes", where=where)
+    require_tensor(scales, name="scales", where=where)
+    if codes.dtype not in (torch.uint8, _FP4X2) or codes.ndim != 2:
+        raise TypeError(
+            f"{where}: codes must be a 2-D uint8 or float4_e2m1fn_x2 (rows, width/2) tensor, "
+            f"got {codes.dtype} {tuple(codes.shape)}"
+        )
+    if scales.dtype != _E4M3:
+        raise TypeError(f"{where}: scales must be float8_e4m3fn, got {scales.dtype}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(
+            f"{where}: out_dtype must be float16, bfloat16 or float32, got {out_dtype!r}"
+        )
+    if isinstance(width, bool) or not isinstance(width, int) or width <= 0 or width % 128:
+        raise ValueError(f"{where}: width must be a positive multiple of 128, got {width!r}")
+    rows = codes.shape[0]
+    if codes.shape[1] != width // 2:
+        raise ValueError(
+            f"{where}: codes must have shape (rows, {width // 2}) for width={width}, got "
+            f"{tuple(codes.shape)}"
+        )
+    expected = (width // NVFP4_OPERAND_GROUP, padded_rows(rows) * 8)
+    if tuple(scales.shape) != expected:
+        raise ValueError(
+            f"{where}: scales must have shape {expected} (width/128, padded_rows*8) for "
+            f"{rows} rows, got {tuple(scales.shape)}"
+        )
+    if scales.device != codes.device:
+        raise TypeError(f"{where}: scales are on {scales.device}, codes on {codes.device}")
+    return rows
+
+
 def nvfp4_decode_swizzled(
     codes: Shaped[Tensor, "rows half"],
     scales: Float8e4m3fn[Tensor, "groups padded"],
@@ -137,35 +173,7 @@ def nvfp4_decode_swizzled(
       [3.0, 3.0]
     """
     where = "nvfp4_decode_swizzled"
-    require_tensor(codes, name="codes", where=where)
-    require_tensor(scales, name="scales", where=where)
-    if codes.dtype not in (torch.uint8, _FP4X2) or codes.ndim != 2:
-        raise TypeError(
-            f"{where}: codes must be a 2-D uint8 or float4_e2m1fn_x2 (rows, width/2) tensor, "
-            f"got {codes.dtype} {tuple(codes.shape)}"
-        )
-    if scales.dtype != _E4M3:
-        raise TypeError(f"{where}: scales must be float8_e4m3fn, got {scales.dtype}")
-    if out_dtype not in _OUT_DTYPES:
-        raise TypeError(
-            f"{where}: out_dtype must be float16, bfloat16 or float32, got {out_dtype!r}"
-        )
-    if isinstance(width, bool) or not isinstance(width, int) or width <= 0 or width % 128:
-        raise ValueError(f"{where}: width must be a positive multiple of 128, got {width!r}")
-    rows = codes.shape[0]
-    if codes.shape[1] != width // 2:
-        raise ValueError(
-            f"{where}: codes must have shape (rows, {width // 2}) for width={width}, got "
-            f"{tuple(codes.shape)}"
-        )
-    expected = (width // NVFP4_OPERAND_GROUP, padded_rows(rows) * 8)
-    if tuple(scales.shape) != expected:
-        raise ValueError(
-            f"{where}: scales must have shape {expected} (width/128, padded_rows*8) for "
-            f"{rows} rows, got {tuple(scales.shape)}"
-        )
-    if scales.device != codes.device:
-        raise TypeError(f"{where}: scales are on {scales.device}, codes on {codes.device}")
+    rows = _check_decode_operands(codes, scales, width, out_dtype, where=where)
     require_data(codes, name="codes", where=where)
     g = _validated_global_scale(global_scale, codes.device, where=where)
     if rows == 0:

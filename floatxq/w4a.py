@@ -307,6 +307,50 @@ def w4a16_linear(
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
+def _check_accumulate_operands(
+    both: object, group_scale: object, acc: object, last: bool, global_scale: object,
+    token_scale: object, bias: object, output_dtype: object, *, where: str,
+) -> tuple[int, int]:  # fmt: skip
+    """Kinds and shapes of :func:`w4a_nvfp4_accumulate_group`'s operands, and which apply only
+    to the last group (no value is read); returns ``(m, n)``."""
+    for name, t in (("both", both), ("acc", acc), ("token_scale", token_scale)):
+        if t is not None:
+            require_tensor(t, name=name, where=where)
+            if t.dtype != torch.float32:
+                raise TypeError(f"{where}: {name} must be float32, got {t.dtype}")
+    if both.ndim != 2 or both.shape[1] % 2:
+        raise ValueError(f"{where}: both must be (m, 2n), got {tuple(both.shape)}")
+    m, n = both.shape[0], both.shape[1] // 2
+    require_floating(group_scale, name="group_scale", where=where)
+    if tuple(group_scale.shape) != (n,):
+        raise ValueError(
+            f"{where}: group_scale must have shape ({n},), got {tuple(group_scale.shape)}"
+        )
+    if acc is not None and tuple(acc.shape) != (m, n):
+        raise ValueError(f"{where}: acc must have shape {(m, n)}, got {tuple(acc.shape)}")
+    if not last:
+        extras = (("global_scale", global_scale), ("token_scale", token_scale), ("bias", bias))
+        given = [name for name, value in extras if value is not None]
+        if given or output_dtype != torch.float32:
+            what = ", ".join(given) or f"output_dtype={output_dtype}"
+            raise ValueError(f"{where}: {what} apply only to the last group (last=True)")
+    elif global_scale is None:
+        raise ValueError(f"{where}: the last group needs the activation's global_scale")
+    if output_dtype not in W4A_OUTPUT_DTYPES:
+        raise TypeError(
+            f"{where}: output_dtype must be float16, bfloat16 or float32, got {output_dtype!r}"
+        )
+    if token_scale is not None and tuple(token_scale.shape) != (m,):
+        raise ValueError(
+            f"{where}: token_scale must have shape ({m},), got {tuple(token_scale.shape)}"
+        )
+    if bias is not None:
+        require_floating(bias, name="bias", where=where)
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"{where}: bias must have shape ({n},), got {tuple(bias.shape)}")
+    return m, n
+
+
 def w4a_nvfp4_accumulate_group(
     both: Float32[Tensor, "m two_n"],
     group_scale: Float[Tensor, "n"],  # noqa: F821
@@ -355,41 +399,9 @@ def w4a_nvfp4_accumulate_group(
       [[6.0, -2.0]]
     """
     where = "w4a_nvfp4_accumulate_group"
-    for name, t in (("both", both), ("acc", acc), ("token_scale", token_scale)):
-        if t is not None:
-            require_tensor(t, name=name, where=where)
-            if t.dtype != torch.float32:
-                raise TypeError(f"{where}: {name} must be float32, got {t.dtype}")
-    if both.ndim != 2 or both.shape[1] % 2:
-        raise ValueError(f"{where}: both must be (m, 2n), got {tuple(both.shape)}")
-    m, n = both.shape[0], both.shape[1] // 2
-    require_floating(group_scale, name="group_scale", where=where)
-    if tuple(group_scale.shape) != (n,):
-        raise ValueError(
-            f"{where}: group_scale must have shape ({n},), got {tuple(group_scale.shape)}"
-        )
-    if acc is not None and tuple(acc.shape) != (m, n):
-        raise ValueError(f"{where}: acc must have shape {(m, n)}, got {tuple(acc.shape)}")
-    if not last:
-        extras = (("global_scale", global_scale), ("token_scale", token_scale), ("bias", bias))
-        given = [name for name, value in extras if value is not None]
-        if given or output_dtype != torch.float32:
-            what = ", ".join(given) or f"output_dtype={output_dtype}"
-            raise ValueError(f"{where}: {what} apply only to the last group (last=True)")
-    elif global_scale is None:
-        raise ValueError(f"{where}: the last group needs the activation's global_scale")
-    if output_dtype not in W4A_OUTPUT_DTYPES:
-        raise TypeError(
-            f"{where}: output_dtype must be float16, bfloat16 or float32, got {output_dtype!r}"
-        )
-    if token_scale is not None and tuple(token_scale.shape) != (m,):
-        raise ValueError(
-            f"{where}: token_scale must have shape ({m},), got {tuple(token_scale.shape)}"
-        )
-    if bias is not None:
-        require_floating(bias, name="bias", where=where)
-        if tuple(bias.shape) != (n,):
-            raise ValueError(f"{where}: bias must have shape ({n},), got {tuple(bias.shape)}")
+    _, n = _check_accumulate_operands(
+        both, group_scale, acc, last, global_scale, token_scale, bias, output_dtype, where=where
+    )
     tensors = [t for t in (both, group_scale, acc, token_scale, bias) if t is not None]
     devices = {t.device for t in tensors}
     if len(devices) != 1:

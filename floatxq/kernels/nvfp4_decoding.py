@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from floatxq._checks import real_scalar, require_data, require_floating, require_tensor
+from floatxq._checks import real_scalar, require_data, require_tensor
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor
 from floatxq.formats import FLOAT32_MAX, NVFP4_BLOCK
 from floatxq.kernels._triton import (
@@ -35,8 +35,8 @@ from floatxq.kernels._triton import (
     triton_interpret_enabled,
 )
 from floatxq.nvfp4 import _validated_global_scale
-from floatxq.nvfp4_operand import NVFP4_OPERAND_GROUP, padded_rows
-from floatxq.w4a import W4A_OUTPUT_DTYPES
+from floatxq.nvfp4_operand import _check_decode_operands
+from floatxq.w4a import _check_accumulate_operands
 
 __all__ = [
     "DEFAULT_NVFP4_DECODE_TUNING",
@@ -209,35 +209,7 @@ def nvfp4_decode(
       torch.Size([1, 128])
     """
     where = "nvfp4_decode"
-    require_tensor(codes, name="codes", where=where)
-    require_tensor(scales, name="scales", where=where)
-    if codes.dtype not in (torch.uint8, _FP4X2) or codes.ndim != 2:
-        raise TypeError(
-            f"{where}: codes must be a 2-D uint8 or float4_e2m1fn_x2 (rows, width/2) tensor, "
-            f"got {codes.dtype} {tuple(codes.shape)}"
-        )
-    if scales.dtype != _E4M3:
-        raise TypeError(f"{where}: scales must be float8_e4m3fn, got {scales.dtype}")
-    if out_dtype not in _OUT_DTYPES:
-        raise TypeError(
-            f"{where}: out_dtype must be float16, bfloat16 or float32, got {out_dtype!r}"
-        )
-    if isinstance(width, bool) or not isinstance(width, int) or width <= 0 or width % 128:
-        raise ValueError(f"{where}: width must be a positive multiple of 128, got {width!r}")
-    rows = codes.shape[0]
-    if codes.shape[1] != width // 2:
-        raise ValueError(
-            f"{where}: codes must have shape (rows, {width // 2}) for width={width}, got "
-            f"{tuple(codes.shape)}"
-        )
-    expected = (width // NVFP4_OPERAND_GROUP, padded_rows(rows) * 8)
-    if tuple(scales.shape) != expected:
-        raise ValueError(
-            f"{where}: scales must have shape {expected} (width/128, padded_rows*8) for "
-            f"{rows} rows, got {tuple(scales.shape)}"
-        )
-    if scales.device != codes.device:
-        raise TypeError(f"{where}: scales are on {scales.device}, codes on {codes.device}")
+    rows = _check_decode_operands(codes, scales, width, out_dtype, where=where)
     require_data(codes, name="codes", where=where)
     require_data(scales, name="scales", where=where)
     gs, gs_value = _scalar_or_tensor(global_scale, where=where, checked=True)
@@ -375,41 +347,9 @@ def nvfp4_accumulate_group(
       [[6.0, -2.0]]
     """
     where = "nvfp4_accumulate_group"
-    for name, t in (("both", both), ("acc", acc), ("token_scale", token_scale)):
-        if t is not None:
-            require_tensor(t, name=name, where=where)
-            if t.dtype != torch.float32:
-                raise TypeError(f"{where}: {name} must be float32, got {t.dtype}")
-    if both.ndim != 2 or both.shape[1] % 2:
-        raise ValueError(f"{where}: both must be (m, 2n), got {tuple(both.shape)}")
-    m, n = both.shape[0], both.shape[1] // 2
-    require_floating(group_scale, name="group_scale", where=where)
-    if tuple(group_scale.shape) != (n,):
-        raise ValueError(
-            f"{where}: group_scale must have shape ({n},), got {tuple(group_scale.shape)}"
-        )
-    if acc is not None and tuple(acc.shape) != (m, n):
-        raise ValueError(f"{where}: acc must have shape {(m, n)}, got {tuple(acc.shape)}")
-    if not last:
-        extras = (("global_scale", global_scale), ("token_scale", token_scale), ("bias", bias))
-        given = [name for name, value in extras if value is not None]
-        if given or output_dtype != torch.float32:
-            what = ", ".join(given) or f"output_dtype={output_dtype}"
-            raise ValueError(f"{where}: {what} apply only to the last group (last=True)")
-    elif global_scale is None:
-        raise ValueError(f"{where}: the last group needs the activation's global_scale")
-    if output_dtype not in W4A_OUTPUT_DTYPES:
-        raise TypeError(
-            f"{where}: output_dtype must be float16, bfloat16 or float32, got {output_dtype!r}"
-        )
-    if token_scale is not None and tuple(token_scale.shape) != (m,):
-        raise ValueError(
-            f"{where}: token_scale must have shape ({m},), got {tuple(token_scale.shape)}"
-        )
-    if bias is not None:
-        require_floating(bias, name="bias", where=where)
-        if tuple(bias.shape) != (n,):
-            raise ValueError(f"{where}: bias must have shape ({n},), got {tuple(bias.shape)}")
+    m, n = _check_accumulate_operands(
+        both, group_scale, acc, last, global_scale, token_scale, bias, output_dtype, where=where
+    )
     gs, gs_value = None, 0.0
     if last:
         gs, gs_value = _scalar_or_tensor(global_scale, where=where, checked=False)

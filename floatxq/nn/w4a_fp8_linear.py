@@ -117,14 +117,18 @@ def w4a_fp8_ineligibility(module: GPTQLinear) -> str | None:
       >>> w4a_fp8_ineligibility(GPTQLinear.from_solution(sol, bits=8, group_size=128))
       'bits=8; W4A-FP8 takes 4-bit codes'
     """
+    return _ineligibility(module, gemm="W4A-FP8", where="w4a_fp8_ineligibility")
+
+
+def _ineligibility(module: GPTQLinear, *, gemm: str, where: str) -> str | None:
+    """:func:`w4a_fp8_ineligibility` with the sentence naming ``gemm`` (the W4A GEMMs share
+    these constraints)."""
     if not isinstance(module, GPTQLinear):
-        raise TypeError(
-            f"w4a_fp8_ineligibility: module must be a GPTQLinear, got {type(module).__name__}"
-        )
+        raise TypeError(f"{where}: module must be a GPTQLinear, got {type(module).__name__}")
     if module.bits != 4:
-        return f"bits={module.bits}; W4A-FP8 takes 4-bit codes"
+        return f"bits={module.bits}; {gemm} takes 4-bit codes"
     if module.group_size != _GROUP:
-        return f"group_size={module.group_size}; W4A-FP8 takes groups of {_GROUP}"
+        return f"group_size={module.group_size}; {gemm} takes groups of {_GROUP}"
     k, n = module.in_features, module.out_features
     if k % _GROUP:
         return f"in_features={k} is not a multiple of {_GROUP}"
@@ -134,16 +138,65 @@ def w4a_fp8_ineligibility(module: GPTQLinear) -> str | None:
     if not torch.equal(g_idx, torch.arange(k, device=g_idx.device) // _GROUP):
         return (
             f"g_idx is not arange(in) // {_GROUP} (a desc_act / reordered checkpoint, starting "
-            f"{module.g_idx[:4].tolist()}); W4A-FP8 takes contiguous groups (desc_act=False)"
+            f"{module.g_idx[:4].tolist()}); {gemm} takes contiguous groups (desc_act=False)"
         )
     if bool((module.qzeros != _SYM_WORD[module.format]).any()):
         zeros = module.unpacked().zeros
         group, column = (int(i) for i in (zeros != 8).nonzero()[0])
         return (
             f"asymmetric zero points: group {group}, output column {column} has zero point "
-            f"{int(zeros[group, column])}; W4A-FP8 takes symmetric weights (zero point 8)"
+            f"{int(zeros[group, column])}; {gemm} takes symmetric weights (zero point 8)"
         )
     return None
+
+
+def _check_w4a_settings(
+    in_features: int, out_features: int, bits: object, group_size: object, desc_act: object,
+    sym: object, *, where: str, gemm: str,
+) -> None:  # fmt: skip
+    """A W4A module's constructor checks: sizes, the only settings the GEMMs take (4 / 128 /
+    False / True), ``in % 128`` and ``out % 32``."""
+    _check_size(in_features, name="in_features", where=where)
+    _check_size(out_features, name="out_features", where=where)
+    for name, value, kind, wanted in (
+        ("bits", bits, int, 4),
+        ("group_size", group_size, int, _GROUP),
+        ("desc_act", desc_act, bool, False),
+        ("sym", sym, bool, True),
+    ):
+        if type(value) is not kind:
+            raise TypeError(f"{where}: {name} must be a {kind.__name__}, got {value!r}")
+        if value != wanted:
+            raise ValueError(
+                f"{where}: {name}={value} is not supported; the {gemm} GEMM takes bits=4, "
+                f"group_size={_GROUP}, desc_act=False, sym=True"
+            )
+    if in_features % _GROUP:
+        raise ValueError(
+            f"{where}: in_features={in_features} must be a multiple of {_GROUP} (one GPTQ "
+            f"group per 128 input rows)"
+        )
+    if out_features % _COLUMNS:
+        raise ValueError(f"{where}: out_features={out_features} must be a multiple of {_COLUMNS}")
+
+
+def _repack(
+    module: GPTQLinear, packed: GPTQPacked, format: str | None, caches: tuple[str, ...], *,
+    where: str,
+) -> None:  # fmt: skip
+    """A W4A module's :meth:`pack`: ``packed``'s tensors (checked, of the module's geometry)
+    replace its GPTQ buffers, and its staged caches are emptied."""
+    like = GPTQLinear.from_packed(packed, bits=4, group_size=_GROUP, format=format or module.format)
+    if (like.in_features, like.out_features) != (module.in_features, module.out_features):
+        raise ValueError(
+            f"{where}: packed holds a ({like.out_features}, {like.in_features}) weight; this "
+            f"module is ({module.out_features}, {module.in_features})"
+        )
+    for name in caches:
+        module._buffers[name] = None
+    for name in ("qweight", "qzeros", "scales", "g_idx"):
+        module._buffers[name] = like._buffers[name]
+    module.format = like.format
 
 
 def _is_carrier(x: Any) -> bool:
@@ -217,31 +270,10 @@ class W4AFP8Linear(GPTQLinear):
         device: torch.device | str | None = None,
         route: str = "auto",
     ) -> None:
-        where = "W4AFP8Linear"
-        _check_size(in_features, name="in_features", where=where)
-        _check_size(out_features, name="out_features", where=where)
-        for name, value, kind, wanted in (
-            ("bits", bits, int, 4),
-            ("group_size", group_size, int, _GROUP),
-            ("desc_act", desc_act, bool, False),
-            ("sym", sym, bool, True),
-        ):
-            if type(value) is not kind:
-                raise TypeError(f"{where}: {name} must be a {kind.__name__}, got {value!r}")
-            if value != wanted:
-                raise ValueError(
-                    f"{where}: {name}={value} is not supported; the W4A-FP8 GEMM takes bits=4, "
-                    f"group_size={_GROUP}, desc_act=False, sym=True"
-                )
-        if in_features % _GROUP:
-            raise ValueError(
-                f"{where}: in_features={in_features} must be a multiple of {_GROUP} (one GPTQ "
-                f"group per 128 input rows)"
-            )
-        if out_features % _COLUMNS:
-            raise ValueError(
-                f"{where}: out_features={out_features} must be a multiple of {_COLUMNS}"
-            )
+        _check_w4a_settings(
+            in_features, out_features, bits, group_size, desc_act, sym,
+            where="W4AFP8Linear", gemm="W4A-FP8",
+        )  # fmt: skip
         super().__init__(
             in_features,
             out_features,
@@ -341,19 +373,7 @@ class W4AFP8Linear(GPTQLinear):
 
         Numerics: exact; the tensors are held as given (no copy).
         """
-        where = "W4AFP8Linear.pack"
-        like = GPTQLinear.from_packed(
-            packed, bits=4, group_size=_GROUP, format=format or self.format
-        )
-        if (like.in_features, like.out_features) != (self.in_features, self.out_features):
-            raise ValueError(
-                f"{where}: packed holds a ({like.out_features}, {like.in_features}) weight; this "
-                f"module is ({self.out_features}, {self.in_features})"
-            )
-        self._buffers[_CACHE] = None
-        for name in ("qweight", "qzeros", "scales", "g_idx"):
-            self._buffers[name] = like._buffers[name]
-        self.format = like.format
+        _repack(self, packed, format, (_CACHE,), where="W4AFP8Linear.pack")
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, route={self.route}"

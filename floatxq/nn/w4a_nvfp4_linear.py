@@ -62,8 +62,13 @@ from floatxq.int4 import (
     split_int4_planes,
 )
 from floatxq.nn.fp8_linear import _move_bytes
-from floatxq.nn.gptq_linear import GPTQLinear, _check_size
-from floatxq.nn.w4a_fp8_linear import _COLUMNS, _is_carrier, w4a_fp8_ineligibility
+from floatxq.nn.gptq_linear import GPTQLinear
+from floatxq.nn.w4a_fp8_linear import (
+    _check_w4a_settings,
+    _ineligibility,
+    _is_carrier,
+    _repack,
+)
 from floatxq.nvfp4 import _device_global_scale
 from floatxq.swizzle import swizzle_scales
 from floatxq.w4a import (
@@ -243,13 +248,7 @@ def w4a_nvfp4_ineligibility(module: GPTQLinear) -> str | None:
       >>> w4a_nvfp4_ineligibility(GPTQLinear.from_solution(sol, bits=8, group_size=128))
       'bits=8; W4A-NVFP4 takes 4-bit codes'
     """
-    if not isinstance(module, GPTQLinear):
-        raise TypeError(
-            f"w4a_nvfp4_ineligibility: module must be a GPTQLinear, got {type(module).__name__}"
-        )
-    why = w4a_fp8_ineligibility(module)
-    # the same constraints; the sentence names this GEMM
-    return None if why is None else why.replace("W4A-FP8", "W4A-NVFP4")
+    return _ineligibility(module, gemm="W4A-NVFP4", where="w4a_nvfp4_ineligibility")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -473,31 +472,10 @@ class W4ANVFP4Linear(GPTQLinear):
         route: str = "auto",
         activation_recipe: str = _DEFAULT_RECIPE,
     ) -> None:
-        where = "W4ANVFP4Linear"
-        _check_size(in_features, name="in_features", where=where)
-        _check_size(out_features, name="out_features", where=where)
-        for name, value, kind, wanted in (
-            ("bits", bits, int, 4),
-            ("group_size", group_size, int, _GROUP),
-            ("desc_act", desc_act, bool, False),
-            ("sym", sym, bool, True),
-        ):
-            if type(value) is not kind:
-                raise TypeError(f"{where}: {name} must be a {kind.__name__}, got {value!r}")
-            if value != wanted:
-                raise ValueError(
-                    f"{where}: {name}={value} is not supported; the W4A-NVFP4 GEMM takes "
-                    f"bits=4, group_size={_GROUP}, desc_act=False, sym=True"
-                )
-        if in_features % _GROUP:
-            raise ValueError(
-                f"{where}: in_features={in_features} must be a multiple of {_GROUP} (one GPTQ "
-                f"group per 128 input rows)"
-            )
-        if out_features % _COLUMNS:
-            raise ValueError(
-                f"{where}: out_features={out_features} must be a multiple of {_COLUMNS}"
-            )
+        _check_w4a_settings(
+            in_features, out_features, bits, group_size, desc_act, sym,
+            where="W4ANVFP4Linear", gemm="W4A-NVFP4",
+        )  # fmt: skip
         super().__init__(
             in_features,
             out_features,
@@ -624,20 +602,7 @@ class W4ANVFP4Linear(GPTQLinear):
 
         Numerics: exact; the tensors are held as given (no copy).
         """
-        where = "W4ANVFP4Linear.pack"
-        like = GPTQLinear.from_packed(
-            packed, bits=4, group_size=_GROUP, format=format or self.format
-        )
-        if (like.in_features, like.out_features) != (self.in_features, self.out_features):
-            raise ValueError(
-                f"{where}: packed holds a ({like.out_features}, {like.in_features}) weight; this "
-                f"module is ({self.out_features}, {self.in_features})"
-            )
-        for name in _CACHES:
-            self._buffers[name] = None
-        for name in ("qweight", "qzeros", "scales", "g_idx"):
-            self._buffers[name] = like._buffers[name]
-        self.format = like.format
+        _repack(self, packed, format, _CACHES, where="W4ANVFP4Linear.pack")
 
     def extra_repr(self) -> str:
         bits = self.activation_global_scale_bits
