@@ -441,13 +441,12 @@ def _check_nvfp4_weight_side(
     return _check_operands(k, device, weight, group_scales, bias, where=where)
 
 
-def _check_nvfp4_operands(
-    codes: object, scales: object, global_scale: object, weight: object, group_scales: object,
-    bias: object, token_scale: object, output_dtype: object, *, where: str,
-) -> tuple[int, int, int, Tensor]:  # fmt: skip
-    """Every check of the W4A-NVFP4 GEMM's operands; returns ``(m, k, n, global scale)`` with
-    the global scale a 0-d FP32 tensor on ``codes``' device. Kinds, shapes and devices first,
-    then the value checks (each one host sync)."""
+def _check_nvfp4_shapes(
+    codes: object, scales: object, weight: object, group_scales: object, bias: object,
+    token_scale: object, output_dtype: object, *, where: str,
+) -> tuple[int, int, int]:  # fmt: skip
+    """Kinds, shapes and devices of the W4A-NVFP4 GEMM's operands (no value is read; the
+    kernels share it); returns ``(m, k, n)``."""
     require_tensor(codes, name="codes", where=where)
     if codes.dtype not in _E2M1_CODE_DTYPES or codes.ndim != 2:
         raise TypeError(
@@ -491,6 +490,19 @@ def _check_nvfp4_operands(
         raise TypeError(
             f"{where}: output_dtype must be float16, bfloat16 or float32, got {output_dtype!r}"
         )
+    return m, k, n
+
+
+def _check_nvfp4_operands(
+    codes: object, scales: object, global_scale: object, weight: object, group_scales: object,
+    bias: object, token_scale: object, output_dtype: object, *, where: str,
+) -> tuple[int, int, int, Tensor]:  # fmt: skip
+    """Every check of the W4A-NVFP4 GEMM's operands; returns ``(m, k, n, global scale)`` with
+    the global scale a 0-d FP32 tensor on ``codes``' device. Kinds, shapes and devices first,
+    then the value checks (each one host sync)."""
+    m, k, n = _check_nvfp4_shapes(
+        codes, scales, weight, group_scales, bias, token_scale, output_dtype, where=where
+    )
     g = _validated_global_scale(global_scale, codes.device, where=where)
     if token_scale is not None:
         require_positive_finite(token_scale, name="token_scale", where=where)

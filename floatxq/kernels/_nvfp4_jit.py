@@ -28,7 +28,7 @@ import triton.language as tl
 from triton import knobs
 
 from floatxq.kernels._fp8_weight_jit import fp8_encode
-from floatxq.kernels._w4a_jit import split_k_reduce, unpack_fields
+from floatxq.kernels._w4a_jit import split_k_reduce, tile_of, unpack_fields
 
 __all__ = ["INTERPRETED", "nvfp4_pack_kernel", "w4a_nvfp4_kernel"]
 
@@ -342,19 +342,9 @@ def w4a_nvfp4_kernel(
     order), then ``· global_scale``, ``· token_scale[m]``, ``+ bias``, one rounding. Compiled
     without FMA contraction, so each of those steps rounds as the reference's.
     """
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    if GROUP_M > 1:
-        band = pid // (GROUP_M * tiles_n)
-        first_m = band * GROUP_M
-        size = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size
-        pid_n = (pid % (GROUP_M * tiles_n)) // size
-    else:
-        pid_m = pid // tiles_n
-        pid_n = pid % tiles_n
+    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, 128)

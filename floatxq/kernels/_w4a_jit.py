@@ -110,6 +110,21 @@ def unpack_fields(words, BITS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.conste
 
 @triton.jit
 @no_type_check
+def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of program ``pid``: row-major over the output tiles, or (``GROUP_M``
+    > 1) in bands of that many M tiles, so a band's weight tiles are reused from L2."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    if GROUP_M > 1:
+        band = pid // (GROUP_M * tiles_n)
+        first_m = band * GROUP_M
+        size = tl.minimum(tiles_m - first_m, GROUP_M)
+        return first_m + (pid % (GROUP_M * tiles_n)) % size, (pid % (GROUP_M * tiles_n)) // size
+    return pid // tiles_n, pid % tiles_n
+
+
+@triton.jit
+@no_type_check
 def split_k_reduce(acc, part_ptr, count_ptr, tile, pid_k, offs_m, offs_n, M, N,
                    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Store this split's FP32 tile; the last split of the tile to arrive sums all of them in
@@ -174,19 +189,9 @@ def w4a_fp8_kernel(
     bias, one rounding. ``GROUP_M`` > 1 orders the programs in bands of that many M tiles so a
     band's weight tiles are reused from L2 (large M).
     """
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    if GROUP_M > 1:
-        band = pid // (GROUP_M * tiles_n)
-        first_m = band * GROUP_M
-        size = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size
-        pid_n = (pid % (GROUP_M * tiles_n)) // size
-    else:
-        pid_m = pid // tiles_n
-        pid_n = pid % tiles_n
+    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, 128)

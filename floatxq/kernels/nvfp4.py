@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-from floatxq._checks import real_scalar, require_floating, require_tensor
+from floatxq._checks import real_scalar, require_floating
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor
 from floatxq.formats import NVFP4RecipeName, normalize_nvfp4_recipe, nvfp4_kernel_recipe
 from floatxq.int4 import _unpack_fields
@@ -38,7 +38,7 @@ from floatxq.kernels._triton import (
     triton_unavailable_reason,
 )
 from floatxq.nvfp4_operand import NVFP4_OPERAND_GROUP, padded_rows
-from floatxq.w4a import W4A_OUTPUT_DTYPES, _check_nvfp4_weight_side
+from floatxq.w4a import _check_nvfp4_shapes, _check_nvfp4_weight_side
 
 __all__ = [
     "DEFAULT_NVFP4_TUNING",
@@ -260,45 +260,6 @@ def nvfp4_operand(
     return "words" if rows <= tuning.words_max_rows else "e4m3"
 
 
-def _check_activation(
-    codes: object, scales: object, token_scale: object, output_dtype: object, *, where: str
-) -> tuple[int, int]:
-    """Kinds, shapes and devices of the activation side (no value is read); ``(m, k)``."""
-    require_tensor(codes, name="codes", where=where)
-    if codes.dtype not in (torch.uint8, _FP4X2) or codes.ndim != 2:
-        raise TypeError(
-            f"{where}: codes must be a 2-D float4_e2m1fn_x2 or uint8 (m, k/2) tensor, got "
-            f"{codes.dtype} {tuple(codes.shape)}"
-        )
-    m, k = codes.shape[0], codes.shape[1] * 2
-    if k == 0 or k % NVFP4_OPERAND_GROUP:
-        raise ValueError(
-            f"{where}: k = 2 * codes.shape[1] = {k} must be a positive multiple of "
-            f"{NVFP4_OPERAND_GROUP}"
-        )
-    require_tensor(scales, name="scales", where=where)
-    if scales.dtype != _E4M3:
-        raise TypeError(f"{where}: scales must be float8_e4m3fn, got {scales.dtype}")
-    expected = (k // NVFP4_OPERAND_GROUP, padded_rows(m) * 8)
-    if tuple(scales.shape) != expected:
-        raise ValueError(
-            f"{where}: scales must have shape {expected} (k/128, padded_rows(m)*8) for m={m} "
-            f"rows, got {tuple(scales.shape)}"
-        )
-    if token_scale is not None:
-        require_tensor(token_scale, name="token_scale", where=where)
-        if token_scale.dtype != torch.float32 or tuple(token_scale.shape) != (m,):
-            raise TypeError(
-                f"{where}: token_scale must be float32 of shape ({m},), got "
-                f"{token_scale.dtype} {tuple(token_scale.shape)}"
-            )
-    if output_dtype not in W4A_OUTPUT_DTYPES:
-        raise TypeError(
-            f"{where}: output_dtype must be float16, bfloat16 or float32, got {output_dtype!r}"
-        )
-    return m, k
-
-
 def nvfp4_linear_prepacked(
     codes: Shaped[Tensor, "m half"],
     scales: Float8e4m3fn[Tensor, "groups padded"],
@@ -339,8 +300,9 @@ def nvfp4_linear_prepacked(
     group scale, global scale, token scale, bias and rounding in the reference's order.
     """
     where = "nvfp4_linear_prepacked"
-    _, k = _check_activation(codes, scales, token_scale, output_dtype, where=where)
-    _check_nvfp4_weight_side(k, codes.device, weight, group_scales, bias, where=where)
+    _check_nvfp4_shapes(
+        codes, scales, weight, group_scales, bias, token_scale, output_dtype, where=where
+    )
     extras = tuple(t for t in (bias, token_scale) if t is not None)
     others = (codes, scales, weight, group_scales, *extras)
     device = require_kernel_device(others, where=where, reason=nvfp4_unavailable_reason)
