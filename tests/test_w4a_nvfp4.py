@@ -718,3 +718,39 @@ def test_on_cuda_the_reference_is_within_the_bound():
     out = w4a_nvfp4_linear_prepacked(*args, output_dtype=torch.bfloat16)
     bound = w4a_nvfp4_linear_error_bound(*args, output_dtype=torch.bfloat16)
     assert_within_bound(out, bound)
+
+
+@pytest.mark.parametrize("recipe", ["nvidia", "least_squares", "exhaustive"])
+def test_the_gemm_is_the_nvfp4_qdq_of_x_times_the_dequantized_weight(recipe):
+    """W4A-NVFP4 is the NVFP4 quantize-dequantize of x (floatxq.nvfp4_block_qdq, the replay
+    oracle) times the dequantized GPTQ weight: the activation the GEMM multiplies decodes to
+    qdq(x) exactly, and the output lies within the GEMM's bound of that float64 product, plus
+    one FP32 rounding per term for qdq's own product with the global scale."""
+    from floatxq.int4 import dequantize_gptq, pack_gptq_int4
+    from floatxq.nvfp4 import nvfp4_block_qdq
+    from floatxq.nvfp4_operand import nvfp4_decode_swizzled
+
+    g = torch.Generator().manual_seed(7)
+    m, k, n = 5, 384, 64
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-4, 4, (m, 1), generator=g))
+    codes = torch.randint(0, 16, (k, n), generator=g)
+    scales = torch.rand(k // 128, n, generator=g) * 0.02 + 0.001
+    packed = pack_gptq_int4(codes, torch.full((k // 128, n), 8), scales,
+                            torch.arange(k, dtype=torch.int32) // 128)  # fmt: skip
+    gs = 0.0125
+    qdq = nvfp4_block_qdq(x, gs, recipe)
+    a_codes, a_scales = nvfp4_pack_swizzled(x, gs, recipe=recipe)
+    assert torch.equal(nvfp4_decode_swizzled(a_codes, a_scales, gs, k, torch.float32), qdq)
+    out = w4a_nvfp4_linear(x, packed.qweight, packed.scales, global_scale=gs, recipe=recipe)
+    weight = dequantize_gptq(packed, dtype=torch.float32).double()  # (n, k), exact
+    oracle = qdq.double() @ weight.T
+    bound = w4a_nvfp4_linear_error_bound(
+        a_codes, a_scales, gs, packed.qweight, packed.scales, None, output_dtype=torch.float32
+    )
+    qdq_rounding = (qdq.double().abs() @ weight.abs().T) * 2.0**-24
+    assert bool(((out.double() - oracle).abs() <= bound.worst_case + qdq_rounding).all())
+    # and the bound is not loose enough to take another recipe's activation
+    other = nvfp4_block_qdq(x, gs, "four_six" if recipe != "four_six" else "nvidia")
+    if not torch.equal(other, qdq):
+        assert not bool(((out.double() - other.double() @ weight.T).abs()
+                         <= bound.worst_case + qdq_rounding).all())  # fmt: skip
