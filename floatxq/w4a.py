@@ -505,7 +505,7 @@ def _check_nvfp4_operands(
     )
     g = _validated_global_scale(global_scale, codes.device, where=where)
     if token_scale is not None:
-        require_positive_finite(token_scale, name="token_scale", where=where)
+        require_finite(token_scale, name="token_scale", where=where)  # (as the carrier's)
     require_e4m3_scales(scales, name="scales", where=where)
     return m, k, n, g
 
@@ -552,7 +552,7 @@ def w4a_nvfp4_linear_prepacked(
         ``float8_e4m3fn (k, n)`` staged operand (see :func:`centered_weight`).
       group_scales: ``(k/128, n)`` GPTQ group scales, any floating dtype (read as FP32).
       bias: ``(n,)`` floating or None (read as FP32).
-      token_scale: ``(m,)`` FP32 per-row factors, positive and finite, or None.
+      token_scale: ``(m,)`` FP32 per-row factors, finite (any sign, as a carrier's), or None.
       output_dtype: float16, bfloat16 or float32.
 
     Returns:
@@ -563,7 +563,7 @@ def w4a_nvfp4_linear_prepacked(
         different devices, meta tensors, a global scale that is not a real number.
       ValueError: ``k`` not a positive multiple of 128, shapes that do not fit ``k``, ``n`` or
         ``m`` (scales padded to ``padded_rows(m)``), a global scale that is not one positive
-        finite value, a ``token_scale`` that is not positive and finite, a NaN or negative
+        finite value, a ``token_scale`` holding NaN or infinity, a NaN or negative
         block scale, a staged weight value other than an integer in ``-8..7``.
 
     Numerics: per group ``g`` ascending: ``[Σ a·low | Σ a·high]`` as one FP32 matmul (every
