@@ -8,11 +8,15 @@ from floatxq.config import (
     BACKEND,
     FORMAT,
     METHOD,
+    ActivationAttentionConfig,
+    ActivationConfig,
+    ActivationMlpConfig,
     DynamicRule,
     DynamicRuleNormalizer,
     DynamicRules,
     FP8Config,
     GPTQConfig,
+    backend_for_activation,
 )
 from floatxq.e2m1 import e2m1_decode, e2m1_encode, e2m1_round, pack_e2m1, unpack_e2m1
 from floatxq.formats import (
@@ -244,6 +248,9 @@ __all__ = [
     "SOURCE_FAMILIES",
     "W4A_ACTIVATION_MODES",
     "W4A_OUTPUT_DTYPES",
+    "ActivationAttentionConfig",
+    "ActivationConfig",
+    "ActivationMlpConfig",
     "CheckpointError",
     "CheckpointReport",
     "ConvGeometry",
@@ -287,6 +294,7 @@ __all__ = [
     "W4AActivationMode",
     "W4AFP8Linear",
     "W4ANVFP4Linear",
+    "backend_for_activation",
     "centered_int4",
     "centered_weight",
     "convert_gptq_format",

@@ -55,6 +55,12 @@ GPTQ_BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
 GPTQ_W4A_GROUP_SIZE: int = 128
 """Group size that every W4A (FP8/NVFP4 activation) GPTQ checkpoint uses."""
 
+W4AActivationMode = Literal["w4afp8", "w4a_nvfp4"]
+"""How a W4A layer quantizes its activations: per-token E4M3, or NVFP4 with swizzled scales."""
+
+W4A_ACTIVATION_MODES: tuple[W4AActivationMode, ...] = ("w4afp8", "w4a_nvfp4")
+"""The W4A activation modes, FP8 first."""
+
 # --------------------------------------------------------------------------------------------
 # FP8 format names
 # --------------------------------------------------------------------------------------------

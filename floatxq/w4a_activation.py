@@ -27,7 +27,6 @@ bytes).
 
 import dataclasses
 import math
-from typing import Literal
 
 import torch
 
@@ -45,8 +44,10 @@ from floatxq.e2m1 import pack_e2m1
 from floatxq.formats import (
     GPTQ_W4A_GROUP_SIZE,
     NVFP4_BLOCK,
+    W4A_ACTIVATION_MODES,
     NVFP4Recipe,
     NVFP4RecipeName,
+    W4AActivationMode,
     normalize_nvfp4_recipe,
 )
 from floatxq.fp8 import fp8_token_quantize
@@ -55,11 +56,6 @@ from floatxq.swizzle import swizzle_scales_per_group, unswizzle_scales_per_group
 
 __all__ = ["W4A_ACTIVATION_MODES", "W4AActivation", "W4AActivationMode", "pack_activation"]
 
-W4AActivationMode = Literal["w4afp8", "w4a_nvfp4"]
-"""How a :class:`W4AActivation` is quantized: per-token E4M3, or NVFP4 with swizzled scales."""
-
-W4A_ACTIVATION_MODES: tuple[W4AActivationMode, ...] = ("w4afp8", "w4a_nvfp4")
-"""The modes of :class:`W4AActivation`, FP8 first."""
 
 _GROUP = GPTQ_W4A_GROUP_SIZE  # K is cut into groups of 128: the GEMM's scale groups
 _TILE_ROWS = 128  # the swizzled layout pads rows to a multiple of 128
