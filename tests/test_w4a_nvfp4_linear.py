@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import floatxq.kernels._triton as _triton
 import floatxq.nn.w4a_nvfp4_linear as wmod
 from floatxq.config import BACKEND
 from floatxq.gptq import GPTQSolveOptions, rtn_quantize
@@ -591,7 +592,7 @@ def test_the_native_reason_names_what_is_missing(monkeypatch):
     assert "on cpu" in w4a_nvfp4_native_unavailable_reason(CPU)
     cuda = torch.device("cuda", 0)
     for cap, ok in (((9, 0), False), ((10, 0), False), ((12, 0), False), ((12, 1), True)):
-        monkeypatch.setattr(wmod, "_capability", lambda index, cap=cap: cap)
+        monkeypatch.setattr(_triton, "cuda_capability", lambda device, cap=cap: cap)
         reason = w4a_nvfp4_native_unavailable_reason(cuda)
         assert (reason is None) == ok, cap
         if not ok:

@@ -16,6 +16,8 @@ import torch
 
 __all__ = [
     "CachedLauncher",
+    "capability_shortfall",
+    "cuda_capability",
     "import_kernel_sources",
     "import_triton",
     "launch_device",
@@ -129,6 +131,30 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     if not torch.cuda.is_available():
         return "torch.cuda is not available"
     return None
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` of a CUDA ``device`` (its index, or the current device).
+
+    Numerics: none; an environment query.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)
+
+
+def capability_shortfall(
+    device: torch.device, minimum: tuple[int, int], *, need: str
+) -> str | None:
+    """Why a CUDA ``device`` is too old for a kernel that needs SM ``minimum`` (``need`` says
+    what for), or ``None`` when it is new enough.
+
+    Numerics: none; an environment check.
+    """
+    cap = cuda_capability(device)
+    if cap >= minimum:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"CUDA device {index} is SM {cap[0]}.{cap[1]} < {minimum[0]}.{minimum[1]}: {need}"
 
 
 def require_kernel_device(

@@ -28,9 +28,10 @@ from floatxq._checks import real_scalar, require_floating
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor
 from floatxq.formats import NVFP4RecipeName, normalize_nvfp4_recipe, nvfp4_kernel_recipe
 from floatxq.int4 import _unpack_fields
-from floatxq.kernels import fp8_small_m, fp8_weight
+from floatxq.kernels import fp8_small_m
 from floatxq.kernels._triton import (
     CachedLauncher,
+    capability_shortfall,
     import_kernel_sources,
     launch_device,
     require_kernel_device,
@@ -119,14 +120,9 @@ def nvfp4_unavailable_reason(device: torch.device) -> str | None:
     reason = triton_unavailable_reason(device)
     if reason is not None or device.type != "cuda":
         return reason
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = fp8_weight._capability(index)
-    if cap < _MIN_CAPABILITY:
-        return (
-            f"CUDA device {index} is SM {cap[0]}.{cap[1]} < {_MIN_CAPABILITY[0]}."
-            f"{_MIN_CAPABILITY[1]}: the NVFP4 kernels need Triton's E4M3 conversions"
-        )
-    return None
+    return capability_shortfall(
+        device, _MIN_CAPABILITY, need="the NVFP4 kernels need Triton's E4M3 conversions"
+    )
 
 
 @functools.cache

@@ -35,6 +35,7 @@ from floatxq.formats import FP8_E4M3_MAX
 from floatxq.kernels import fp8_small_m, fp8_weight
 from floatxq.kernels._triton import (
     CachedLauncher,
+    capability_shortfall,
     import_kernel_sources,
     launch_device,
     require_kernel_device,
@@ -140,14 +141,9 @@ def w4a_fp8_unavailable_reason(device: torch.device) -> str | None:
     reason = triton_unavailable_reason(device)
     if reason is not None or device.type != "cuda":
         return reason
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = fp8_weight._capability(index)
-    if cap < _MIN_CAPABILITY:
-        return (
-            f"CUDA device {index} is SM {cap[0]}.{cap[1]} < {_MIN_CAPABILITY[0]}."
-            f"{_MIN_CAPABILITY[1]}: the W4A-FP8 kernels need FP8 tensor cores"
-        )
-    return None
+    return capability_shortfall(
+        device, _MIN_CAPABILITY, need="the W4A-FP8 kernels need FP8 tensor cores"
+    )
 
 
 @functools.cache

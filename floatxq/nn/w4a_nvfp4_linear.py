@@ -61,6 +61,7 @@ from floatxq.int4 import (
     int4_to_e4m3,
     split_int4_planes,
 )
+from floatxq.kernels._triton import capability_shortfall
 from floatxq.nn.fp8_linear import _move_bytes
 from floatxq.nn.gptq_linear import GPTQLinear
 from floatxq.nn.w4a_fp8_linear import (
@@ -110,10 +111,6 @@ _DEFAULT_RECIPE = "least_squares"
 # ----------------------------------------------------------------------------------------------
 
 
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def w4a_nvfp4_native_unavailable_reason(device: torch.device) -> str | None:
     """Why the native FP4 tensor-core route cannot run on ``device``'s tensors, or ``None``.
 
@@ -146,14 +143,9 @@ def w4a_nvfp4_native_unavailable_reason(device: torch.device) -> str | None:
         return f"torch {torch.__version__} has no {', '.join(missing)}"
     if device.type != "cuda":
         return f"the tensors are on {device}; the FP4 tensor cores need a CUDA device"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = _capability(index)
-    if cap < _NATIVE_MIN_CAPABILITY:
-        return (
-            f"CUDA device {index} is SM {cap[0]}.{cap[1]} < {_NATIVE_MIN_CAPABILITY[0]}."
-            f"{_NATIVE_MIN_CAPABILITY[1]}: no FP4 tensor cores for F.scaled_mm's NVFP4 GEMM"
-        )
-    return None
+    return capability_shortfall(
+        device, _NATIVE_MIN_CAPABILITY, need="no FP4 tensor cores for F.scaled_mm's NVFP4 GEMM"
+    )
 
 
 def _emulation_unavailable(device: torch.device) -> str | None:
@@ -788,8 +780,8 @@ class W4ANVFP4Linear(GPTQLinear):
         self._check_device(x.device)
         rows = math.prod(x.shape[:-1])
         x2 = x.reshape(rows, k)
-        route, _ = w4a_nvfp4_route(self.route, x.device, planes_staged=_BOTH in self._buffers)
-        if route != "reference" and x.is_cuda:  # the packer kernel, no host read (graph-safe)
+        chosen = self._chosen_route(x.device)
+        if chosen[0] != "reference" and x.is_cuda:  # the packer kernel, no host read (graph-safe)
             from floatxq.kernels.nvfp4 import nvfp4_pack_and_swizzle
 
             g = self._device_global_scale(x2)
@@ -799,8 +791,13 @@ class W4ANVFP4Linear(GPTQLinear):
                 x2, "w4a_nvfp4", global_scale=self._global_scale(), recipe=self.activation_recipe
             )
             codes, scales, g = carrier.codes, carrier.scales, carrier.global_scale
-        out = self._nvfp4_gemm(codes, scales, g, None, x.dtype, x.device)
+        out = self._nvfp4_gemm(codes, scales, g, None, x.dtype, x.device, chosen)
         return out.reshape(*x.shape[:-1], n)
+
+    def _chosen_route(self, device: torch.device) -> tuple[str, str | None]:
+        return w4a_nvfp4_route(
+            self.route, device, planes_staged=self._buffers.get(_BOTH) is not None
+        )
 
     def _nvfp4_gemm(
         self,
@@ -810,11 +807,13 @@ class W4ANVFP4Linear(GPTQLinear):
         token_scale: Tensor | None,
         output_dtype: torch.dtype,
         device: torch.device,
+        chosen: tuple[str, str | None] | None = None,
     ) -> Tensor:
-        """The chosen route's GEMM (``codes`` checked to be ``(rows, in/2)``)."""
+        """The chosen route's GEMM (``codes`` checked to be ``(rows, in/2)``); ``chosen`` is
+        the ``(route, reason)`` already decided for this call, if any."""
         staged = self._staged()
         both, unit = self._buffers.get(_BOTH), self._buffers.get(_UNIT)
-        route, reason = w4a_nvfp4_route(self.route, device, planes_staged=both is not None)
+        route, reason = chosen or self._chosen_route(device)
         rows, n = codes.shape[0], self.out_features
         if rows == 0:
             out = torch.empty((0, n), dtype=output_dtype, device=device)
