@@ -730,6 +730,42 @@ def _normalize_gptq_rule(key: str, overrides: Mapping[str, Any]) -> dict[str, An
     return out
 
 
+_W4A_LAYOUT: tuple[tuple[str, Any], ...] = (
+    ("bits", 4),
+    ("group_size", 128),
+    ("sym", True),
+    ("desc_act", False),
+    ("lm_head", False),
+)
+"""The GPTQ settings the W4A GEMMs read (4-bit symmetric groups of 128 in K order, no output
+embedding)."""
+_W4A_FIXED_RULE_KEYS = ("bits", "group_size", "sym", "desc_act")
+
+
+def _check_w4a_layout(config: "GPTQConfig", rules: DynamicRules) -> None:
+    """Refuse an activation policy on a weight layout the W4A GEMMs cannot read (one message
+    listing every conflict), or with ``dynamic`` rules that change that layout per module."""
+    conflicts = [
+        f"{name}={getattr(config, name)!r} (needs {want!r})"
+        for name, want in _W4A_LAYOUT
+        if getattr(config, name) != want
+    ]
+    if conflicts:
+        raise ValueError(
+            f"activation: a W4A activation policy (mode {config.activation.mode!r}) runs 4-bit "
+            f"symmetric GPTQ weights in groups of 128 without desc_act or lm_head; this config "
+            f"has {', '.join(conflicts)}"
+        )
+    for rule in rules:
+        fixed = sorted(name for name in rule.overrides if name in _W4A_FIXED_RULE_KEYS)
+        if fixed:
+            raise ValueError(
+                f"dynamic[{rule.key!r}]: overrides {fixed}, which an activation policy fixes "
+                f"for every module (bits=4, group_size=128, sym=True, desc_act=False); exclude "
+                f"the module with a '-:' rule instead"
+            )
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True, init=False)
 class GPTQConfig:
     """GPTQ (INT weight, Hessian-guided) quantization settings, with per-module ``dynamic`` rules.
@@ -747,6 +783,14 @@ class GPTQConfig:
     the saved payload, not interpreted, and may not use a field's name. ``lifecycle.payload``
     reads and writes GPT-QModel's ``quantize_config.json``; ``lifecycle.gptq_solve_options``
     turns a resolved config into the solver's options.
+
+    ``activation`` (an :class:`ActivationConfig`, its dict or a mode string, see
+    :meth:`ActivationConfig.from_value`) makes the model a W4A one: its GPTQ weights run against
+    quantized activations (FP8 per token, or NVFP4), the solve replays that policy, and a saved
+    checkpoint binds the matching backend. The W4A GEMMs read one weight layout, so an activation
+    policy requires ``bits=4``, ``group_size=128``, ``sym=True``, ``desc_act=False`` and
+    ``lm_head=False``, and no ``dynamic`` rule may override ``bits``, ``group_size``, ``sym`` or
+    ``desc_act`` (``-:`` exclusions and the other solver settings are allowed).
 
     Numerics: names only; the solver is described in ``docs/numerics.md``.
 
@@ -768,6 +812,7 @@ class GPTQConfig:
     mse: float
     lm_head: bool
     format: GPTQFormat
+    activation: "ActivationConfig | None"
     dynamic: DynamicRules | None
     meta: Mapping[str, Any] | None
 
@@ -785,6 +830,7 @@ class GPTQConfig:
         mse: float | int = 0.0,
         lm_head: bool = False,
         format: str = "gptq",
+        activation: "ActivationConfig | Mapping[str, Any] | str | None" = None,
         dynamic: Mapping[str, Mapping[str, Any] | None] | DynamicRules | None = None,
         meta: Mapping[str, Any] | None = None,
     ) -> None:
@@ -838,8 +884,11 @@ class GPTQConfig:
         set_field(self, "mse", _non_negative(mse, where="mse"))
         set_field(self, "lm_head", _check_bool(lm_head, where="lm_head"))
         set_field(self, "format", normalize_gptq_format(format, where="GPTQConfig"))
+        set_field(self, "activation", ActivationConfig.from_value(activation))
         set_field(self, "dynamic", _rules_or_none(rules))
         set_field(self, "meta", frozen_meta)
+        if self.activation is not None:
+            _check_w4a_layout(self, rules)
 
     def resolve(self, module_name: str) -> "GPTQConfig | None":
         """The settings for one module, or None when a ``-:`` rule excludes it.

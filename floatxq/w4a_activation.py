@@ -60,6 +60,7 @@ __all__ = ["W4A_ACTIVATION_MODES", "W4AActivation", "W4AActivationMode", "pack_a
 _GROUP = GPTQ_W4A_GROUP_SIZE  # K is cut into groups of 128: the GEMM's scale groups
 _TILE_ROWS = 128  # the swizzled layout pads rows to a multiple of 128
 _MODEL_DTYPES = (torch.float16, torch.bfloat16)
+_CARRIED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float32: fp32 models
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _E4M3 = torch.float8_e4m3fn
 _FP4X2 = torch.float4_e2m1fn_x2
@@ -73,12 +74,13 @@ def _padded_rows(rows: int) -> int:
 def _check_model_dtype(value: object, *, where: str) -> None:
     if not isinstance(value, torch.dtype):
         raise TypeError(
-            f"{where}: model_dtype must be a torch.dtype (torch.float16 or torch.bfloat16), got "
+            f"{where}: model_dtype must be a torch.dtype (float16, bfloat16 or float32), got "
             f"{type(value).__name__} {value!r:.40}"
         )
-    if value not in _MODEL_DTYPES:
+    if value not in _CARRIED_DTYPES:
         raise ValueError(
-            f"{where}: model_dtype must be torch.float16 or torch.bfloat16, got {value}"
+            f"{where}: model_dtype must be torch.float16, torch.bfloat16 or torch.float32, got "
+            f"{value}"
         )
 
 
@@ -158,7 +160,7 @@ class W4AActivation:
     shape: tuple
     """The logical shape, e.g. ``(batch, seq, K)``; ``rows`` is the product of all but the last."""
     model_dtype: torch.dtype
-    """float16 or bfloat16: what :meth:`decode` and :meth:`exact` return by default."""
+    """float16, bfloat16 or float32: what :meth:`decode` and :meth:`exact` return by default."""
     mode: W4AActivationMode
     """``"w4afp8"`` or ``"w4a_nvfp4"``."""
     global_scale: Float32[Tensor, "*one"] | None = None
@@ -453,8 +455,8 @@ def pack_activation(
       mode: ``"w4afp8"`` (per-token E4M3) or ``"w4a_nvfp4"``.
       global_scale: NVFP4 only: one positive finite value (read as FP32), or None to derive it
         from ``max|x|`` over the whole tensor (so each token's codes depend on the others).
-      model_dtype: float16 or bfloat16 (default ``x.dtype`` when it is one of them, else
-        bfloat16).
+      model_dtype: float16, bfloat16 or float32 (a float32 model's stream; default ``x.dtype``
+        when it is float16 or bfloat16, else bfloat16).
       recipe: NVFP4 only: the block-scale recipe (default ``least_squares``; aliases accepted,
         stored canonical).
       rotation_applied: recorded on the carrier.
@@ -470,7 +472,7 @@ def pack_activation(
         that is not floating or on another device, a ``global_scale`` that is not a number.
       ValueError: ``x`` below 2-D, ``K`` not a positive multiple of 128, NaN or infinity in
         ``x``, an unknown mode or recipe, a recipe or global scale in FP8 mode, a global scale
-        that is not one positive finite value, a float32 ``model_dtype``, a ``reference`` of
+        that is not one positive finite value, another ``model_dtype``, a ``reference`` of
         another shape.
 
     Numerics: FP8 as :func:`floatxq.fp8_token_quantize` per row (``amax / 448``, IEEE division,

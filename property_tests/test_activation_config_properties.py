@@ -6,8 +6,10 @@ aliases expanded, ``least_squares`` by default for NVFP4), an NVFP4 attention la
 recipe taking the stream's, MLP layers sorted, global scales rounded through FP32.
 """
 
+import json
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -95,3 +97,46 @@ def test_a_mode_string_is_the_minimal_policy(mode):
     cfg = ActivationConfig.from_value(mode)
     assert cfg.to_dict() == ({"mode": mode} if mode == "w4afp8"
                              else {"mode": mode, "recipe": "least_squares"})  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# The policy inside a GPTQ config and its payload
+# --------------------------------------------------------------------------------------------
+
+W4A_LAYOUT = {"bits": 4, "group_size": 128, "sym": True, "desc_act": False, "lm_head": False}
+OTHER_VALUES = {"bits": [2, 3, 8], "group_size": [-1, 32, 64], "sym": [False],
+                "desc_act": [True], "lm_head": [True]}  # fmt: skip
+
+
+@given(nvfp4_payloads() | st.just({"mode": "w4afp8"}), st.sampled_from(["gptq", "gptq_v2"]))
+def test_a_gptq_payload_carries_the_policy_in_its_stored_form(payload, fmt):
+    """GPTQConfig(activation=...) → GPT-QModel payload → JSON → GPTQConfig is exact, and the
+    payload's ``activation`` is the policy's canonical dict."""
+    expected = {"mode": "w4afp8"} if payload["mode"] == "w4afp8" else _expected(payload)
+    if expected is None:
+        return
+    from floatxq.config import GPTQConfig
+    from floatxq.lifecycle.payload import gptq_config_from_payload, gptq_config_to_payload
+
+    cfg = GPTQConfig(activation=payload, format=fmt)
+    stored = json.loads(json.dumps(gptq_config_to_payload(cfg)))
+    assert stored["activation"] == expected
+    again = gptq_config_from_payload(stored)
+    assert again == cfg and again.activation.to_dict() == expected
+
+
+@given(st.sampled_from(sorted(OTHER_VALUES)), st.data(), st.sampled_from(["w4afp8", "w4a_nvfp4"]))
+def test_every_layout_the_w4a_gemms_cannot_read_is_refused(name, data, mode):
+    """Each of bits/group_size/sym/desc_act/lm_head off the W4A layout is refused by name, as
+    is a ``+:`` rule overriding one of the four per-module layout settings."""
+    from floatxq.config import GPTQConfig
+
+    value = data.draw(st.sampled_from(OTHER_VALUES[name]), label=name)
+    kwargs = {name: value, "act_group_aware": False} if name == "desc_act" else {name: value}
+    with pytest.raises(ValueError, match=f"this config has {name}={value!r}"):
+        GPTQConfig(activation=mode, **kwargs)
+    if name == "lm_head":
+        return
+    with pytest.raises(ValueError, match=rf"dynamic\['.\*down_proj'\]: overrides \['{name}'\]"):
+        GPTQConfig(activation=mode, dynamic={".*down_proj": {name: value}})
+    assert GPTQConfig(activation=mode, **W4A_LAYOUT).activation.mode == mode

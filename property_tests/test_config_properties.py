@@ -78,6 +78,7 @@ GPTQ_FIELDS = (
     "mse",
     "lm_head",
     "format",
+    "activation",
     "dynamic",
     "meta",
 )

@@ -47,7 +47,7 @@ def test_defaults_are_gptqmodels():
     assert cfg.dynamic is None and cfg.meta is None
 
 
-@pytest.mark.parametrize("name", ["activation", "rotation", "method"])
+@pytest.mark.parametrize("name", ["rotation", "method"])
 def test_features_without_an_implementation_are_not_fields(name):
     assert name not in {field.name for field in dataclasses.fields(GPTQConfig)}
     with pytest.raises(TypeError, match=name):
@@ -228,8 +228,6 @@ def test_reading_top_level_solver_settings_and_rejecting_conflicts():
 @pytest.mark.parametrize(
     ("payload", "match"),
     [
-        ({"activation": "w4afp8"}, r"activation: a W4A activation policy is not available yet"),
-        ({"activation": {"mode": "w4a_nvfp4"}}, "activation: .* not available yet in floatxq"),
         ({"rotation": "hadamard"}, r"rotation: a weight/activation rotation is not available yet"),
         ({"rotation": "random"}, "rotation: .*not available yet"),
         ({"adapter": {"name": "lora", "rank": 128}}, "adapter: a LoRA/EoRA adapter is not avail"),

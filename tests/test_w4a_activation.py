@@ -268,7 +268,7 @@ CARRIER_ERRORS = [
     ("shape-rank", _fp8_fields(shape=(128,)), ValueError, "at least two non-negative"),
     ("shape-k", _fp8_fields(shape=(2, 100)), ValueError, "positive multiple of 128"),
     ("dtype-kind", _fp8_fields(model_dtype="bf16"), TypeError, "model_dtype must be a torch.dtype"),
-    ("dtype-fp32", _fp8_fields(model_dtype=torch.float32), ValueError, "float16 or torch.bfloat16"),
+    ("dtype-fp64", _fp8_fields(model_dtype=torch.float64), ValueError, "bfloat16 or torch.float32"),
     ("rotation", _fp8_fields(rotation_applied=1), TypeError, "rotation_applied must be a bool"),
     ("codes-kind", _fp8_fields(codes=[[1.0]]), TypeError, "codes must be a torch.Tensor"),
     (
@@ -426,7 +426,7 @@ PACK_ERRORS = [
     ("gs-size", dict(global_scale=torch.ones(2)), ValueError, "global_scale must hold one value"),
     ("gs-kind", dict(global_scale="1"), TypeError, "global_scale must be a real number"),
     ("recipe", dict(recipe="best"), ValueError, "Unsupported NVFP4 scale recipe"),
-    ("model-dtype", dict(model_dtype=torch.float32), ValueError, "model_dtype must be torch.f"),
+    ("model-dtype", dict(model_dtype=torch.float64), ValueError, "model_dtype must be torch.f"),
     (
         "reference-kind",
         dict(reference=torch.ones(2, 128, dtype=torch.int64)),

@@ -434,12 +434,14 @@ def _gptq_export(model: nn.Module, modules: _Modules, config: Any, layout: str) 
     for name, module in modules.gptq:
         resolved = config.resolve(name) if name not in heads or config.lm_head else None
         replaced[name] = _gptq_module_tensors(name, module, resolved, config.format, heads)
+    keeps_scales = config.activation is not None and config.activation.mode == "w4a_nvfp4"
     state: dict[str, Tensor] = {}
     for key, tensor in model.state_dict().items():
         prefix, _, leaf = key.rpartition(".")
         if leaf == _ACTIVATION_SCALE_BITS:  # a W4A-NVFP4 module's activation global scale
-            _check_dynamic_activation_scale(layout, prefix, tensor)
-            continue
+            if not keeps_scales:
+                _check_dynamic_activation_scale(layout, prefix, tensor)
+                continue
         state[key] = replaced.get(prefix, {}).get(leaf, tensor)
     return LayoutExport(state, gptq_config_to_payload(config), gptq_config_to_payload(config))
 
@@ -448,16 +450,27 @@ _ACTIVATION_SCALE_BITS = "activation_global_scale_bits"
 
 
 def _check_dynamic_activation_scale(layout: str, name: str, bits: Tensor) -> None:
-    """A W4A-NVFP4 module's activation scale is not written: the checkpoint is ordinary GPTQ.
-    That loses nothing while the scale is 0.0 (derived per call); a calibrated one is refused
-    rather than dropped."""
+    """Without an NVFP4 activation policy in the config, a W4A-NVFP4 module's activation scale is
+    not written: the checkpoint is ordinary GPTQ. That loses nothing while the scale is 0.0
+    (derived per call); a calibrated one is refused rather than dropped."""
     if int(bits) != 0:
         value = float(bits.view(torch.float32))
         raise ValueError(
-            f"export: layout {layout!r} writes ordinary GPTQ tensors; {name} holds a calibrated "
-            f"activation global scale ({value!r}) that it has no place for. Saving W4A "
-            f"activation policies with their scales arrives with GPTQConfig.activation; set "
-            f"activation_global_scale_bits to 0 (dynamic) to save the weights alone"
+            f"export: layout {layout!r} writes ordinary GPTQ tensors here; {name} holds a "
+            f"calibrated activation global scale ({value!r}) but the config has no NVFP4 "
+            f"activation policy to save it with. Give the config one (GPTQConfig.activation, "
+            f"mode 'w4a_nvfp4') or set activation_global_scale_bits to 0 (dynamic)"
+        )
+
+
+def _check_no_activation_policy(layout: str, config: Any) -> None:
+    """Only GPT-QModel's GPTQ files carry a W4A activation policy; other layouts would drop it."""
+    activation = getattr(config, "activation", None)
+    if isinstance(config, GPTQConfig) and activation is not None:
+        raise ValueError(
+            f"export: layout {layout!r} holds weight-only GPTQ; this model's config has a W4A "
+            f"activation policy (mode {activation.mode!r}) that it would drop; save with layout "
+            f"'gptq' (GPT-QModel's files carry the policy and its scales)"
         )
 
 
@@ -694,7 +707,9 @@ def export_layout(
     * ``"gptq"``: ``model.state_dict()`` with each ``GPTQLinear``'s ``qweight``, ``qzeros``,
       ``scales`` (float16: converted when exact, else refused), ``g_idx`` and ``bias`` (as
       stored); ``qzeros`` converted exactly to the config's ``format`` when the module holds the
-      other one. ``quantize_config`` and ``quantization_config`` =
+      other one; with an NVFP4 activation policy, each W4A-NVFP4 module's int32
+      ``activation_global_scale_bits`` too (GPT-QModel's name and form). ``quantize_config``
+      and ``quantization_config`` =
       :func:`~floatxq.lifecycle.payload.gptq_config_to_payload` (``quant_method: "gptq"``,
       ``checkpoint_format`` = ``format``). The config must describe every module as readers will
       take it: the module's bits and group size, ``sym`` only when every zero point is
@@ -731,7 +746,8 @@ def export_layout(
         that hold it): ``hf`` takes E4M3 with tensor or block scales and one block size for the
         model, ``compressed-tensors`` E4M3, NVFP4 and GPTQ modules with contiguous whole groups,
         ``gptqmodel`` FP8 only or GPTQ only, ``gptq`` GPTQ only; convolutions go to
-        ``gptqmodel`` only; a GPTQ config that misdescribes a module (see ``"gptq"`` above) or
+        ``gptqmodel`` only; a W4A activation policy to any layout but ``gptq`` /
+        ``gptqmodel``; a GPTQ config that misdescribes a module (see ``"gptq"`` above) or
         scales float16 cannot hold; a layout other than ``gptqmodel`` for a model with no
         quantized module.
       TypeError: ``"gptqmodel"`` without an ``FP8Config`` (FP8 model) or ``GPTQConfig`` (GPTQ
@@ -774,6 +790,7 @@ def export_layout(
         config = {**payload, "activation_scheme": GPTQMODEL_REFUSAL_MARKER}
         return LayoutExport(dict(model.state_dict()), config, payload)
     _require_quantized(name, modules)
+    _check_no_activation_policy(name, quantize_config)
     if name == "hf":
         _check_no_gptq(name, modules, "transformers' fine-grained FP8 holds FP8 weights only")
         _check_no_nvfp4(name, modules, "transformers' fine-grained FP8 holds FP8 weights only")

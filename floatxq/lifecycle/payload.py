@@ -9,7 +9,7 @@ solver settings into ``meta``, where GPT-QModel keeps them; keys whose value is 
 are left out. Reading takes what either library wrote, legacy spellings included (FP8 ``fmt``
 and ``weight_only``, GPTQ solver settings at the top level), checks every carried field, rejects
 unknown keys, and refuses settings whose feature floatxq does not have yet (an FP8 ``smoother``
-or ``preprocessors``, a GPTQ ``activation`` policy, ``rotation`` or ``adapter``) with a
+or ``preprocessors``, a GPTQ ``rotation`` or ``adapter``) with a
 ValueError saying so, instead of dropping them.
 
 Round trips are exact: ``config -> payload -> config`` gives an equal config, and
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from floatxq.config import METHOD, DynamicRules, FP8Config, GPTQConfig
+from floatxq.config import METHOD, ActivationConfig, DynamicRules, FP8Config, GPTQConfig
 from floatxq.formats import (
     normalize_fp8_format,
     normalize_fp8_scale_semantics,
@@ -343,6 +343,7 @@ def gptq_config_to_payload(config: GPTQConfig) -> dict[str, Any]:
         "format": config.format,
         "checkpoint_format": config.format,
         "pack_dtype": "int32",
+        "activation": None if config.activation is None else config.activation.to_dict(),
         "dynamic": _rules_payload(config.dynamic),
         "meta": meta,
     }
@@ -359,8 +360,9 @@ def gptq_config_from_payload(payload: Mapping[str, Any]) -> GPTQConfig:
 
     Raises:
       TypeError: ``payload`` is not a mapping, or a field's value has the wrong kind.
-      ValueError: an unknown key, a value that is not accepted (the key is named), or a W4A
-        ``activation`` policy, a ``rotation`` or an ``adapter``, which floatxq does not have yet.
+      ValueError: an unknown key, a value that is not accepted (the key is named; a W4A
+        ``activation`` policy is checked as :class:`~floatxq.config.ActivationConfig` and against
+        the weight layout), or a ``rotation`` or an ``adapter``, which floatxq does not have yet.
 
     Numerics: names only.
 
@@ -370,7 +372,9 @@ def gptq_config_from_payload(payload: Mapping[str, Any]) -> GPTQConfig:
     """
     data = _as_dict(payload, accepted=_GPTQ_KEYS, where="GPTQ payload")
     _pop_method(data, METHOD.GPTQ)
-    _refuse("activation", data.pop("activation", None), feature="a W4A activation policy")
+    activation = data.pop("activation", None)
+    if activation is not None:
+        data["activation"] = ActivationConfig.from_value(activation)
     _refuse("rotation", data.pop("rotation", None), feature="a weight/activation rotation")
     _refuse("adapter", data.pop("adapter", None), feature="a LoRA/EoRA adapter")
     _pop_checkpoint_format(data, normalize_gptq_format, noun="packing format")
