@@ -209,7 +209,10 @@ _LAZY = {
     "QuantizedModel": "floatxq.lifecycle",
     "evaluate_lm": "floatxq.lifecycle",
     "inspect_checkpoint": "floatxq.lifecycle",
+    "install_w4a_llama_stream": "floatxq.lifecycle",
+    "installed_w4a_stream": "floatxq.lifecycle",
     "load": "floatxq.lifecycle",
+    "uninstall_w4a_llama_stream": "floatxq.lifecycle",
 }
 
 
@@ -336,6 +339,8 @@ __all__ = [
     "hessian_update",
     "infer_scale_layout",
     "inspect_checkpoint",
+    "install_w4a_llama_stream",
+    "installed_w4a_stream",
     "int4_planes_to_e2m1",
     "int4_to_e4m3",
     "is_mimo_mixed_source",
@@ -389,6 +394,7 @@ __all__ = [
     "swap_nibbles",
     "swizzle_scales",
     "swizzle_scales_per_group",
+    "uninstall_w4a_llama_stream",
     "unpack_e2m1",
     "unpack_gptq",
     "unpack_gptq_int4",

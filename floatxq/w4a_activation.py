@@ -373,6 +373,29 @@ class W4AActivation:
         return dtype
 
 
+def _unchecked_activation(**fields: object) -> W4AActivation:
+    """A carrier of fields its producer already guarantees, built without the value checks.
+
+    :class:`W4AActivation`'s checks read tensors on the host (finite scales, a positive global
+    scale), which a CUDA graph capture forbids. The CUDA activation stream
+    (:mod:`floatxq.lifecycle.stream`) builds its carriers from the Triton packers' outputs, whose
+    dtypes and shapes are right by construction and whose non-finite input shows up as NaN
+    scales; it uses this path. Never for user input: every field is taken as given.
+
+    Raises:
+      TypeError: a missing required field or an unknown one (no value is checked).
+    """
+    carrier = object.__new__(W4AActivation)
+    for field in dataclasses.fields(W4AActivation):
+        value = fields.pop(field.name, field.default)
+        if value is dataclasses.MISSING:
+            raise TypeError(f"_unchecked_activation: field {field.name!r} is required")
+        object.__setattr__(carrier, field.name, value)
+    if fields:
+        raise TypeError(f"_unchecked_activation: unknown field(s) {sorted(fields)}")
+    return carrier
+
+
 # ----------------------------------------------------------------------------------------------
 # Packing
 # ----------------------------------------------------------------------------------------------

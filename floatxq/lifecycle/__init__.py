@@ -28,6 +28,17 @@ from floatxq.lifecycle.payload import (
     payload_format,
     payload_method,
 )
+from floatxq.lifecycle.stream import (
+    NVFP4BoundaryQuantizer,
+    W4AStreamPolicy,
+    install_w4a_llama_stream,
+    installed_w4a_stream,
+    llama_stream_boundaries,
+    set_stream_global_scales,
+    stream_boundary_quantizers,
+    uninstall_w4a_llama_stream,
+    w4a_stream_policy,
+)
 
 __all__ = [
     "CHECKPOINT_LAYOUTS",
@@ -40,7 +51,9 @@ __all__ = [
     "EvalReport",
     "LayoutDecision",
     "LayoutExport",
+    "NVFP4BoundaryQuantizer",
     "QuantizedModel",
+    "W4AStreamPolicy",
     "decide_layout",
     "evaluate_lm",
     "export_layout",
@@ -50,8 +63,15 @@ __all__ = [
     "gptq_config_to_payload",
     "gptq_solve_options",
     "inspect_checkpoint",
+    "install_w4a_llama_stream",
+    "installed_w4a_stream",
+    "llama_stream_boundaries",
     "load",
     "normalize_layout",
     "payload_format",
     "payload_method",
+    "set_stream_global_scales",
+    "stream_boundary_quantizers",
+    "uninstall_w4a_llama_stream",
+    "w4a_stream_policy",
 ]

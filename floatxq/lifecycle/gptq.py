@@ -16,6 +16,16 @@
    the layer goes back to where it lived (CPU), with its Hessians freed;
 4. with ``lm_head=True``, the output embedding is solved last, on the final norm's outputs.
 
+With an activation policy (``config.activation``, a Llama model) each layer whose seven
+projections are all targets is run through the W4A stream's replay
+(:mod:`floatxq.lifecycle.replay`) instead: the residual in FP32, every GEMM operand rounded as the
+runtime stream rounds it (FP32 QDQ), the linears in FP32. Its input groups are fixed (q/k/v, o,
+gate/up, down); under a headroom recipe a first pass per group collects the headroom histogram of
+the un-rounded operand and freezes the group's global scale, then a second pass folds the Hessian
+of the rounded operand. The run reports every solved module's activation global scale
+(:attr:`GPTQRunReport.activation_scales`); turning the modules into W4A modules and installing
+the stream is the caller's (:mod:`floatxq.lifecycle.model`).
+
 Sources already quantized (``TorchFP8Linear`` / ``TorchFP4Linear`` from a native FP8 or NVFP4
 checkpoint) run their own forward for the capture (FP8 tensor cores where the device has them)
 and are decoded one module at a time, in FP32, only for their solve.
@@ -23,7 +33,8 @@ and are decoded one module at a time, in FP32, only for their solve.
 
 import contextlib
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -121,6 +132,10 @@ class GPTQRunReport(NamedTuple):
     dropped: int
     tokens: int
     seconds: float
+    activation_scales: Mapping[str, float] = types.MappingProxyType({})
+    """With an activation policy: each solved module's FP32 activation global scale (the
+    headroom calibration's, or ``nvfp4_global_scale`` of its inputs' running ``max|x|``); 0.0
+    where its inputs are FP8. Empty without a policy."""
 
 
 def _target_types() -> tuple[type, ...]:
@@ -309,7 +324,7 @@ def _move_outside(model: nn.Module, skip: set[int], device: torch.device) -> Non
     walk(model)
 
 
-def _layer_output(result: Any) -> torch.Tensor:
+def _layer_output(result: Any) -> Any:
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
@@ -502,6 +517,17 @@ class _DecodedStandIn(nn.Module):
         self.packed = packed
         self.decoded: dict[torch.dtype, torch.Tensor] = {}
 
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The solved module's bias (the replay's ``F.linear`` reads it)."""
+        return self.packed.bias
+
+    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The solved weight decoded in ``dtype`` (once per dtype; the replay reads FP32)."""
+        if dtype not in self.decoded:
+            self.decoded[dtype] = self.packed.dequantize_weight(dtype)
+        return self.decoded[dtype]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in self.decoded:
             self.decoded[x.dtype] = self.packed.dequantize_weight(x.dtype)
@@ -529,7 +555,7 @@ class _LayerStep(NamedTuple):
     ) -> list[GPTQModuleReport]:
         """Solve ``configs``' modules group by group; each is replaced by a stand-in (and its
         ``GPTQLinear`` kept in ``solved``) so later groups see its quantized outputs."""
-        reports = []
+        reports: list[GPTQModuleReport] = []
         wanted = [(n, self.model.get_submodule(n)) for n in configs]
         groups = _groups_by_input(self.layer, wanted, self.inputs[0])
         del wanted
@@ -540,19 +566,266 @@ class _LayerStep(NamedTuple):
                 self.layer, first, names, self.inputs, _features(first)[0], self.device
             )
             del first
-            while group:  # popped, so the replaced module is released once it is solved
-                name, module = group.pop(0)
-                built, report = _solve_module(
-                    name, module, hessian, configs[name], self.rows, self.index, self.device
-                )
-                del module
-                solved[name] = built
-                self.model.set_submodule(name, _DecodedStandIn(built))
-                reports.append(report)
-                if self.on_module is not None:
-                    self.on_module(name)
+            self._solve_group(group, hessian, configs, solved, reports)
             del hessian
         return reports
+
+    def _solve_group(
+        self,
+        group: list[tuple[str, nn.Module]],
+        hessian: torch.Tensor,
+        configs: dict[str, GPTQConfig],
+        solved: dict[str, nn.Module],
+        reports: list[GPTQModuleReport],
+    ) -> None:
+        while group:  # popped, so the replaced module is released once it is solved
+            name, module = group.pop(0)
+            built, report = _solve_module(
+                name, module, hessian, configs[name], self.rows, self.index, self.device
+            )
+            del module
+            solved[name] = built
+            self.model.set_submodule(name, _DecodedStandIn(built))
+            reports.append(report)
+            if self.on_module is not None:
+                self.on_module(name)
+
+    def replay_solve(
+        self,
+        prefix: str,
+        plan: Any,
+        configs: dict[str, GPTQConfig],
+        solved: dict[str, nn.Module],
+        producer_scales: Mapping[str, float] | None,
+    ) -> tuple[list[GPTQModuleReport], dict[str, float], dict[str, float]]:
+        """Solve a streamed Llama layer on the replayed W4A operands (module docstring, step 2
+        with an activation policy): per input group, in call order, an optional headroom probe
+        pass freezes the group's scale, then a pass folds the Hessian of the rounded operand
+        (and the running ``max|x|`` of the un-rounded one), then the group is solved.
+
+        Returns ``(reports, activation scales by module name, frozen headroom scales by
+        site)``."""
+        from floatxq.headroom import headroom_amax
+        from floatxq.lifecycle.replay import ReplayCodec
+        from floatxq.nvfp4 import nvfp4_global_scale
+
+        reports: list[GPTQModuleReport] = []
+        scales: dict[str, float] = {}
+        frozen: dict[str, float] = {}
+        for site, group_name, paths in _REPLAY_GROUPS:
+            lane = plan.attention if group_name == "attention" else plan.mlp
+            names = [prefix + p for p in paths]
+            if lane.headroom:  # probe: the un-rounded operand's histogram freezes the scale
+                probe = _GroupFold(names, None)
+                self._replay(plan, ReplayCodec(
+                    producer_scales=producer_scales, site_scales=frozen,
+                    pack_observers={site: probe.collect},
+                ), probe)  # fmt: skip
+                try:
+                    amax = headroom_amax(probe.headroom)
+                except ValueError as exc:
+                    raise ValueError(f"GPTQ: the inputs of {', '.join(names)}: {exc}") from None
+                frozen[site] = float(nvfp4_global_scale(amax, recipe=lane.recipe))
+            k = _features(self.model.get_submodule(names[0]))[0]
+            fold = _GroupFold(names, hessian_init(k, device=self.device))
+            observers = {site: fold.observe} if lane.nvfp4 and not lane.headroom else {}
+            self._replay(plan, ReplayCodec(
+                producer_scales=producer_scales, site_scales=frozen, pack_observers=observers,
+                linear_observers={paths[0].rsplit(".", 1)[-1]: fold.fold},
+            ), fold)  # fmt: skip
+            try:
+                hessian = hessian_finalize(fold.hessian)
+            except ValueError as exc:
+                raise ValueError(
+                    f"GPTQ: the replayed W4A activations reaching {', '.join(names)} are not "
+                    f"finite (inf or NaN); check the model in its dtype on this device ({exc})"
+                ) from None
+            if not lane.nvfp4:
+                scale = 0.0
+            elif lane.headroom:
+                scale = frozen[site]
+            else:
+                scale = float(nvfp4_global_scale(fold.amax, recipe=lane.recipe))
+            scales.update(dict.fromkeys(names, scale))
+            fold.hessian = None
+            group = [(n, self.model.get_submodule(n)) for n in names]
+            self._solve_group(group, hessian, configs, solved, reports)
+            del hessian, group
+        return reports, scales, frozen
+
+    def _replay(self, plan: Any, codec: Any, fold: "_GroupFold") -> None:
+        """Run the replayed layer on every batch (an observer's ``_Stop`` ends a batch)."""
+        from floatxq.lifecycle.replay import replay_llama_layer
+
+        for item in self.inputs:
+            fold.mask = item.mask
+            with contextlib.suppress(_Stop):
+                replay_llama_layer(
+                    self.layer, item.hidden, *item.args, plan=plan, codec=codec, **item.kwargs
+                )
+
+
+class _GroupFold:
+    """What the replay passes of one input group gather, batch by batch (``mask`` is the
+    current batch's keep-mask): a headroom histogram, the running ``max|x|`` of the un-rounded
+    operand, the Hessian of the rounded one."""
+
+    def __init__(self, names: list[str], hessian: Any) -> None:
+        from floatxq.headroom import headroom_init
+
+        self.names = names
+        self.mask: torch.Tensor | None = None
+        self.headroom = headroom_init()
+        self.amax: torch.Tensor = torch.zeros((), dtype=torch.float32)
+        self.hessian = hessian
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        return _kept_rows(x, self.mask, self.names)
+
+    def collect(self, x: torch.Tensor) -> None:
+        """Headroom probe: fold the operand's block maxima, then end the batch."""
+        from floatxq.headroom import headroom_update
+
+        self.headroom = headroom_update(self.headroom, self._rows(x))
+        raise _Stop
+
+    def observe(self, x: torch.Tensor) -> None:
+        """Track the un-rounded operand's ``max|x|`` over real tokens."""
+        rows = self._rows(x)
+        if rows.numel():
+            amax = rows.abs().amax().to(torch.float32)
+            self.amax = torch.maximum(self.amax.to(amax.device), amax)
+
+    def fold(self, x: torch.Tensor) -> None:
+        """Fold the rounded operand into the Hessian, then end the batch."""
+        self.hessian = hessian_update(self.hessian, self._rows(x))
+        raise _Stop
+
+
+_REPLAY_GROUPS = (
+    ("attention_norm", "attention", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("o_proj", "attention", ("self_attn.o_proj",)),
+    ("mlp_norm", "mlp", ("mlp.gate_proj", "mlp.up_proj")),
+    ("down_proj", "mlp", ("mlp.down_proj",)),
+)
+"""A streamed Llama layer's input groups in call order: the site whose operand they read, the
+lane (attention or MLP) it is rounded in, and the projections that read it."""
+
+
+def _kept_rows(x: torch.Tensor, mask: torch.Tensor, names: list[str]) -> torch.Tensor:
+    """The ``(n, k)`` rows of ``x`` on real tokens (padding dropped by the keep-mask)."""
+    if tuple(x.shape[:-1]) == tuple(mask.shape):
+        return x[mask]
+    if bool(mask.all()):
+        return x.reshape(-1, x.shape[-1])
+    raise ValueError(
+        f"GPTQ: {names[0]} reads inputs of shape {tuple(x.shape)}, which the padding mask "
+        f"{tuple(mask.shape)} cannot be matched to; calibrate it with batch_size=1 (no padding)"
+    )
+
+
+class _ReplaySetup(NamedTuple):
+    """An activation policy's replay: the stream policy and the plan of each streamed layer."""
+
+    policy: Any
+    plans: dict[int, Any]
+
+
+def _replay_setup(
+    model: nn.Module,
+    config: GPTQConfig,
+    targets: dict[str, GptqPlan],
+    layers_name: str,
+    layers: nn.ModuleList,
+    head_plan: GptqPlan | None,
+) -> _ReplaySetup | None:
+    """The replay of ``config.activation`` (None without one), after every check that needs
+    no work: a Llama, each layer's seven projections all targets or none (at least one layer
+    with all), each of them 4-bit symmetric groups of 128 with ``in`` and ``out`` multiples of
+    128, ``mlp`` layers that exist, producer scales naming exactly the stream's producers."""
+    activation = getattr(config, "activation", None)
+    if activation is None:
+        return None
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from floatxq.lifecycle.stream import (
+        LLAMA_STREAM_PROJECTIONS,
+        stream_layer_plans,
+        stream_producer_keys,
+        validate_producer_scales,
+        w4a_stream_policy,
+    )
+
+    where = f"GPTQ: activation policy (mode {activation.mode!r})"
+    if layers_name != "model.layers" or not isinstance(layers[0], LlamaDecoderLayer):
+        raise ValueError(
+            f"{where}: the W4A activation stream runs Llama causal LMs (model.model.layers of "
+            f"LlamaDecoderLayer); {type(model).__name__} has {layers_name} of "
+            f"{type(layers[0]).__name__}"
+        )
+    if head_plan is not None:
+        raise ValueError(f"{where}: the output embedding (lm_head=True) has no W4A stream")
+    selected = []
+    for index in range(len(layers)):
+        prefix = f"{layers_name}.{index}."
+        names = [prefix + p for p in LLAMA_STREAM_PROJECTIONS]
+        chosen = [n for n in names if n in targets]
+        extra = [n for n in targets if n.startswith(prefix) and n not in names]
+        if extra:
+            raise ValueError(
+                f"{where}: {extra[:3]} are not among a Llama layer's seven projections; only "
+                f"those run W4A (exclude the others with '-:' rules)"
+            )
+        if not chosen:
+            continue
+        if len(chosen) != len(names):
+            missing = [n.removeprefix(prefix) for n in names if n not in targets]
+            raise ValueError(
+                f"{where}: layer {index} quantizes {len(chosen)} of its seven projections but "
+                f"not {missing}; a W4A layer quantizes all seven or none ('-:' rules exclude "
+                f"all of a layer's or none)"
+            )
+        for name in names:
+            resolved = targets[name].config
+            k, n = _features(model.get_submodule(name))
+            settings = (resolved.bits, resolved.group_size, resolved.sym, resolved.desc_act)
+            if settings != (4, 128, True, False):
+                raise ValueError(
+                    f"{where}: {name} resolves to bits={resolved.bits}, group_size="
+                    f"{resolved.group_size}, sym={resolved.sym}, desc_act={resolved.desc_act}; "
+                    f"the W4A GEMMs take 4, 128, True, False"
+                )
+            if k % 128 or n % 128:
+                raise ValueError(
+                    f"{where}: {name} is ({n}, {k}) (out, in); a streamed projection needs both "
+                    f"to be multiples of 128"
+                )
+        selected.append(index)
+    if not selected:
+        raise ValueError(
+            f"{where}: no decoder layer quantizes all seven projections, so nothing would run W4A"
+        )
+    attention, mlp = activation.attention, activation.mlp
+    policy = w4a_stream_policy(
+        activation.mode,
+        recipe=activation.recipe,
+        global_scales=activation.global_scales,
+        attention_mode=None if attention is None else attention.mode,
+        attention_recipe=None if attention is None else attention.recipe,
+        mlp_fp8_layers=None if mlp is None else mlp.layers,
+    )
+    depth = len(layers)
+    beyond = [i for i in policy.mlp_fp8_layers if i >= depth]
+    if beyond:
+        raise ValueError(f"{where}: mlp layers {beyond} lie beyond the model's {depth} layers")
+    if policy.global_scales is not None:
+        try:
+            validate_producer_scales(
+                policy.global_scales, stream_producer_keys(policy, depth, selected)
+            )
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    return _ReplaySetup(policy, stream_layer_plans(policy, depth, selected))
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -600,8 +873,10 @@ def quantize_gptq_model(
     layers_name, layers = decoder_layers(model)
     head = _output_embedding(model)
     head_plan = targets.get(head[0]) if head is not None else None
+    replay = _replay_setup(model, config, targets, layers_name, layers, head_plan)
     start = time.perf_counter()
     reports: list[GPTQModuleReport] = []
+    activation_scales: dict[str, float] = {}
     skip = {id(layers)} | ({id(head[1])} if head is not None else set())
     home = {id(m): _device_of(m) for m in layers}
     outside_home = _device_of(
@@ -622,14 +897,26 @@ def quantize_gptq_model(
                 layer.to(device)
                 prefix = f"{layers_name}.{index}."
                 names = [n for n in targets if n.startswith(prefix)]
-                if names:
+                plan = None if replay is None else replay.plans.get(index)
+                frozen: dict[str, float] = {}
+                if names and plan is not None:
+                    step = _LayerStep(model, layer, index, inputs, device, rows, on_module)
+                    configs = {n: targets[n].config for n in names}
+                    done, scales, frozen = step.replay_solve(
+                        prefix, plan, configs, solved, replay.policy.global_scales
+                    )
+                    reports.extend(done)
+                    activation_scales.update(scales)
+                elif names:
                     step = _LayerStep(model, layer, index, inputs, device, rows, on_module)
                     reports.extend(step.solve({n: targets[n].config for n in names}, solved))
                 last = index == len(layers) - 1
-                if not last or head_plan is not None:
+                if (not last or head_plan is not None) and replay is None:
                     for i, item in enumerate(inputs):
                         out = _layer_output(_call_layer(layer, item))
                         inputs[i] = item._replace(hidden=out)
+                elif not last:
+                    _replay_outputs(layer, plan, inputs, replay.policy.global_scales, frozen)
                 for name, built in solved.items():
                     model.set_submodule(name, built)
                 solved.clear()
@@ -672,7 +959,33 @@ def quantize_gptq_model(
         calibration.dropped,
         calibration.tokens,
         time.perf_counter() - start,
+        types.MappingProxyType(activation_scales),
     )
+
+
+def _replay_outputs(
+    layer: nn.Module,
+    plan: Any,
+    inputs: list[_LayerInput],
+    producer_scales: Mapping[str, float] | None,
+    frozen: Mapping[str, float],
+) -> None:
+    """Each batch's next-layer input, as the runtime stream computes it: a streamed layer's
+    replayed ``output`` operand; an unstreamed layer run on the exact input in the model dtype."""
+    from floatxq.lifecycle.replay import ReplayCodec, ReplayOperand, replay_llama_layer
+
+    codec = ReplayCodec(producer_scales=producer_scales, site_scales=frozen)
+    for i, item in enumerate(inputs):
+        if plan is not None:
+            out = replay_llama_layer(
+                layer, item.hidden, *item.args, plan=plan, codec=codec, **item.kwargs
+            )
+        else:
+            hidden = item.hidden
+            if isinstance(hidden, ReplayOperand):
+                hidden = hidden.exact()
+            out = _call_layer(layer, item._replace(hidden=hidden))
+        inputs[i] = item._replace(hidden=_layer_output(out))
 
 
 __all__ = [

@@ -6,18 +6,26 @@ with ``weight_scale_inv``) is rebuilt module by module from its files, without q
 Nothing is fetched from a hub: paths are local.
 """
 
+import contextlib
 import os
 import re
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from floatxq.config import BACKEND, METHOD, FP8Config, GPTQConfig
+from floatxq.config import (
+    BACKEND,
+    METHOD,
+    ActivationConfig,
+    FP8Config,
+    GPTQConfig,
+    backend_for_activation,
+)
 from floatxq.lifecycle.checkpoint import (
     CONFIG_FILE,
     TOKENIZER_FILES,
@@ -76,49 +84,136 @@ def _resolve_backend(backend: Any, config: Any = None, *, checkpoint: bool = Fal
     )
 
 
-def _install_w4a_fp8(model: nn.Module) -> None:
-    """Replace every GPTQLinear of a loaded checkpoint by a W4AFP8Linear sharing its tensors.
+def _backend_for(backend: Any, config: Any) -> BACKEND:
+    """The backend for a model to quantize with ``config``: a GPTQ config with an activation
+    policy binds its W4A backend (``auto`` or that one accepted), any other as
+    :func:`_resolve_backend`."""
+    activation = getattr(config, "activation", None) if isinstance(config, GPTQConfig) else None
+    if activation is None:
+        return _resolve_backend(backend, config)
+    try:
+        return backend_for_activation(activation, _backend_name(backend))
+    except ValueError as exc:
+        raise ValueError(f"load: {exc}") from None
+
+
+def _backend_name(backend: Any) -> BACKEND:
+    """``backend`` as a BACKEND, or the standard refusal of an unknown one."""
+    if isinstance(backend, str):
+        with contextlib.suppress(ValueError):
+            return BACKEND(str.lower(str.strip(backend)))
+    _resolve_backend(backend)  # raises, naming what is accepted
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+_ACTIVATION_SCALE_BITS = "activation_global_scale_bits"
+_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _module_recipe(name: str, activation: ActivationConfig | None) -> str | None:
+    """The NVFP4 recipe a module's inputs use under ``activation`` (None: the module default)."""
+    if activation is None or activation.recipe is None:
+        return None
+    attention = activation.attention
+    if (
+        attention is not None
+        and attention.mode == "w4a_nvfp4"
+        and name.rsplit(".", 1)[-1] in _ATTENTION_PROJECTIONS
+    ):
+        return attention.recipe
+    return activation.recipe
+
+
+def _install_w4a(
+    model: nn.Module,
+    backend: BACKEND,
+    *,
+    activation: ActivationConfig | None = None,
+    scale_bits: Mapping[str, torch.Tensor] | None = None,
+    scales: Mapping[str, float] | None = None,
+) -> None:
+    """Replace every GPTQLinear by the ``backend``'s W4A module sharing its tensors.
+
+    NVFP4 modules take their activation global scale from ``scale_bits`` (a checkpoint's int32
+    bits) or ``scales`` (a GPTQ run's values; 0.0 stays dynamic), and their recipe from the
+    ``activation`` policy.
 
     Raises:
-      ValueError: naming the first module that cannot run as W4A-FP8 and why, before any module
-        is replaced.
-    """
-    from floatxq.nn.gptq_linear import GPTQLinear
-    from floatxq.nn.w4a_fp8_linear import W4AFP8Linear, w4a_fp8_ineligibility
-
-    gptq = [(n, m) for n, m in model.named_modules() if type(m) is GPTQLinear]
-    for name, module in gptq:
-        why = w4a_fp8_ineligibility(module)
-        if why is not None:
-            raise ValueError(
-                f"load: backend 'gptq_w4afp8' cannot run {name}: {why}; load with backend "
-                f"'auto' to run the checkpoint as W4A16 (gptq_torch)"
-            )
-    for name, module in gptq:
-        model.set_submodule(name, W4AFP8Linear.from_gptq_linear(module))
-
-
-def _install_w4a_nvfp4(model: nn.Module) -> None:
-    """Replace every GPTQLinear of a loaded checkpoint by a W4ANVFP4Linear sharing its tensors
-    (dynamic activation global scales: GPTQ checkpoints hold none).
-
-    Raises:
-      ValueError: naming the first module that cannot run as W4A-NVFP4 and why, before any
+      ValueError: naming the first module that cannot run on ``backend`` and why, before any
         module is replaced.
     """
     from floatxq.nn.gptq_linear import GPTQLinear
+    from floatxq.nn.w4a_fp8_linear import W4AFP8Linear, w4a_fp8_ineligibility
     from floatxq.nn.w4a_nvfp4_linear import W4ANVFP4Linear, w4a_nvfp4_ineligibility
 
+    nvfp4 = backend == BACKEND.GPTQ_W4A_NVFP4
+    ineligibility = w4a_nvfp4_ineligibility if nvfp4 else w4a_fp8_ineligibility
     gptq = [(n, m) for n, m in model.named_modules() if type(m) is GPTQLinear]
     for name, module in gptq:
-        why = w4a_nvfp4_ineligibility(module)
+        why = ineligibility(module)
         if why is not None:
             raise ValueError(
-                f"load: backend 'gptq_w4a_nvfp4' cannot run {name}: {why}; load with backend "
+                f"load: backend {backend.value!r} cannot run {name}: {why}; load with backend "
                 f"'auto' to run the checkpoint as W4A16 (gptq_torch)"
             )
     for name, module in gptq:
-        model.set_submodule(name, W4ANVFP4Linear.from_gptq_linear(module))
+        if not nvfp4:
+            model.set_submodule(name, W4AFP8Linear.from_gptq_linear(module))
+            continue
+        layer = W4ANVFP4Linear.from_gptq_linear(module)
+        recipe = _module_recipe(name, activation)
+        if recipe is not None:
+            layer.activation_recipe = recipe
+        if scale_bits is not None and name in scale_bits:
+            bits = scale_bits[name].to(layer.activation_global_scale_bits.device)
+            layer.activation_global_scale_bits = bits.reshape(()).clone()
+            layer.post_init()  # checks the stored value (0.0 or positive finite)
+        elif scales is not None and scales.get(name, 0.0) != 0.0:
+            layer.activation_global_scale = scales[name]
+        model.set_submodule(name, layer)
+
+
+def _is_llama(model: nn.Module) -> bool:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return (
+        isinstance(layers, nn.ModuleList)
+        and len(layers) > 0
+        and type(layers[0]).__name__ == "LlamaDecoderLayer"
+    )
+
+
+def _install_stream(model: nn.Module, activation: ActivationConfig) -> bool:
+    """Install the Llama activation stream for ``activation``; False (nothing done) for a model
+    that is not a Llama: its W4A modules then quantize their own inputs, call by call."""
+    if not _is_llama(model):
+        return False
+    from floatxq.lifecycle.stream import install_w4a_llama_stream
+
+    install_w4a_llama_stream(model, **stream_arguments(activation))
+    return True
+
+
+def stream_arguments(activation: ActivationConfig) -> dict[str, Any]:
+    """:func:`~floatxq.lifecycle.stream.install_w4a_llama_stream`'s keyword arguments for a
+    stored activation policy (no rotation in floatxq: ``fused_norms`` stays False).
+
+    Example:
+      >>> policy = ActivationConfig(mode="w4a_nvfp4", mlp={"mode": "w4afp8", "layers": [1]})
+      >>> args = stream_arguments(policy)
+      >>> args["mode"], args["recipe"], args["attention_mode"], args["mlp_fp8_layers"]
+      ('w4a_nvfp4', 'least_squares', None, (1,))
+    """
+    attention, mlp = activation.attention, activation.mlp
+    return {
+        "mode": activation.mode,
+        "recipe": activation.recipe,
+        "global_scales": None
+        if activation.global_scales is None
+        else dict(activation.global_scales),
+        "attention_mode": None if attention is None else attention.mode,
+        "attention_recipe": None if attention is None else attention.recipe,
+        "mlp_fp8_layers": None if mlp is None else tuple(mlp.layers),
+    }
 
 
 def _as_config(value: Any) -> FP8Config | GPTQConfig:
@@ -289,9 +384,44 @@ def _gptq_config(path: Path, qpayload: Mapping[str, Any]) -> GPTQConfig:
     return read_gptq_config(path, qpayload, quantize)
 
 
+def _pop_activation_bits(
+    state: dict[str, torch.Tensor], qconfig: Any, files: Mapping[str, str], path: Path
+) -> dict[str, torch.Tensor]:
+    """Take each module's ``activation_global_scale_bits`` out of ``state``: GPT-QModel's int32
+    0-d bit pattern of an FP32 scale, which only a GPTQ checkpoint with an NVFP4 activation policy
+    carries (0.0 = dynamic, else positive and finite)."""
+    suffix = f".{_ACTIVATION_SCALE_BITS}"
+    found = {k[: -len(suffix)]: v for k, v in state.items() if k.endswith(suffix)}
+    if not found:
+        return {}
+    activation = getattr(qconfig, "activation", None)
+    if activation is None or activation.mode != "w4a_nvfp4":
+        name = next(iter(found))
+        raise CheckpointError(
+            f"load: {path}: {name}{suffix} in {files.get(name + suffix, '?')} is an NVFP4 "
+            f"activation global scale, but the quantization config declares no NVFP4 "
+            f"activation policy (activation.mode 'w4a_nvfp4') to run it with"
+        )
+    for name, bits in found.items():
+        where = f"{name}{suffix} in {files.get(name + suffix, '?')}"
+        if bits.dtype != torch.int32 or bits.numel() != 1 or bits.ndim > 1:
+            raise CheckpointError(
+                f"load: {where} must be one int32 value (an FP32 bit pattern), got "
+                f"{bits.dtype} {tuple(bits.shape)}"
+            )
+        value = float(bits.reshape(()).view(torch.float32))
+        if value != 0.0 and not (value > 0.0 and value < float("inf")):
+            raise CheckpointError(
+                f"load: {where} holds {value!r}; an activation global scale is 0.0 (dynamic) or "
+                f"a positive finite FP32 value"
+            )
+        del state[f"{name}{suffix}"]
+    return {name: bits.reshape(()) for name, bits in found.items()}
+
+
 def _load_quantized(
     path: Path, config_payload: Mapping[str, Any], *, device: Any, dtype: Any
-) -> "tuple[nn.Module | None, FP8Config | GPTQConfig | None, Any]":
+) -> "tuple[nn.Module | None, FP8Config | GPTQConfig | None, Any, dict[str, torch.Tensor]]":
     from floatxq.lifecycle.checkpoint import header_metadata
     from floatxq.lifecycle.fp8 import LINEAR_TYPES
     from floatxq.lifecycle.layouts import (
@@ -312,7 +442,7 @@ def _load_quantized(
     decision = decide_layout(path, config_payload, infos, header_metadata=metadata)
     _check_config_against_tensors(path, config_payload, infos)
     if decision.layout == "dense":
-        return None, None, decision
+        return None, None, decision, {}
     names = [info.name for info in infos]
     qpayload = config_payload.get("quantization_config") or {}
     if decision.layout == "modelopt":
@@ -334,6 +464,7 @@ def _load_quantized(
     linear_names = [n for n, m in modules.items() if isinstance(m, LINEAR_TYPES)]
     files = {info.name: info.file for info in infos}
     state = dict(iter_tensors(path))
+    activation_bits = _pop_activation_bits(state, qconfig, files, path)
     sources, rest = module_sources(state, linear_names, layout=decision.layout)
     torchao = _torchao_metadata(metadata) if decision.layout == "torchao" else None
     built_names: list[str] = []
@@ -378,9 +509,15 @@ def _load_quantized(
         model.tie_weights()
     if device is not None:
         model = model.to(device)
+    unbuilt = sorted(set(activation_bits) - set(built_names))
+    if unbuilt:
+        raise CheckpointError(
+            f"load: {path}: {unbuilt[0]}.{_ACTIVATION_SCALE_BITS} belongs to no GPTQ module "
+            f"({len(unbuilt)} such tensors)"
+        )
     if qconfig is None:
         qconfig = _describe_loaded(model)
-    return model.eval(), qconfig, decision
+    return model.eval(), qconfig, decision, activation_bits
 
 
 def _head_names(model: nn.Module) -> set[str]:
@@ -658,16 +795,71 @@ class QuantizedModel:
                 bar.close()
         if self.device is not None:
             self.model.to(self.device)
+        if config.activation is not None:  # W4A: the solved modules run the policy's GEMMs
+            scales = getattr(self.report, "activation_scales", None) or {}
+            _install_w4a(self.model, self.backend, activation=config.activation, scales=scales)
+            _install_stream(self.model, config.activation)
         self.quantize_seconds = time.perf_counter() - start
         self.quantized = True
         self.quantized_modules = [m.name for m in self.report.modules]
         return self
 
+    def calibrate_activations(
+        self,
+        samples: Sequence[torch.Tensor],
+        *,
+        progress: Callable[[str, Mapping[str, Any]], None] | bool | None = None,
+    ) -> dict[str, Any]:
+        """Calibrate the installed NVFP4 stream's producer global scales on ``samples``.
+
+        Activations only: the weights are not touched. Each producer boundary (reference:
+        :mod:`floatxq.lifecycle.activation_calibration`) gets the FP32 scale that maps the
+        largest magnitude it sees onto E2M1 value 6 (``nvidia``) or 4 (other recipes) at block
+        scale 448; the scales go into the stream, ``quantize_config.activation.global_scales``
+        and the saved files. On any failure everything is restored and the error re-raised.
+
+        Args:
+          samples: a non-empty list of unpadded 1-D token-id tensors.
+          progress: ``None``/``False`` (quiet), ``True`` (a progress bar), or a callable given
+            ``(producer_key, row)`` as each producer is done.
+
+        Returns:
+          The report: ``algorithm`` (``"producer_maximum"``), ``recipe``, ``global_scales``,
+          ``boundaries`` (per key: ``recipe``, ``amax``, ``global_scale``, ``tokens``,
+          ``samples``), ``upstream_activations``, ``weight_updates`` (0).
+
+        Raises:
+          RuntimeError / ValueError / TypeError: as
+          :func:`~floatxq.lifecycle.activation_calibration.calibrate_nvfp4_producers`.
+
+        Numerics: ``scale = max|x| / (448·6)`` for ``nvidia``, ``/ (448·4)`` otherwise (FP32).
+        """
+        from floatxq.lifecycle.activation_calibration import calibrate_nvfp4_producers
+        from floatxq.lifecycle.stream import stream_boundary_quantizers
+
+        if progress is True:
+            total = len(stream_boundary_quantizers(self.model))
+            step, bar = _progress(True, total, "calibrate activations")
+            try:
+                shown = None if step is None else (lambda key, _row: step(key))
+                return calibrate_nvfp4_producers(self, samples, progress=shown)
+            finally:
+                if bar is not None:
+                    bar.close()
+        if progress is False:
+            progress = None
+        if progress is not None and not callable(progress):
+            raise TypeError(
+                f"calibrate_activations: progress must be None, a bool or a callable, got "
+                f"{type(progress).__name__}"
+            )
+        return calibrate_nvfp4_producers(self, samples, progress=progress)
+
     def save(
         self,
         path: str | os.PathLike[str],
         *,
-        layout: str = DEFAULT_LAYOUT,
+        layout: str | None = None,
         max_shard_size: int | str = "4GB",
         overwrite: bool = False,
     ) -> Path:
@@ -675,7 +867,9 @@ class QuantizedModel:
 
         Args:
           path: the directory to create.
-          layout: ``"compressed-tensors"`` (default: transformers with the compressed-tensors
+          layout: None (``"gptq"`` for a model with a W4A activation policy, whose files carry
+            the policy and its activation global scales; else ``"compressed-tensors"``),
+            ``"compressed-tensors"`` (transformers with the compressed-tensors
             package, vLLM and SGLang read it; GPTQ modules as ``pack-quantized``), ``"hf"``
             (transformers' / DeepSeek's fine-grained FP8: tensor or block scales),
             ``"gptqmodel"`` (GPT-QModel's inverse-scale FP8 files, byte-exact; transformers and
@@ -706,6 +900,9 @@ class QuantizedModel:
         config_obj = getattr(self.model, "config", None)
         if config_obj is None or not hasattr(config_obj, "to_dict"):
             raise TypeError("save: the model has no Hugging Face config to write as config.json")
+        if layout is None:
+            activation = getattr(self.quantize_config, "activation", None)
+            layout = DEFAULT_LAYOUT if activation is None else "gptq"
         exported = export_layout(self.model, self.quantize_config, layout)
         config = config_obj.to_dict()
         config["quantization_config"] = exported.quantization_config
@@ -861,7 +1058,7 @@ def load(
     config = _as_config(quantize_config) if quantize_config is not None else None
     gptq = isinstance(config, GPTQConfig)
     if isinstance(model_or_path, nn.Module):
-        chosen = _resolve_backend(backend, config)
+        chosen = _backend_for(backend, config)
         model = model_or_path.to(dev) if dev is not None and not gptq else model_or_path
         already = any(isinstance(m, _quantized_types()) for m in model.modules())
         return QuantizedModel(
@@ -887,7 +1084,7 @@ def load(
     if not path.is_dir():
         raise CheckpointError(f"load: {path} is not a model directory (no hub downloads here)")
     payload = read_json(path / CONFIG_FILE, what="load")
-    model, qconfig, decision = _load_quantized(
+    model, qconfig, decision, activation_bits = _load_quantized(
         path, payload, device=None if gptq else dev, dtype=dtype
     )
     if model is not None and gptq and not isinstance(qconfig, GPTQConfig):
@@ -895,18 +1092,25 @@ def load(
         source = QuantizedModel(
             model,
             quantize_config=config,
-            backend=_resolve_backend(backend, config),
+            backend=_backend_for(backend, config),
             source=path,
             device=dev,
         )
         source.layout = decision
         return source
     if model is not None:
-        chosen = _resolve_backend(backend, qconfig, checkpoint=True)
-        if chosen == BACKEND.GPTQ_W4AFP8:
-            _install_w4a_fp8(model)
-        elif chosen == BACKEND.GPTQ_W4A_NVFP4:
-            _install_w4a_nvfp4(model)
+        activation = getattr(qconfig, "activation", None)
+        if activation is not None:
+            try:
+                chosen = backend_for_activation(activation, _backend_name(backend))
+            except ValueError as exc:
+                raise ValueError(f"load: {path}: {exc}") from None
+        else:
+            chosen = _resolve_backend(backend, qconfig, checkpoint=True)
+        if chosen in _W4A_BACKENDS:
+            _install_w4a(model, chosen, activation=activation, scale_bits=activation_bits)
+        if activation is not None:
+            _install_stream(model, activation)
         if quantize_config is not None:
             warnings.warn(
                 f"load: {path} is already quantized; quantize_config is ignored",
@@ -918,7 +1122,7 @@ def load(
         )
         loaded.layout = decision
         return loaded
-    chosen = _resolve_backend(backend, config)
+    chosen = _backend_for(backend, config)
     model = _load_plain(path, device=None if gptq else dev, dtype=dtype)
     loaded = QuantizedModel(model, quantize_config=config, backend=chosen, source=path, device=dev)
     return loaded
