@@ -6,9 +6,11 @@ the library's own errors (bad values, unreadable or damaged files, unusable devi
 around the calls that can raise them, keeping the library's message.
 """
 
+import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -93,7 +95,6 @@ def _calibration(spec: str, *, samples: int, seq_len: int) -> list:
     """Calibration samples: ``tiny`` (the built-in corpus' calibration split, byte ids), a
     ``.jsonl`` file (one JSON string, or object with ``text`` or ``input_ids``, per line) or a
     text file (one sample per non-empty line)."""
-    import json
 
     if spec == TINY:
         from floatxq.tiny import calibration_samples
@@ -180,11 +181,12 @@ def quantize(
     exclude: list[str] | None = typer.Option(None, help="Regex of modules to leave alone."),
     device: str | None = typer.Option(None, help="Device to quantize on (cpu, cuda)."),
     overwrite: bool = typer.Option(False, help="Replace an existing --out directory."),
-    layout: str = typer.Option(
-        "compressed-tensors",
-        help="Checkpoint layout: compressed-tensors (transformers with compressed-tensors, vLLM), "
-        "hf (transformers/DeepSeek fine-grained FP8: tensor or block scales), gptq (GPTQ files "
-        "vLLM, TGI and GPT-QModel read) or gptqmodel (GPT-QModel's files).",
+    layout: str | None = typer.Option(
+        None,
+        help="Checkpoint layout: compressed-tensors (the default; transformers with "
+        "compressed-tensors, vLLM), hf (transformers/DeepSeek fine-grained FP8: tensor or block "
+        "scales), gptq (GPTQ files vLLM, TGI and GPT-QModel read; the default with --activation, "
+        "the one layout that holds a policy) or gptqmodel (GPT-QModel's files).",
     ),
     bits: int = typer.Option(4, help="GPTQ: bits per weight (2, 4 or 8)."),
     group_size: int = typer.Option(128, help="GPTQ: input columns per scale (-1: whole row)."),
@@ -201,6 +203,12 @@ def quantize(
     samples: int = typer.Option(128, help="GPTQ: calibration samples to use at most."),
     seq_len: int = typer.Option(256, help="GPTQ: tokens per sample for --calibration tiny."),
     batch_size: int = typer.Option(8, help="GPTQ: calibration samples per forward."),
+    activation: str | None = typer.Option(
+        None,
+        help="GPTQ: a W4A activation policy, solved for and saved with the weights: w4afp8, "
+        'w4a_nvfp4, or its JSON, e.g. \'{"mode": "w4a_nvfp4", "recipe": "nvidia", '
+        '"attention": {"mode": "w4afp8"}}\' (needs 4 bits, group 128, sym, no desc-act).',
+    ),
 ) -> None:
     """Quantize a model's linear layers and save the checkpoint in a chosen layout."""
     import floatxq
@@ -213,12 +221,17 @@ def quantize(
     if out.exists() and not overwrite:
         raise _fail(f"--out {out} already exists; choose a new directory or pass --overwrite")
     cal = None
+    policy = _activation_policy(activation) if activation is not None else None
+    if policy is not None and chosen != "gptq":
+        raise _fail("--activation applies to --method gptq only (W4A runs GPTQ weights)")
     if chosen == "gptq":
         if calibration is None:
             raise _fail("--method gptq needs --calibration (tiny, a text file or a .jsonl file)")
         _check_at_least("--samples", samples, 1)
         _check_at_least("--seq-len", seq_len, 2)
         _check_at_least("--batch-size", batch_size, 1)
+    if layout is None:
+        layout = "gptq" if policy is not None else "compressed-tensors"
     try:
         normalize_layout(layout)
         dynamic = {f"-:{pattern}": {} for pattern in exclude or ()} or None
@@ -230,6 +243,7 @@ def quantize(
                 desc_act=desc_act,
                 act_group_aware=act_group_aware and not desc_act,
                 lm_head=lm_head,
+                activation=policy,
                 dynamic=dynamic,
             )
             cal = _calibration(calibration or TINY, samples=samples, seq_len=seq_len)
@@ -261,10 +275,26 @@ def quantize(
         if isinstance(config, floatxq.GPTQConfig)
         else f"{config.format}, {config.weight_scale_method}"
     )
+    if policy is not None:
+        what += f", activations {policy.mode}" + (f" {policy.recipe}" if policy.recipe else "")
     typer.echo(
         f"quantized {len(source.quantized_modules)} modules ({what}) in "
         f"{time.perf_counter() - start:.1f} s -> {written} (layout {layout})"
     )
+
+
+def _activation_policy(spec: str) -> Any:
+    """``--activation``: a mode name or the policy's JSON object."""
+    import floatxq
+
+    text = spec.strip()
+    try:
+        value = json.loads(text) if text.startswith("{") else text.lower()
+        return floatxq.ActivationConfig.from_value(value)
+    except json.JSONDecodeError as exc:
+        raise _fail(f"--activation {spec!r} is not JSON ({exc.msg})") from None
+    except (TypeError, ValueError) as exc:
+        raise _fail(f"--activation {spec!r}: {exc}") from None
 
 
 @app.command()
@@ -291,6 +321,9 @@ def inspect(path: Path = typer.Argument(..., help="A model directory.")) -> None
     typer.echo(f"tensors:     {report.tensors} ({report.total_bytes / 1e6:.2f} MB)")
     typer.echo("dtypes:      " + ", ".join(f"{k} x{v}" for k, v in sorted(report.dtypes.items())))
     typer.echo(f"quantize_config.json: {'yes' if report.quantize_config_file else 'no'}")
+    if report.activation is not None:
+        typer.echo(f"activation:  {json.dumps(report.activation)} (W4A policy)")
+        typer.echo(f"  activation global scales: {report.activation_scales} modules")
 
 
 @app.command(name="eval")

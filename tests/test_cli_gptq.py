@@ -93,3 +93,34 @@ def test_quantize_gptq_reports_a_group_that_does_not_divide(tmp_path):
     assert result.exit_code == 2
     assert "in_features=192" in result.output and "group_size=128" in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_quantize_with_an_activation_policy_saves_it_and_inspect_reports_it(tmp_path):
+    out = tmp_path / "w4a"
+    policy = '{"mode": "w4a_nvfp4", "recipe": "nvidia", "attention": {"mode": "w4afp8"}}'
+    args = ["quantize", "tiny", "--method", "gptq", "--calibration", "tiny", "--samples", "4"]
+    args += ["--seq-len", "64", "--batch-size", "2", "--activation", policy, "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "activations w4a_nvfp4 nvidia" in result.output and "(layout gptq)" in result.output
+    loaded = floatxq.load(out)
+    assert loaded.quantize_config.activation.to_dict() == json.loads(policy)
+    assert loaded.backend == floatxq.BACKEND.GPTQ_W4A_NVFP4
+    shown = CliRunner().invoke(app, ["inspect", str(out)])
+    assert shown.exit_code == 0, shown.output
+    assert f"activation:  {json.dumps(json.loads(policy))} (W4A policy)" in shown.output
+    assert "activation global scales: 56 modules" in shown.output
+
+
+def test_quantize_refuses_a_bad_activation_policy(tmp_path):
+    base = ["quantize", "tiny", "--calibration", "tiny", "--out", str(tmp_path / "o")]
+    for extra, message in [
+        (["--method", "gptq", "--activation", "w4a_mxfp4"], "--activation 'w4a_mxfp4': "),
+        (["--method", "gptq", "--activation", "{mode"], "is not JSON"),
+        (["--method", "fp8", "--activation", "w4afp8"], "applies to --method gptq only"),
+        (["--method", "gptq", "--bits", "8", "--activation", "w4afp8"], "bits=8 (needs 4)"),
+    ]:
+        result = CliRunner().invoke(app, base + extra)
+        assert result.exit_code == 2, (extra, result.output)
+        assert message in result.output, (extra, result.output)
+    assert not (tmp_path / "o").exists()

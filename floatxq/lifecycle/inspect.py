@@ -51,6 +51,10 @@ class CheckpointReport(NamedTuple):
     total_bytes: int
     tensors: int
     quantize_config_file: bool
+    activation: dict | None = None
+    """A GPTQ checkpoint's W4A activation policy (its stored form), None without one."""
+    activation_scales: int = 0
+    """Modules with an NVFP4 activation global scale (``activation_global_scale_bits``)."""
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -236,4 +240,6 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
         total_bytes=total,
         tensors=len(infos),
         quantize_config_file=(root / QUANTIZE_CONFIG_FILE).is_file(),
+        activation=None if gptq is None or gptq.activation is None else gptq.activation.to_dict(),
+        activation_scales=sum(n.endswith(".activation_global_scale_bits") for n in by_name),
     )
