@@ -2,8 +2,9 @@
 """INT4-weight linears on an H200: W4A-FP8 and W4A16 against bf16, FP8 and tinygemm.
 
 Usage (GPU): ``python3 benchmarks/w4a.py [pack] [linear] [sweep] [decode] [--rows 1,8,...]
-[--batches 1,16]`` (no section: pack and linear; ``--rows`` / ``--batches`` limit the linear
-table's M and the decode batches).
+[--batches 1,16] [--layers 32]`` (no section: pack and linear; ``--rows`` / ``--batches`` limit
+the linear table's M and the decode batches; ``--layers`` shortens the decode model for a quick
+check).
 
 Every figure is the median GPU time per call over CUDA-graph replays (``graph_us``). A graph
 cycles through several copies of each weight, together at least three times the L2 cache, so
@@ -22,9 +23,18 @@ stream from HBM as they do in a model.
   and 16, and of the E4M3 GEMM at M = 4096.
 - ``decode``: one-token forwards of a random Llama-3-8B-shaped model (32 layers, hidden 4096,
   MLP 14336, GQA 32/8 heads; lm_head kept bf16 in every variant), batch 1 and 16, under CUDA
-  graphs: bf16, FP8 (``TorchFP8Linear``, row scales), W4A16 (``GPTQLinear``) and W4A-FP8
-  (``W4AFP8Linear``); tokens per second. No KV cache: the step's attention covers one token,
-  so this measures the weight-streaming part of a decode step.
+  graphs: bf16, FP8 (``TorchFP8Linear``, row scales), W4A16 (``GPTQLinear``), W4A-FP8
+  (``W4AFP8Linear``, each module quantizing its own input), then the W4A modules under the Llama
+  activation stream (``install_w4a_llama_stream``: each producer quantized once, the carrier
+  passed to its consumers): W4A-FP8, W4A-NVFP4 (``least_squares``, dynamic global scales; the
+  emulation route on Hopper, the route named in the row) and the split (FP8 attention, NVFP4
+  MLP); tokens per second. A row whose capture fails is timed eagerly and marked ``(eager)``.
+  No KV cache: the step's attention covers one token, so this measures the weight-streaming
+  part of a decode step.
+
+``--smoke`` (no GPU needed): builds every decode variant on a two-layer Llama of the tiny model's
+widths on the CPU and runs one eager forward each (reference routes), checking that the logits
+are finite and naming each row's NVFP4 route; no timing. ``--help`` prints this text.
 """
 
 import copy
@@ -259,31 +269,79 @@ def _w4a16(linear):
     return fq.GPTQLinear.from_solution(sol, bits=4, group_size=128, format="gptq")
 
 
+def _w4a_fp8(linear):
+    return fq.W4AFP8Linear.from_gptq_linear(_w4a16(linear))
+
+
+def _w4a_nvfp4(linear, recipe: str = "least_squares"):
+    layer = fq.W4ANVFP4Linear.from_gptq_linear(_w4a16(linear))
+    layer.activation_recipe = recipe
+    return layer
+
+
+def _streamed(base, make, **stream):
+    """A copy of ``base`` with every decoder Linear made by ``make`` and the activation stream
+    installed with the keyword arguments ``stream``."""
+    from floatxq.lifecycle.stream import install_w4a_llama_stream
+
+    model = _converted(base, make)
+    install_w4a_llama_stream(model, **stream)
+    return model
+
+
+def _route(model, device: torch.device) -> str:
+    """The route the model's W4A-NVFP4 modules take on ``device`` ('' for a model without)."""
+    from floatxq.nn.w4a_nvfp4_linear import w4a_nvfp4_route
+
+    layer = next((m for m in model.modules() if isinstance(m, fq.W4ANVFP4Linear)), None)
+    if layer is None:
+        return ""
+    route, why = w4a_nvfp4_route(layer.route, device)
+    return f"nvfp4 route {route}" + (f" ({why})" if why else "")
+
+
+def decode_variants(base) -> dict:
+    """Row name → a builder of that variant of ``base`` (a LlamaForCausalLM)."""
+    lsq = {"mode": "w4a_nvfp4", "recipe": "least_squares"}
+    return {
+        "bf16": lambda: base,
+        "fp8 (TorchFP8Linear, row)": lambda: _converted(
+            base, lambda lin: fq.TorchFP8Linear.from_linear(lin, weight_scale_method="row")
+        ),
+        "w4a16 (GPTQLinear)": lambda: _converted(base, _w4a16),
+        "w4a-fp8 (W4AFP8Linear)": lambda: _converted(base, _w4a_fp8),
+        "w4a-fp8 stream": lambda: _streamed(base, _w4a_fp8, mode="w4afp8"),
+        "w4a-nvfp4 lsq stream": lambda: _streamed(base, _w4a_nvfp4, **lsq),
+        "split: fp8 attention, nvfp4 lsq mlp (stream)": lambda: _streamed(
+            base, _w4a_nvfp4, **lsq, attention_mode="w4afp8"
+        ),
+    }
+
+
 def decode_bench() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    (layers,) = _option("--layers", (32,))
     config = LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
         max_position_embeddings=8192, torch_dtype="bfloat16",
     )  # fmt: skip
+    print(f"decode: random Llama-3-8B-shaped model, {layers} decoder layers")
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    variants = {"bf16": lambda: base}
-    variants["fp8 (TorchFP8Linear, row)"] = lambda: _converted(
-        base, lambda lin: fq.TorchFP8Linear.from_linear(lin, weight_scale_method="row")
-    )
-    variants["w4a16 (GPTQLinear)"] = lambda: _converted(base, _w4a16)
-    variants["w4a-fp8 (W4AFP8Linear)"] = lambda: _converted(
-        base, lambda lin: fq.W4AFP8Linear.from_gptq_linear(_w4a16(lin))
-    )
     print("| model | batch | ms / step | tokens/s | vs bf16 |")
     print("|---|---|---|---|---|")
     base_tps = {}
-    for name, build in variants.items():
+    for name, build in decode_variants(base).items():
         started = time.time()
-        model = build()
+        try:
+            model = build()
+        except Exception as exc:  # a variant that cannot be built: reported, the others run
+            print(f"| {name} | | build failed: {type(exc).__name__}: {str(exc)[:120]} | | |")
+            continue
+        route = _route(model, torch.device("cuda"))
         for batch in _option("--batches", BATCHES):
             ids = torch.randint(0, config.vocab_size, (batch, 1), device="cuda")
             how = "graph"
@@ -302,7 +360,38 @@ def decode_bench() -> None:
         if model is not base:
             del model
             torch.cuda.empty_cache()
-        print(f"  ({name}: built and timed in {time.time() - started:.0f} s)", flush=True)
+        print(
+            f"  ({name}: built and timed in {time.time() - started:.0f} s"
+            f"{'; ' + route if route else ''})",
+            flush=True,
+        )
+
+
+def decode_smoke() -> None:
+    """Every decode variant on a small random Llama on the CPU: one eager forward each."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 1))
+    with torch.inference_mode():
+        reference = base(input_ids=ids, use_cache=False).logits.float()
+    for name, build in decode_variants(base).items():
+        model = build()
+        with torch.inference_mode():
+            logits = model(input_ids=ids, use_cache=False).logits.float()
+        if not bool(torch.isfinite(logits).all()):
+            raise RuntimeError(f"decode smoke: {name} gave non-finite logits")
+        route = _route(model, torch.device("cpu"))
+        print(
+            f"{name}: logits {tuple(logits.shape)}, max |Δ| vs bf16 "
+            f"{float((logits - reference).abs().max()):.4f}{'; ' + route if route else ''}",
+            flush=True,
+        )
 
 
 def _converted(base, make):
@@ -313,6 +402,12 @@ def _converted(base, make):
 
 
 def main() -> None:
+    if "--help" in sys.argv or "-h" in sys.argv:
+        print(__doc__)
+        return
+    if "--smoke" in sys.argv:
+        decode_smoke()
+        return
     wanted = {a for a in sys.argv[1:] if a in ("pack", "linear", "sweep", "decode")}
     wanted = wanted or {"pack", "linear"}
     props = torch.cuda.get_device_properties(0)

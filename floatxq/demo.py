@@ -9,7 +9,7 @@ perplexity, KL divergence and top-1 agreement against the unquantized model, siz
 import copy
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -27,6 +27,20 @@ FP8_PATHS: tuple[tuple[str, FP8Config], ...] = (
     ("fp8 e5m2 row", FP8Config(format="float8_e5m2", weight_scale_method="row")),
 )
 NVFP4_RECIPES: tuple[str, ...] = ("nvidia", "four_six", "least_squares_grid")
+W4A_PATHS: tuple[tuple[str, dict[str, Any], int], ...] = (
+    ("int4 gptq W4A-FP8 (W4AFP8Linear)", {"mode": "w4afp8"}, 1),
+    ("int4 gptq W4A-NVFP4 least_squares", {"mode": "w4a_nvfp4", "recipe": "least_squares"}, 1),
+    ("int4 gptq W4A-NVFP4 exhaustive", {"mode": "w4a_nvfp4", "recipe": "exhaustive"}, 4),
+    (
+        "int4 gptq W4A fp8 attention, nvfp4 lsq mlp",
+        {"mode": "w4a_nvfp4", "recipe": "least_squares", "attention": {"mode": "w4afp8"}},
+        1,
+    ),
+)
+"""W4A GPTQ rows: name, activation policy (``GPTQConfig(activation=...)``), and the divisor of the
+calibration windows the row solves on. ``exhaustive`` takes a quarter of them: on the CPU its
+reference search costs about 16× ``least_squares`` per activation, in the solve's replay and in
+the evaluation alike, and the full set would make it most of the demo's time."""
 
 
 class DemoRow(NamedTuple):
@@ -64,9 +78,13 @@ def _size(model: nn.Module, *, packed_linear_bits: float | None = None) -> int:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     total = 0.0
     for module in model.modules():
-        tensors = list(module.named_parameters(recurse=False)) + list(
-            module.named_buffers(recurse=False)
-        )
+        # saved tensors only: a W4A module's staged operands are non-persistent caches
+        transient = module._non_persistent_buffers_set
+        tensors = list(module.named_parameters(recurse=False)) + [
+            (name, buffer)
+            for name, buffer in module.named_buffers(recurse=False)
+            if name not in transient
+        ]
         for name, tensor in tensors:
             if isinstance(module, (TorchFP8Linear, GPTQLinear)):
                 total += tensor.numel() * tensor.element_size()
@@ -128,6 +146,7 @@ def run_demo(
     windows: torch.Tensor | None = None,
     max_windows: int = 24,
     seq_len: int = 256,
+    calibration_windows: int = 32,
     on_path: Callable[[str], None] | None = None,
 ) -> DemoReport:
     """Run every available quantization path on the tiny Llama and measure each one.
@@ -136,15 +155,29 @@ def run_demo(
       model: the reference model (default: the shipped tiny Llama in FP32).
       windows: evaluation token windows (default: ``max_windows`` windows of ``seq_len`` from the
         held-out evaluation split).
+      calibration_windows: windows of 256 tokens from the calibration split that the GPTQ rows
+        solve on (a row of :data:`W4A_PATHS` with a divisor above 1 takes that share, named in
+        the row).
       on_path: called with each path's name before it runs (progress).
 
     Numerics: FP8 paths through the real ``TorchFP8Linear`` modules; NVFP4 rows are weight QDQ
     (``nvfp4_block_qdq`` per recipe, dynamic global scale) and the INT4 RTN row the dequantized
     round-to-nearest weights, marked ``simulated`` (numerics without a packed runtime); the GPTQ
-    row is the real lifecycle: 32 calibration-split windows, layer by layer, ``GPTQLinear``
-    modules (W4A16) evaluated as they run.
+    rows are the real lifecycle: ``calibration_windows`` windows, layer by layer, ``GPTQLinear``
+    modules (W4A16) evaluated as they run, and the W4A rows (:data:`W4A_PATHS`) GPTQ solved
+    against the activation policy they then run: ``W4AFP8Linear`` / ``W4ANVFP4Linear`` modules
+    under the Llama activation stream (per-token FP8 or NVFP4 activations with dynamic global
+    scales; the CPU takes the modules' reference routes).
+
+    Raises:
+      ValueError: ``calibration_windows`` is not a positive int.
     """
     from floatxq.tiny import load_tiny_llama, token_windows
+
+    if type(calibration_windows) is not int or calibration_windows < 1:
+        raise ValueError(
+            f"run_demo: calibration_windows must be a positive int, got {calibration_windows!r}"
+        )
 
     reference = model if model is not None else load_tiny_llama(dtype=torch.float32)
     if windows is None:
@@ -186,21 +219,23 @@ def run_demo(
             "int4 rtn g128 (weights, simulated)", rtn, refs, windows, seconds, size, simulated=True
         )
     )
-    name = "int4 gptq g128 (GPTQLinear, W4A16)"
-    if on_path is not None:
-        on_path(name)
     from floatxq.tiny import calibration_samples
 
-    start = time.perf_counter()
-    gptq_model = load(
-        copy.deepcopy(reference), quantize_config=GPTQConfig(bits=4, group_size=128), device="cpu"
-    ).quantize(calibration_samples(num_samples=32, seq_len=256), batch_size=8, progress=False)
-    seconds = time.perf_counter() - start
-    rows.append(
-        _row(
-            name, gptq_model.model, refs, windows, seconds, _size(gptq_model.model), simulated=False
-        )
-    )
+    samples = calibration_samples(num_samples=calibration_windows, seq_len=256)
+    gptq_paths = (("int4 gptq g128 (GPTQLinear, W4A16)", None, 1), *W4A_PATHS)
+    for name, activation, divisor in gptq_paths:
+        used = samples[: max(1, len(samples) // divisor)]
+        if len(used) < len(samples):
+            name = f"{name} ({len(used)} calib.)"
+        if on_path is not None:
+            on_path(name)
+        config = GPTQConfig(bits=4, group_size=128, activation=activation)
+        start = time.perf_counter()
+        gptq_model = load(copy.deepcopy(reference), quantize_config=config, device="cpu")
+        gptq_model.quantize(used, batch_size=8, progress=False)
+        seconds = time.perf_counter() - start
+        size = _size(gptq_model.model)
+        rows.append(_row(name, gptq_model.model, refs, windows, seconds, size, simulated=False))
     return DemoReport(
         tuple(rows), int(windows.shape[0]), int(windows.shape[0] * (windows.shape[1] - 1))
     )
@@ -219,7 +254,7 @@ def plot_demo(report: DemoReport, path: str) -> None:
     rows = report.rows
     names = [r.path for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 1.8))
-    palette = {"reference": "#888888", "nvfp4": "#d9822b", "int4": "#3aa655"}
+    palette = {"reference": "#888888", "gptq W4A": "#8e44ad", "nvfp4": "#d9822b", "int4": "#3aa655"}
     colors = [next((c for k, c in palette.items() if k in n), "#2b7bd9") for n in names]
     axes[0].barh(names, [r.kl_divergence for r in rows], color=colors)
     axes[0].set_xlabel("KL(reference ‖ quantized), nats per token (lower is better)")
@@ -232,8 +267,8 @@ def plot_demo(report: DemoReport, path: str) -> None:
     axes[1].axvline(base, color="#444444", linestyle="--", linewidth=1)
     axes[1].set_xlim(base * 0.98, max(r.perplexity for r in rows) * 1.01)
     fig.suptitle(
-        f"floatxq demo: tiny Llama, {report.tokens} held-out byte tokens "
-        f"(blue: FP8 modules, orange: NVFP4 weight QDQ, green: INT4 g128)"
+        f"floatxq demo: tiny Llama, {report.tokens} held-out byte tokens\n(blue: FP8 modules, "
+        f"orange: NVFP4 weight QDQ, green: INT4 W4A16, purple: INT4 with FP8/NVFP4 activations)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

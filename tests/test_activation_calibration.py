@@ -241,3 +241,20 @@ def test_models_that_cannot_be_calibrated_are_refused(nvfp4_model):
             nvfp4_model.calibrate_activations(SAMPLES)
     finally:
         nvfp4_model.quantize_config = saved
+
+
+def test_a_model_with_a_calibrated_stream_deep_copies_into_an_independent_one(calibrated):
+    from floatxq.lifecycle.stream import installed_w4a_stream, stream_boundary_quantizers
+
+    qm, report, _, _ = calibrated
+    twin = copy.deepcopy(qm.model)
+    assert installed_w4a_stream(twin) == installed_w4a_stream(qm.model)
+    assert torch.equal(_logits(twin), _logits(qm.model))
+    key = next(iter(report["global_scales"]))
+    stream_boundary_quantizers(twin)[key].set_scale(123.0)  # the copy's own quantizers
+    assert stream_boundary_quantizers(qm.model)[key].scale == report["global_scales"][key]
+    before = _logits(qm.model)
+    with torch.no_grad():  # the copy's streamed layers run the copy's own modules
+        twin.model.layers[0].mlp.down_proj.scales.zero_()
+    assert not torch.equal(_logits(twin), before)
+    assert torch.equal(_logits(qm.model), before)

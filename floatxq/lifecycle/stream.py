@@ -43,7 +43,6 @@ import functools
 import inspect
 import math
 import numbers
-import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -51,6 +50,7 @@ import torch
 from torch import nn
 
 from floatxq._typing import Float32, Int32, Tensor
+from floatxq.config import _FrozenMapping
 from floatxq.formats import (
     W4A_ACTIVATION_MODES,
     NVFP4Recipe,
@@ -398,7 +398,7 @@ def _policy_of(
                 f"{where}: global_scales cannot be combined with the headroom recipe "
                 f"{headroom[0]!r} (its scales come from the linears' headroom calibration)"
             )
-        scales = types.MappingProxyType(_check_scale_values(global_scales, where=where))
+        scales = _FrozenMapping(_check_scale_values(global_scales, where=where))
     return W4AStreamPolicy(
         mode=mode,
         recipe=stream_recipe,
