@@ -1,0 +1,34 @@
+"""The MLX path: FP8 weight encoding with MLX array ops (same bytes as the torch encoder).
+
+``import floatxq.mlx`` works without MLX installed; the names below import ``mlx.core`` when
+first used (an ``ImportError`` naming the ``mlx`` extra where it is missing).
+
+Public names:
+  * :func:`quantize_fp8_weight_mlx`: an MLX weight to FP8 byte codes and FP32 inverse scales.
+  * :class:`MlxFP8Weight`: its result record ``(qweight, scale_inv)``.
+"""
+
+import importlib
+from typing import Any
+
+__all__ = ["MlxFP8Weight", "quantize_fp8_weight_mlx"]
+
+_LAZY = {"MlxFP8Weight": "floatxq.mlx.fp8", "quantize_fp8_weight_mlx": "floatxq.mlx.fp8"}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access (that module needs ``mlx.core``)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'floatxq.mlx' has no attribute {name!r}")
+    try:
+        module = importlib.import_module(_LAZY[name])
+    except ImportError as exc:
+        raise ImportError(
+            f"floatxq.mlx.{name} needs MLX (`pip install 'floatxq[mlx]'`, or `mlx[cpu]` on "
+            f"Linux): {exc}"
+        ) from exc
+    return getattr(module, name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

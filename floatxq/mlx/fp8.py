@@ -1,0 +1,193 @@
+"""FP8 weight encoding with MLX array ops: the same bytes as :func:`floatxq.quantize_fp8_weight`.
+
+The arithmetic is the torch encoder's, step for step, in FP32: ``amax`` per region,
+``scale_inv = fp8_max / max(amax, FLT_MIN)`` by true division (capped at FLT_MAX, 1 for an
+all-zero region), ``w * scale_inv``, a clamp to ``±fp8_max``. The FP8 byte is then built from
+the FP32 bits with integer operations only (sign, exponent, mantissa, FP8 subnormals), rounding
+to nearest-even, so no FP8 dtype (which MLX lacks) and no Metal kernel is needed.
+
+FP32 subnormal weights are handled as IEEE values: the MLX CPU backend (where this is tested)
+computes with them exactly; a backend that flushes subnormals to zero would change such bytes.
+"""
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from floatxq._typing import Float, Float32, UInt8, checked_record
+from floatxq.formats import (
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    FP8ScaleMethod,
+    FP8WeightFormat,
+    fp8_max,
+    normalize_fp8_block_size,
+    normalize_fp8_scale_method,
+    normalize_fp8_weight_format,
+)
+
+__all__ = ["MlxFP8Weight", "quantize_fp8_weight_mlx"]
+
+_FP8_BITS: Mapping[FP8WeightFormat, tuple[int, int, bool]] = {
+    # format: (mantissa bits, exponent bias, has a negative zero); the sign is bit 7 in all four.
+    "float8_e4m3fn": (3, 7, True),
+    "float8_e5m2": (2, 15, True),
+    "float8_e4m3fnuz": (3, 8, False),  # 0x80 is the only NaN, so -0 is stored as +0
+    "float8_e5m2fnuz": (2, 16, False),
+}
+
+_MLX_FLOATS = ("float16", "bfloat16", "float32")
+
+
+@checked_record
+class MlxFP8Weight(NamedTuple):
+    """An MLX FP8 weight: byte codes of the weight's shape and FP32 inverse scales (divide)."""
+
+    qweight: UInt8[mx.array, "out in"]
+    """FP8 bit patterns as ``mx.uint8``, ``(out, in)`` (the bytes of the torch FP8 codes)."""
+    scale_inv: Float32[mx.array, "*scale"]
+    """FP32 inverse scales: ``()`` (tensor), ``(out,)`` (row) or ``(out/br, in/bc)`` (block)."""
+
+
+def _u32(value: int) -> mx.array:
+    return mx.array(value, dtype=mx.uint32)
+
+
+def _encode_fp8(y: mx.array, name: FP8WeightFormat) -> mx.array:
+    """FP8 bytes of FP32 values already clamped to ``±fp8_max``: nearest-even, bit by bit."""
+    mbits, bias, negative_zero = _FP8_BITS[name]
+    bits = mx.view(y, mx.uint32)
+    sign = mx.left_shift(mx.right_shift(bits, _u32(31)), _u32(7))
+    mag = mx.bitwise_and(bits, _u32(0x7FFFFFFF))
+    exp32 = mx.right_shift(mag, _u32(23))
+
+    # Normal FP8 values: drop 23 - mbits mantissa bits with round-half-even (a carry moves into
+    # the exponent), then re-bias the exponent from 127 to the format's bias.
+    drop = 23 - mbits
+    lsb = mx.bitwise_and(mx.right_shift(mag, _u32(drop)), _u32(1))
+    rounded = mx.right_shift(mag + _u32((1 << (drop - 1)) - 1) + lsb, _u32(drop))
+    normal = rounded - _u32((127 - bias) << mbits)  # wraps for the lanes `where` discards
+
+    # FP8 subnormals: count units of 2**(1 - bias - mbits) in |y| = sig * 2**(e - 150), i.e.
+    # sig >> (151 - bias - mbits - e) rounded half-even. Shifts are capped at 25: sig < 2**24,
+    # so any larger shift rounds to 0 just as 25 does (FP32 subnormals, e = 0, land there too).
+    mant = mx.bitwise_and(mag, _u32(0x7FFFFF))
+    is_fp32_normal = exp32 > _u32(0)
+    sig = mx.where(is_fp32_normal, mx.bitwise_or(mant, _u32(1 << 23)), mant)
+    e_eff = mx.maximum(exp32, _u32(1)).astype(mx.int32)
+    shift = mx.clip(151 - bias - mbits - e_eff, 1, 25).astype(mx.uint32)
+    half_minus_one = mx.left_shift(_u32(1), shift - _u32(1)) - _u32(1)
+    odd = mx.bitwise_and(mx.right_shift(sig, shift), _u32(1))
+    subnormal = mx.right_shift(sig + half_minus_one + odd, shift)
+
+    code = mx.where(exp32 >= _u32(128 - bias), normal, subnormal)
+    signed = mx.bitwise_or(code, sign)
+    if not negative_zero:
+        signed = mx.where(code == _u32(0), _u32(0), signed)
+    return signed.astype(mx.uint8)
+
+
+def _inverse_scale(amax: mx.array, fmax: float) -> mx.array:
+    """``fmax / max(amax, FLT_MIN)`` in FP32 (true division) capped at FLT_MAX; 1 if amax is 0."""
+    f32 = mx.float32
+    inv = mx.full(amax.shape, fmax, dtype=f32) / mx.maximum(amax, mx.array(FLOAT32_TINY, f32))
+    inv = mx.minimum(inv, mx.array(FLOAT32_MAX, f32))
+    return mx.where(amax > mx.array(0.0, f32), inv, mx.array(1.0, f32))
+
+
+def _quantize(w: mx.array, scale_inv: mx.array, name: FP8WeightFormat) -> mx.array:
+    fmax = mx.array(fp8_max(name), dtype=mx.float32)
+    return _encode_fp8(mx.clip(w * scale_inv, -fmax, fmax), name)
+
+
+def _check_weight(weight: object, *, where: str) -> mx.array:
+    if not isinstance(weight, mx.array):
+        raise TypeError(
+            f"{where}: weight must be an mlx.core.array, got {type(weight).__name__} (convert a "
+            f"torch tensor with floatxq.quantize_fp8_weight instead)"
+        )
+    dtype = str(weight.dtype).removeprefix("mlx.core.")
+    if dtype not in _MLX_FLOATS:
+        raise TypeError(
+            f"{where}: weight must be an MLX float16, bfloat16 or float32 array, got dtype "
+            f"{weight.dtype}"
+        )
+    if weight.ndim != 2:
+        raise ValueError(
+            f"{where}: weight must be a 2-D (out, in) matrix, got shape {tuple(weight.shape)}"
+        )
+    if weight.size == 0:
+        raise ValueError(
+            f"{where}: weight of shape {tuple(weight.shape)} is empty; a non-empty matrix is "
+            f"required"
+        )
+    return weight
+
+
+def quantize_fp8_weight_mlx(
+    weight: Float[mx.array, "out in"],
+    *,
+    format: str = "float8_e4m3fn",
+    weight_scale_method: FP8ScaleMethod | None = "row",
+    weight_block_size: tuple[int, int] | list[int] | None = None,
+) -> MlxFP8Weight:
+    """Quantize an MLX weight matrix to FP8 byte codes with FP32 inverse scales.
+
+    Per region (the whole tensor, each output row, or each ``[br, bc]`` block; block rows index
+    output rows): ``scale_inv = fp8_max / max(amax, FLT_MIN)`` (1 for an all-zero region, capped
+    at FLT_MAX) and ``qweight = bytes(nearest_even(clamp(w * scale_inv, ±fp8_max)))``.
+
+    Args:
+      weight: non-empty ``(out, in)`` MLX array of float16, bfloat16 or float32, all finite.
+      format: an encodable FP8 name or alias in any case (as :func:`floatxq.quantize_fp8_weight`
+        takes it); ``float8_e8m0fnu`` is decode-only (``ValueError``).
+      weight_scale_method: ``"tensor"``, ``"row"`` or ``"block"`` (``None``: by block size).
+      weight_block_size: ``[block_rows, block_cols]`` for ``"block"``; must divide the shape.
+
+    Returns:
+      ``MlxFP8Weight(qweight, scale_inv)``: ``mx.uint8`` bit patterns of the format's codes and
+      ``mx.float32`` scales shaped ``()``, ``(out,)`` or ``(out/br, in/bc)``.
+
+    Raises:
+      TypeError: a weight that is not an MLX array, or not float16/bfloat16/float32.
+      ValueError: rank ≠ 2, an empty weight, NaN or infinity, a block size that does not divide
+        the shape, E8M0, bad format/method/block names.
+
+    Numerics: FP32 scale math (true division), multiply-to-quantize, clamp then nearest-even;
+    the fnuz formats store -0 as +0. Bytes and scales are bit-identical to
+    ``floatxq.quantize_fp8_weight`` on the same values.
+
+    Example:
+      >>> q = quantize_fp8_weight_mlx(mx.array([[1.0, -2.0], [0.0, 0.0]]))
+      >>> q.scale_inv.tolist(), q.qweight.tolist()
+      ([224.0, 1.0], [[118, 254], [0, 0]])
+    """
+    where = "quantize_fp8_weight_mlx"
+    _check_weight(weight, where=where)
+    name = normalize_fp8_weight_format(format, where=f"{where}: format")
+    block = normalize_fp8_block_size(weight_block_size)
+    method = normalize_fp8_scale_method(weight_scale_method, weight_block_size=block)
+    w = weight.astype(mx.float32)  # exact for float16 and bfloat16
+    if not mx.all(mx.isfinite(w)).item():
+        raise ValueError(f"{where}: weight contains NaN or infinity; finite values are required")
+    fmax = fp8_max(name)
+
+    if method == "tensor":
+        scale_inv = _inverse_scale(mx.max(mx.abs(w)), fmax)
+        return MlxFP8Weight(_quantize(w, scale_inv, name), scale_inv)
+    if method == "row":
+        scale_inv = _inverse_scale(mx.max(mx.abs(w), axis=1), fmax)
+        return MlxFP8Weight(_quantize(w, scale_inv[:, None], name), scale_inv)
+
+    rows, cols = w.shape
+    br, bc = block  # type: ignore[misc]  # "block" always carries a block size
+    if rows % br or cols % bc:
+        raise ValueError(
+            f"{where}: weight shape {(rows, cols)} is not divisible by weight_block_size "
+            f"{[br, bc]} (block rows index output rows); floatxq never pads"
+        )
+    blocks = w.reshape(rows // br, br, cols // bc, bc)
+    scale_inv = _inverse_scale(mx.max(mx.abs(blocks), axis=(1, 3)), fmax)
+    codes = _quantize(blocks, scale_inv[:, None, :, None], name)
+    return MlxFP8Weight(codes.reshape(rows, cols), scale_inv)
