@@ -197,7 +197,13 @@ def test_missing_mlx_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_package_surface() -> None:
-    assert fqm.__all__ == ["MlxFP8Weight", "quantize_fp8_weight_mlx"]
+    assert fqm.__all__ == [
+        "MlxFP8Linear",
+        "MlxFP8PackedLinear",
+        "MlxFP8Weight",
+        "fp8_decode_table",
+        "quantize_fp8_weight_mlx",
+    ]
     assert fqm.MlxFP8Weight._fields == ("qweight", "scale_inv")
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = fqm.nope

@@ -6,14 +6,29 @@ first used (an ``ImportError`` naming the ``mlx`` extra where it is missing).
 Public names:
   * :func:`quantize_fp8_weight_mlx`: an MLX weight to FP8 byte codes and FP32 inverse scales.
   * :class:`MlxFP8Weight`: its result record ``(qweight, scale_inv)``.
+  * :class:`MlxFP8PackedLinear`: a linear layer over FP8 bytes, decoded per call by a table.
+  * :class:`MlxFP8Linear`: E4M3FN weights on MLX's native ``mxfp8`` matmul, when exact.
+  * :func:`fp8_decode_table`: the 256 FP32 values of an FP8 format's byte codes.
 """
 
 import importlib
 from typing import Any
 
-__all__ = ["MlxFP8Weight", "quantize_fp8_weight_mlx"]
+__all__ = [
+    "MlxFP8Linear",
+    "MlxFP8PackedLinear",
+    "MlxFP8Weight",
+    "fp8_decode_table",
+    "quantize_fp8_weight_mlx",
+]
 
-_LAZY = {"MlxFP8Weight": "floatxq.mlx.fp8", "quantize_fp8_weight_mlx": "floatxq.mlx.fp8"}
+_LAZY = {
+    "MlxFP8Linear": "floatxq.mlx.linear",
+    "MlxFP8PackedLinear": "floatxq.mlx.linear",
+    "MlxFP8Weight": "floatxq.mlx.fp8",
+    "fp8_decode_table": "floatxq.mlx.linear",
+    "quantize_fp8_weight_mlx": "floatxq.mlx.fp8",
+}
 
 
 def __getattr__(name: str) -> Any:
