@@ -28,7 +28,7 @@ $(STAMP): $(PY) pyproject.toml
 	fi
 	$(PIP) install -e ".[test,plot,triton]"
 	@# MLX (its CPU backend on Linux) so the MLX tests run; where no wheel exists they skip
-	-$(PIP) install "mlx[cpu]>=0.32" || echo "MLX is not installable here: its tests will skip"
+	-$(PIP) install "mlx[cpu]>=0.32" "mlx-lm>=0.32" || echo "MLX is not installable here: its tests will skip"
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -1044,7 +1044,10 @@ def load(
         ``"gptq_w4afp8"`` runs a GPTQ checkpoint (4-bit, groups of 128, symmetric, no
         ``desc_act``) as ``W4AFP8Linear`` modules (FP8 per-token activations),
         ``"gptq_w4a_nvfp4"`` as ``W4ANVFP4Linear`` modules (NVFP4 activations, dynamic global
-        scales).
+        scales). A GPTQ config or checkpoint with an activation policy binds its backend
+        (:func:`~floatxq.config.backend_for_activation`: ``auto`` or that one); a loaded W4A
+        checkpoint gets its modules' saved activation scales and, on a Llama, the activation
+        stream.
 
     Raises:
       CheckpointError (a ValueError): missing/corrupt/truncated files, inconsistent tensors.
