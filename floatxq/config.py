@@ -80,7 +80,8 @@ class BACKEND(_StrEnum):
     ``GPTQ_W4AFP8`` runs ``W4AFP8Linear`` (symmetric 4-bit g128 GPTQ weights × per-token FP8
     activations; chosen explicitly when loading a GPTQ checkpoint, never by ``AUTO``),
     ``GPTQ_W4A_NVFP4`` runs ``W4ANVFP4Linear`` (the same GPTQ weights × NVFP4 activations; also
-    chosen explicitly, never by ``AUTO``).
+    chosen explicitly, never by ``AUTO``), ``MLX`` converts a saved FP8 Llama checkpoint whole to
+    an MLX model (``floatxq.mlx``; explicit only).
 
     Only backends with a runtime in floatxq are members; others join when their runtime lands.
     """
@@ -90,6 +91,7 @@ class BACKEND(_StrEnum):
     GPTQ_TORCH = "gptq_torch"
     GPTQ_W4AFP8 = "gptq_w4afp8"
     GPTQ_W4A_NVFP4 = "gptq_w4a_nvfp4"
+    MLX = "mlx"
 
 
 # --------------------------------------------------------------------------------------------

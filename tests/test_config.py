@@ -57,12 +57,11 @@ def test_enum_members_are_their_string_values(member, value):
 def test_enum_members_are_only_what_exists():
     assert [m.value for m in METHOD] == ["fp8", "gptq"]
     assert [m.value for m in FORMAT] == ["fp8", "gptq", "gptq_v2"]
-    # GPT-QModel's MLX backend has no runtime here yet, so it is not a member
     assert [m.value for m in BACKEND] == [
-        "auto", "fp8_torch", "gptq_torch", "gptq_w4afp8", "gptq_w4a_nvfp4"
+        "auto", "fp8_torch", "gptq_torch", "gptq_w4afp8", "gptq_w4a_nvfp4", "mlx"
     ]  # fmt: skip
-    with pytest.raises(ValueError, match=repr("mlx")):
-        BACKEND("mlx")
+    with pytest.raises(ValueError, match=repr("tensorrt")):
+        BACKEND("tensorrt")
 
 
 def test_configs_name_their_method_without_a_field():

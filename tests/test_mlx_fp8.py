@@ -198,9 +198,11 @@ def test_missing_mlx_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_package_surface() -> None:
     assert fqm.__all__ == [
+        "MlxConversion",
         "MlxFP8Linear",
         "MlxFP8PackedLinear",
         "MlxFP8Weight",
+        "convert_to_mlx",
         "fp8_decode_table",
         "quantize_fp8_weight_mlx",
     ]

@@ -84,6 +84,52 @@ def _resolve_backend(backend: Any, config: Any = None, *, checkpoint: bool = Fal
     )
 
 
+def _is_mlx(backend: Any) -> bool:
+    return isinstance(backend, str) and str.lower(str.strip(backend)) == BACKEND.MLX.value
+
+
+def _load_mlx(model_or_path: Any, *, quantize_config: Any, device: Any, dtype: Any) -> Any:
+    """``load(path, backend="mlx")``: the checkpoint read as for ``fp8_torch``, then converted
+    whole to an MLX model (:func:`floatxq.mlx.convert_to_mlx`)."""
+    if quantize_config is not None:
+        raise ValueError(
+            "load: backend 'mlx' runs a saved checkpoint; quantize with backend 'auto', save, "
+            "then load the directory with backend='mlx'"
+        )
+    if device is not None and str(device) not in ("mps", "cpu", "gpu"):
+        raise ValueError(
+            f"load: backend 'mlx' runs on MLX's default device (Apple GPU, else CPU); device "
+            f"must be None, 'mps', 'gpu' or 'cpu', got {device!r}"
+        )
+    if not isinstance(model_or_path, (str, os.PathLike)):
+        raise TypeError(
+            f"load: backend 'mlx' takes a checkpoint directory, got {type(model_or_path).__name__}"
+        )
+    try:
+        from floatxq.mlx import convert_to_mlx
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise ImportError(f"load: backend 'mlx' needs MLX and mlx-lm: {exc}") from exc
+    loaded = load(model_or_path, dtype=dtype, backend="auto")
+    if isinstance(loaded.quantize_config, GPTQConfig):
+        raise ValueError(
+            f"load: backend 'mlx' runs FP8 (or unquantized) Llama checkpoints; {model_or_path} "
+            f"is a GPTQ checkpoint"
+        )
+    conversion = convert_to_mlx(loaded.model)
+    result = QuantizedModel(
+        conversion.model,
+        quantize_config=loaded.quantize_config,
+        backend=BACKEND.MLX,
+        quantized=False,
+        source=loaded.source,
+    )
+    result.quantized = loaded.quantized
+    result.quantized_modules = list(loaded.quantized_modules)
+    result.mlx_routes = dict(conversion.routes)
+    result.layout = loaded.layout
+    return result
+
+
 def _backend_for(backend: Any, config: Any) -> BACKEND:
     """The backend for a model to quantize with ``config``: a GPTQ config with an activation
     policy binds its W4A backend (``auto`` or that one accepted), any other as
@@ -663,7 +709,7 @@ class QuantizedModel:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: Any,  # an nn.Module; an mlx_lm model for backend "mlx"
         *,
         quantize_config: FP8Config | GPTQConfig | None,
         backend: BACKEND,
@@ -698,6 +744,9 @@ class QuantizedModel:
             f"{len(self.quantized_modules)} {kind} modules" if self.quantized else "not quantized"
         )
         return f"QuantizedModel({type(self.model).__name__}, {state}, backend={self.backend.value})"
+
+    mlx_routes: dict[str, str] | None = None
+    """``backend="mlx"``: each linear's MLX route (``dense``, ``mxfp8`` or ``packed``)."""
 
     def quantize(
         self,
@@ -895,6 +944,11 @@ class QuantizedModel:
         """
         from floatxq.lifecycle.export import export_layout
 
+        if self.backend == BACKEND.MLX:
+            raise RuntimeError(
+                "save: this is an MLX model converted from a checkpoint; save the checkpoint "
+                "from its torch model (floatxq.load(path) without backend='mlx')"
+            )
         if not self.quantized:
             raise RuntimeError("save: quantize() the model first (or load a quantized checkpoint)")
         config_obj = getattr(self.model, "config", None)
@@ -1044,7 +1098,10 @@ def load(
         ``"gptq_w4afp8"`` runs a GPTQ checkpoint (4-bit, groups of 128, symmetric, no
         ``desc_act``) as ``W4AFP8Linear`` modules (FP8 per-token activations),
         ``"gptq_w4a_nvfp4"`` as ``W4ANVFP4Linear`` modules (NVFP4 activations, dynamic global
-        scales). A GPTQ config or checkpoint with an activation policy binds its backend
+        scales); ``"mlx"`` converts a saved FP8 (or unquantized) Llama checkpoint whole to an
+        MLX model (``floatxq.mlx.convert_to_mlx``; needs ``mlx`` and ``mlx-lm``; ``device``
+        None, ``"mps"``, ``"gpu"`` or ``"cpu"``: MLX runs on its default device). A GPTQ
+        config or checkpoint with an activation policy binds its backend
         (:func:`~floatxq.config.backend_for_activation`: ``auto`` or that one); a loaded W4A
         checkpoint gets its modules' saved activation scales and, on a Llama, the activation
         stream.
@@ -1057,6 +1114,8 @@ def load(
     Numerics: loading is bit-exact; quantization as :func:`floatxq.quantize_fp8_weight` or
     :func:`floatxq.gptq_solve`.
     """
+    if _is_mlx(backend):
+        return _load_mlx(model_or_path, quantize_config=quantize_config, device=device, dtype=dtype)
     dev = torch.device(device) if device is not None else None
     config = _as_config(quantize_config) if quantize_config is not None else None
     gptq = isinstance(config, GPTQConfig)

@@ -9,23 +9,29 @@ Public names:
   * :class:`MlxFP8PackedLinear`: a linear layer over FP8 bytes, decoded per call by a table.
   * :class:`MlxFP8Linear`: E4M3FN weights on MLX's native ``mxfp8`` matmul, when exact.
   * :func:`fp8_decode_table`: the 256 FP32 values of an FP8 format's byte codes.
+  * :func:`convert_to_mlx`: a transformers Llama with FP8 linears to an mlx_lm Llama.
+  * :class:`MlxConversion`: its result record ``(model, routes, reasons)``.
 """
 
 import importlib
 from typing import Any
 
 __all__ = [
+    "MlxConversion",
     "MlxFP8Linear",
     "MlxFP8PackedLinear",
     "MlxFP8Weight",
+    "convert_to_mlx",
     "fp8_decode_table",
     "quantize_fp8_weight_mlx",
 ]
 
 _LAZY = {
+    "MlxConversion": "floatxq.mlx.convert",
     "MlxFP8Linear": "floatxq.mlx.linear",
     "MlxFP8PackedLinear": "floatxq.mlx.linear",
     "MlxFP8Weight": "floatxq.mlx.fp8",
+    "convert_to_mlx": "floatxq.mlx.convert",
     "fp8_decode_table": "floatxq.mlx.linear",
     "quantize_fp8_weight_mlx": "floatxq.mlx.fp8",
 }
