@@ -90,8 +90,6 @@ ROWS: dict[str, dict[str, Any]] = {
 }
 """Row name → how it is made (GPTQ rows: ``GPTQConfig(bits=4, group_size=128, activation=...)``)."""
 
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-
 
 def _label(settings: dict[str, Any]) -> str:
     """The activations a row runs with, in a few words."""
@@ -153,39 +151,22 @@ def calibrate_row(qm: Any, samples: list[torch.Tensor], device: torch.device) ->
     }
 
 
-def _module_recipe(name: str, activation: ActivationConfig) -> str | None:
-    attention = activation.attention
-    if (
-        attention is not None
-        and attention.mode == "w4a_nvfp4"
-        and name.rsplit(".", 1)[-1] in _ATTENTION
-    ):
-        return attention.recipe
-    return activation.recipe
-
-
 def convert_without_replay(model: torch.nn.Module, policy: dict[str, Any]) -> dict[str, Any]:
     """Turn ``model``'s GPTQLinear modules (solved against bf16 activations) into the policy's
     W4A modules and install the stream for ``policy``, in place; the run's record."""
-    from floatxq.lifecycle.model import stream_arguments
-    from floatxq.lifecycle.stream import install_w4a_llama_stream
+    from floatxq.lifecycle.model import _install_stream, _install_w4a
 
     activation = ActivationConfig.from_value(policy)
-    nvfp4 = activation.mode == "w4a_nvfp4"
     start, cpu_start = time.perf_counter(), time.process_time()
-    gptq = [(n, m) for n, m in model.named_modules() if type(m) is floatxq.GPTQLinear]
-    for name, module in gptq:
-        if not nvfp4:
-            model.set_submodule(name, floatxq.W4AFP8Linear.from_gptq_linear(module))
-            continue
-        layer = floatxq.W4ANVFP4Linear.from_gptq_linear(module)
-        layer.activation_recipe = _module_recipe(name, activation)
-        model.set_submodule(name, layer)
-    install_w4a_llama_stream(model, **stream_arguments(activation))
+    converted = sum(type(m) is floatxq.GPTQLinear for m in model.modules())
+    # the lifecycle's own conversion (as after an activation-aware solve), without its scales:
+    # these weights were solved against bf16 activations, so their inputs run dynamic
+    _install_w4a(model, floatxq.backend_for_activation(activation), activation=activation)
+    _install_stream(model, activation)
     return {
         "seconds": time.perf_counter() - start,
         "cpu_seconds": time.process_time() - cpu_start,
-        "converted": len(gptq),
+        "converted": converted,
     }
 
 

@@ -219,21 +219,15 @@ def _install_w4a(
         model.set_submodule(name, layer)
 
 
-def _is_llama(model: nn.Module) -> bool:
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    return (
-        isinstance(layers, nn.ModuleList)
-        and len(layers) > 0
-        and type(layers[0]).__name__ == "LlamaDecoderLayer"
-    )
-
-
 def _install_stream(model: nn.Module, activation: ActivationConfig) -> bool:
     """Install the Llama activation stream for ``activation``; False (nothing done) for a model
     that is not a Llama: its W4A modules then quantize their own inputs, call by call."""
-    if not _is_llama(model):
+    from floatxq.lifecycle.stream import _llama_layers, install_w4a_llama_stream
+
+    try:
+        _llama_layers(model, where="load")  # the stream's own test of a Llama
+    except ValueError:
         return False
-    from floatxq.lifecycle.stream import install_w4a_llama_stream
 
     install_w4a_llama_stream(model, **stream_arguments(activation))
     return True

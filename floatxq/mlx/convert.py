@@ -16,20 +16,12 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.llama import Model, ModelArgs
 
+from floatxq.lifecycle.stream import LLAMA_STREAM_PROJECTIONS
 from floatxq.mlx.linear import MlxFP8Linear, MlxFP8PackedLinear
 
 __all__ = ["MlxConversion", "convert_to_mlx"]
 
 _WHERE = "convert_to_mlx"
-_LAYER_LINEARS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
 # Rope types whose mlx_lm implementation reads the same keys as the Hugging Face config.
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -151,7 +143,7 @@ def convert_to_mlx(model: Any) -> MlxConversion:
     paths = [
         f"model.layers.{i}.{name}"
         for i in range(model.config.num_hidden_layers)
-        for name in _LAYER_LINEARS
+        for name in LLAMA_STREAM_PROJECTIONS
     ]
     lm_head = torch_modules.get("lm_head")
     tied = bool(args.tie_word_embeddings)
@@ -254,7 +246,8 @@ def _check_known_modules(torch_modules: Mapping[str, Any]) -> None:
         if not own:
             continue
         leaf = path.rpartition(".")[2]
-        if leaf in known or leaf in {"lm_head", *(n.rpartition(".")[2] for n in _LAYER_LINEARS)}:
+        projections = {n.rpartition(".")[2] for n in LLAMA_STREAM_PROJECTIONS}
+        if leaf in known or leaf == "lm_head" or leaf in projections:
             continue
         raise ValueError(
             f"{_WHERE}: module {path!r} ({type(module).__name__}) holds parameters outside the "
