@@ -1,4 +1,5 @@
-"""Whole-model conversion of a transformers Llama with FP8 linears to an mlx_lm Llama."""
+"""Whole-model conversion of transformers decoders (Llama, Mistral, Qwen2, Qwen3) with FP8
+linears to their mlx_lm models."""
 
 import numpy as np
 import pytest
@@ -134,8 +135,17 @@ def test_quantized_lm_head_unties_and_matches() -> None:
     assert diff <= tol, (diff, tol)
 
 
-def _small_llama(**overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
+_CONFIGS = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+}
+
+
+def _small(model_type: str, **overrides):
+    """A seeded two-layer model of ``model_type`` with non-trivial norm weights and biases."""
+    import transformers
 
     config = dict(
         vocab_size=256,
@@ -146,8 +156,24 @@ def _small_llama(**overrides):
         num_key_value_heads=2,
         max_position_embeddings=64,
     )
+    if model_type == "mistral":
+        config["sliding_window"] = None
+    if model_type == "qwen3":
+        config["head_dim"] = 32  # not hidden_size // heads, so the q/k/v shapes follow the config
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**{**config, **overrides})).eval()
+    cfg = getattr(transformers, _CONFIGS[model_type])(**{**config, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # norms start at one and biases at zero: make a dropped one show
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_()
+    return model
+
+
+def _small_llama(**overrides):
+    return _small("llama", **overrides)
 
 
 @pytest.mark.parametrize(
@@ -185,21 +211,109 @@ def test_config_variants_match_torch(overrides) -> None:
     assert diff <= tol, (diff, tol)
 
 
-def test_refuses_other_architectures() -> None:
-    from transformers import MistralConfig, MistralForCausalLM
+@pytest.mark.parametrize("model_type", sorted(_CONFIGS))
+@pytest.mark.parametrize("scales", ["row", "block"])
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_architectures_match_torch(model_type, scales, tie) -> None:
+    model = _small(model_type, tie_word_embeddings=tie)
+    dense_logits = _torch_logits(model)
+    block = {"weight_block_size": [32, 32]} if scales == "block" else {}
+    model = fq.load(model, quantize_config=fq.FP8Config(**block)).quantize().model
+    out = fqm.convert_to_mlx(model)
+    mlx_module = {"mistral": "llama"}.get(model_type, model_type)
+    assert type(out.model).__module__ == f"mlx_lm.models.{mlx_module}"
+    route = "mxfp8" if scales == "row" else "packed"
+    linears = [p for p in out.routes if p != "lm_head"]
+    assert len(linears) == 2 * 7 and all(out.routes[p] == route for p in linears)
+    assert set(out.reasons) == ({p for p in linears} if route == "packed" else set())
+    assert out.routes.get("lm_head") == (None if tie else "dense")
+    layer = out.model.model.layers[1].self_attn.k_proj
+    src = model.model.layers[1].self_attn.k_proj
+    assert isinstance(layer, fqm.MlxFP8Linear if route == "mxfp8" else fqm.MlxFP8PackedLinear)
+    if model_type == "qwen2":  # q/k/v carry biases, copied exactly
+        assert np.array_equal(np.array(layer.bias), src.bias.detach().numpy())
+    if model_type == "qwen3":
+        q_norm = out.model.model.layers[0].self_attn.q_norm.weight
+        want = model.model.layers[0].self_attn.q_norm.weight.detach().numpy()
+        assert np.array_equal(np.array(q_norm), want)
+    diff, tol = _max_diff(model, out)
+    assert diff <= tol, (diff, tol)
+    # FP8 weights move the logits far beyond the tolerance, so the comparison above can fail.
+    assert np.abs(dense_logits - _mlx_logits(out)).max() > 100 * tol
 
-    config = MistralConfig(
+
+def test_quantized_head_of_tied_qwen3_unties_and_matches() -> None:
+    model = _small("qwen3", tie_word_embeddings=True)
+    model = fq.load(model, quantize_config=fq.FP8Config(lm_head=True)).quantize().model
+    out = fqm.convert_to_mlx(model)
+    assert out.routes["lm_head"] == "mxfp8" and not out.model.args.tie_word_embeddings
+    diff, tol = _max_diff(model, out)
+    assert diff <= tol, (diff, tol)
+
+
+def test_mistral_window_covering_every_position_is_accepted() -> None:
+    model = _small("mistral", sliding_window=64)  # = max_position_embeddings: never bites
+    out = fqm.convert_to_mlx(model)
+    diff, tol = _max_diff(model, out)
+    assert diff <= tol, (diff, tol)
+
+
+def test_refuses_other_architectures() -> None:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(
         vocab_size=32,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
+        pad_token_id=0,
     )
-    with pytest.raises(ValueError, match="LlamaForCausalLM, got MistralForCausalLM"):
-        fqm.convert_to_mlx(MistralForCausalLM(config))
-    with pytest.raises(ValueError, match="LlamaForCausalLM, got Linear"):
+    with pytest.raises(
+        ValueError, match="model_type is 'phi3'; accepted: llama, mistral, qwen2, qwen3"
+    ):
+        fqm.convert_to_mlx(Phi3ForCausalLM(config))
+    with pytest.raises(ValueError, match="ForCausalLM model, got Linear"):
         fqm.convert_to_mlx(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="ForCausalLM model, got LlamaModel"):
+        fqm.convert_to_mlx(_small_llama().model)
+
+
+def test_refuses_sliding_window_attention() -> None:
+    with pytest.raises(ValueError, match="sliding_window is 8 .below max_position_embeddings 64"):
+        fqm.convert_to_mlx(_small("mistral", sliding_window=8))
+    model = _small("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with pytest.raises(ValueError, match=r"layer_types has \['sliding_attention'\]"):
+        fqm.convert_to_mlx(model)
+
+
+def test_refuses_untied_head_under_tied_config_and_missing_norms() -> None:
+    model = _small("qwen2", tie_word_embeddings=True)
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach() + 1.0)
+    with pytest.raises(ValueError, match="lm_head.weight differs from the input embeddings"):
+        fqm.convert_to_mlx(model)
+    model = _small("qwen3")
+    model.model.layers[1].self_attn.k_norm = nn.Identity()
+    with pytest.raises(ValueError, match=r"missing \['model\.layers\.1\.self_attn\.k_norm"):
+        fqm.convert_to_mlx(model)
+
+
+def test_refuses_quantized_or_fp8_modules_outside_the_linears() -> None:
+    model = _small("qwen3")
+    model.model.layers[0].extra = GPTQLinear(64, 64, bits=4, group_size=32, bias=False)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.extra' \(GPTQLinear\) holds buffers"):
+        fqm.convert_to_mlx(model)
+    model = _small("qwen3")
+    model.model.layers[0].extra = TorchFP8Linear.from_linear(nn.Linear(64, 64, bias=False))
+    with pytest.raises(ValueError, match=r"extra is an FP8 linear but mlx_lm's qwen3 model"):
+        fqm.convert_to_mlx(model)
+    model = _small("qwen2")
+    model.model.layers[0].self_attn.k_proj = TorchFP8Linear.from_linear(
+        nn.Linear(64, 32, bias=False)
+    )
+    with pytest.raises(ValueError, match=r"k_proj bias presence \(False\) differs"):
+        fqm.convert_to_mlx(model)
 
 
 @pytest.mark.parametrize(
@@ -254,8 +368,10 @@ def test_refuses_fp8_linear_with_bias_the_config_lacks() -> None:
 
 def test_refuses_other_activation_and_mixed_dtypes() -> None:
     model = _small_llama(hidden_act="gelu")
-    with pytest.raises(ValueError, match="hidden_act is 'gelu'"):
+    with pytest.raises(ValueError, match="hidden_act is 'gelu'; mlx_lm's llama model uses 'silu'"):
         fqm.convert_to_mlx(model)
+    with pytest.raises(ValueError, match="hidden_act is 'gelu_pytorch_tanh'; mlx_lm's qwen3"):
+        fqm.convert_to_mlx(_small("qwen3", hidden_act="gelu_pytorch_tanh"))
     model = _small_llama()
     model.model.layers[1].mlp.gate_proj.to(torch.bfloat16)
     with pytest.raises(

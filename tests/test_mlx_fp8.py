@@ -204,6 +204,7 @@ def test_package_surface() -> None:
         "MlxFP8Weight",
         "convert_to_mlx",
         "fp8_decode_table",
+        "fp8_encode_route",
         "quantize_fp8_weight_mlx",
     ]
     assert fqm.MlxFP8Weight._fields == ("qweight", "scale_inv")

@@ -8,6 +8,8 @@ launched (tiles, warps, splits) is a frozen tuning record with measured defaults
 run and otherwise the pure function, and say which they took and why.
 """
 
+import platform
+
 import torch
 
 from floatxq._typing import Float, Tensor
@@ -59,6 +61,7 @@ from floatxq.kernels.w4a_fp8 import (
 )
 
 __all__ = [
+    "MLX_ENCODER_MIN_ELEMENTS",
     "FP8ScaledLinearTrace",
     "FP8SmallMTiles",
     "FP8SmallMTuning",
@@ -93,6 +96,29 @@ __all__ = [
 ]
 
 
+MLX_ENCODER_MIN_ELEMENTS = 60 * 2**20
+"""CPU weights at least this large are encoded by MLX's Metal encoder on Apple Silicon."""
+
+
+def _apple_silicon() -> bool:
+    return platform.system() == "Darwin" and platform.machine() == "arm64"
+
+
+def _mlx_encoder_reason(weight: torch.Tensor) -> str | None:
+    """Why the MLX (Metal) encoder does not take ``weight`` (``None``: it does)."""
+    if weight.device.type not in ("cpu", "mps") or not _apple_silicon():
+        return "not a CPU/MPS weight on Apple Silicon"
+    if weight.numel() < MLX_ENCODER_MIN_ELEMENTS:
+        return f"fewer than {MLX_ENCODER_MIN_ELEMENTS} elements"
+    try:
+        from floatxq.mlx import kernels as mlx_kernels
+    except ImportError:
+        return "MLX is not installed"
+    if not mlx_kernels.metal_available():
+        return "MLX has no Metal backend"
+    return None
+
+
 def quantize_fp8_weight_auto(
     weight: Float[Tensor, "out in"],
     *,
@@ -106,9 +132,11 @@ def quantize_fp8_weight_auto(
       weight, format, weight_scale_method, weight_block_size: as ``quantize_fp8_weight``.
 
     Returns:
-      ``(FP8Weight, route, reason)``: ``route`` is ``"triton"`` (CUDA tensor, Triton imports) or
-      ``"torch"``; ``reason`` says why the kernel was not taken (``None`` when it was). Both
-      routes give the same bytes.
+      ``(FP8Weight, route, reason)``: ``route`` is ``"triton"`` (CUDA tensor, Triton imports),
+      ``"mlx"`` (a CPU or MPS weight of at least ``MLX_ENCODER_MIN_ELEMENTS`` elements on Apple
+      Silicon with MLX's Metal backend: :func:`floatxq.mlx.fp8.quantize_fp8_weight_torch_via_mlx`,
+      results on the CPU) or ``"torch"``; ``reason`` says why the kernel was not taken (``None``
+      when it was). All routes give the same bytes.
 
     Raises:
       ValueError, TypeError: as :func:`floatxq.quantize_fp8_weight`.
@@ -128,6 +156,10 @@ def quantize_fp8_weight_auto(
     if not isinstance(weight, torch.Tensor):
         return quantize_fp8_weight(weight, **kwargs), "torch", "weight is not a tensor"
     if weight.device.type != "cuda":
+        if _mlx_encoder_reason(weight) is None:
+            from floatxq.mlx.fp8 import quantize_fp8_weight_torch_via_mlx
+
+            return quantize_fp8_weight_torch_via_mlx(weight, **kwargs), "mlx", None
         reason = f"weight is on {weight.device}; the Triton kernel runs on CUDA tensors"
     else:
         reason = triton_unavailable_reason(weight.device)

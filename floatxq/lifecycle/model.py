@@ -112,7 +112,8 @@ def _load_mlx(model_or_path: Any, *, quantize_config: Any, device: Any, dtype: A
     loaded = load(model_or_path, dtype=dtype, backend="auto")
     if isinstance(loaded.quantize_config, GPTQConfig):
         raise ValueError(
-            f"load: backend 'mlx' runs FP8 (or unquantized) Llama checkpoints; {model_or_path} "
+            f"load: backend 'mlx' runs FP8 (or unquantized) checkpoints of the model types "
+            f"convert_to_mlx supports; {model_or_path} "
             f"is a GPTQ checkpoint"
         )
     conversion = convert_to_mlx(loaded.model)
@@ -1092,10 +1093,10 @@ def load(
         ``"gptq_w4afp8"`` runs a GPTQ checkpoint (4-bit, groups of 128, symmetric, no
         ``desc_act``) as ``W4AFP8Linear`` modules (FP8 per-token activations),
         ``"gptq_w4a_nvfp4"`` as ``W4ANVFP4Linear`` modules (NVFP4 activations, dynamic global
-        scales); ``"mlx"`` converts a saved FP8 (or unquantized) Llama checkpoint whole to an
-        MLX model (``floatxq.mlx.convert_to_mlx``; needs ``mlx`` and ``mlx-lm``; ``device``
-        None, ``"mps"``, ``"gpu"`` or ``"cpu"``: MLX runs on its default device). A GPTQ
-        config or checkpoint with an activation policy binds its backend
+        scales); ``"mlx"`` converts a saved FP8 (or unquantized) Llama, Mistral, Qwen2 or
+        Qwen3 checkpoint whole to an MLX model (``floatxq.mlx.convert_to_mlx``; needs ``mlx``
+        and ``mlx-lm``; ``device`` None, ``"mps"``, ``"gpu"`` or ``"cpu"``: MLX runs on its
+        default device). A GPTQ config or checkpoint with an activation policy binds its backend
         (:func:`~floatxq.config.backend_for_activation`: ``auto`` or that one); a loaded W4A
         checkpoint gets its modules' saved activation scales and, on a Llama, the activation
         stream.

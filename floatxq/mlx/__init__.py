@@ -1,7 +1,10 @@
-"""The MLX path: FP8 weight encoding with MLX array ops (same bytes as the torch encoder).
+"""The MLX path: FP8 encoding, FP8 linears and whole-model conversion for MLX.
 
 ``import floatxq.mlx`` works without MLX installed; the names below import ``mlx.core`` when
 first used (an ``ImportError`` naming the ``mlx`` extra where it is missing).
+
+The Metal kernels (Apple GPUs) and their launch plans are in :mod:`floatxq.mlx.kernels`, and
+:mod:`floatxq.mlx.metal_emulator` runs the same kernel sources on a CPU through a C++ build.
 
 Public names:
   * :func:`quantize_fp8_weight_mlx`: an MLX weight to FP8 byte codes and FP32 inverse scales.
@@ -9,7 +12,9 @@ Public names:
   * :class:`MlxFP8PackedLinear`: a linear layer over FP8 bytes, decoded per call by a table.
   * :class:`MlxFP8Linear`: E4M3FN weights on MLX's native ``mxfp8`` matmul, when exact.
   * :func:`fp8_decode_table`: the 256 FP32 values of an FP8 format's byte codes.
-  * :func:`convert_to_mlx`: a transformers Llama with FP8 linears to an mlx_lm Llama.
+  * :func:`fp8_encode_route`: which encoder (Metal kernel or array ops) a weight takes.
+  * :func:`convert_to_mlx`: a transformers Llama, Mistral, Qwen2 or Qwen3 model with FP8
+    linears to the mlx_lm model of its type.
   * :class:`MlxConversion`: its result record ``(model, routes, reasons)``.
 """
 
@@ -23,6 +28,7 @@ __all__ = [
     "MlxFP8Weight",
     "convert_to_mlx",
     "fp8_decode_table",
+    "fp8_encode_route",
     "quantize_fp8_weight_mlx",
 ]
 
@@ -33,6 +39,7 @@ _LAZY = {
     "MlxFP8Weight": "floatxq.mlx.fp8",
     "convert_to_mlx": "floatxq.mlx.convert",
     "fp8_decode_table": "floatxq.mlx.linear",
+    "fp8_encode_route": "floatxq.mlx.fp8",
     "quantize_fp8_weight_mlx": "floatxq.mlx.fp8",
 }
 

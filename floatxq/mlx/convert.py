@@ -1,39 +1,47 @@
-"""Whole-model conversion: a transformers Llama with floatxq FP8 linears to an mlx_lm Llama.
+"""Whole-model conversion: a transformers decoder with floatxq FP8 linears to its mlx_lm model.
 
-:func:`convert_to_mlx` builds ``mlx_lm.models.llama.Model`` from the Hugging Face config, copies
-every dense tensor (embeddings, norms, dense linears, an untied ``lm_head``) in the model's
-dtype and gives each :class:`floatxq.nn.TorchFP8Linear` one of two MLX layers: the native
-``mxfp8`` :class:`~floatxq.mlx.MlxFP8Linear` where that transfer is exact, else the
-decode-table :class:`~floatxq.mlx.MlxFP8PackedLinear`. The result records the route of every
-linear and, for the packed ones, why the native route was not taken.
+:func:`convert_to_mlx` picks the mlx_lm ``Model``/``ModelArgs`` pair for the Hugging Face
+``config.model_type`` through mlx_lm's own registry (``mistral`` runs as mlx_lm's ``llama``),
+builds the arguments from the Hugging Face config, copies every dense tensor by its Hugging Face
+name in the model's dtype and gives each :class:`floatxq.nn.TorchFP8Linear` one of two MLX
+layers: the native ``mxfp8`` :class:`~floatxq.mlx.MlxFP8Linear` where that transfer is exact,
+else the decode-table :class:`~floatxq.mlx.MlxFP8PackedLinear`. The tensors must then match the
+mlx_lm model's parameters one for one. The result records the route of every linear and, for
+the packed ones, why the native route was not taken.
 """
 
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import mlx.core as mx
+import mlx.nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.llama import Model, ModelArgs
 
-from floatxq.lifecycle.stream import LLAMA_STREAM_PROJECTIONS
 from floatxq.mlx.linear import MlxFP8Linear, MlxFP8PackedLinear
 
-__all__ = ["MlxConversion", "convert_to_mlx"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "MlxConversion", "convert_to_mlx"]
 
 _WHERE = "convert_to_mlx"
+# Hugging Face model types whose transformers and mlx_lm models are checked to agree (the tests
+# compare logits for each); all four use SiLU-gated MLPs, RMSNorm and rotary attention.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Rope types whose mlx_lm implementation reads the same keys as the Hugging Face config.
 _ROPE_TYPES = ("default", "linear", "llama3")
+# Every supported mlx_lm model hard-codes a SiLU-gated MLP (``swiglu``).
+_HIDDEN_ACT = "silu"
 
 
 class MlxConversion(NamedTuple):
     """The converted mlx_lm model and the route each linear took.
 
     Fields:
-      model: an ``mlx_lm.models.llama.Model`` ready to call on token ids ``(batch, seq)``.
+      model: the mlx_lm ``Model`` of the source's architecture (``mlx_lm.models.llama.Model``
+        for Llama and Mistral, ``mlx_lm.models.qwen2.Model``, ``mlx_lm.models.qwen3.Model``),
+        ready to call on token ids ``(batch, seq)``.
       routes: linear path (``"model.layers.0.self_attn.q_proj"``, ``"lm_head"``) to ``"dense"``
         (an ``mlx.nn.Linear``), ``"mxfp8"`` (:class:`MlxFP8Linear`) or ``"packed"``
-        (:class:`MlxFP8PackedLinear`).
+        (:class:`MlxFP8PackedLinear`). A head tied to the embeddings has no entry.
       reasons: for each ``"packed"`` linear, why the native ``mxfp8`` route was not exact.
     """
 
@@ -42,8 +50,8 @@ class MlxConversion(NamedTuple):
     reasons: Mapping[str, str]
 
 
-def _model_args(config: Any) -> Any:
-    """mlx_lm ``ModelArgs`` from a Hugging Face Llama config (either rope spelling)."""
+def _model_args(config: Any, args_class: Any) -> Any:
+    """mlx_lm ``ModelArgs`` from a Hugging Face config (either rope spelling)."""
     cfg = dict(config.to_dict())
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -52,11 +60,31 @@ def _model_args(config: Any) -> Any:
             f"{_WHERE}: model.config rope type {rope_type!r} is not supported; accepted: "
             f"{', '.join(_ROPE_TYPES)}"
         )
+    sliding = sorted({t for t in cfg.get("layer_types") or () if t != "full_attention"})
+    window = cfg.get("sliding_window")
+    longest = cfg.get("max_position_embeddings")
+    if sliding:
+        raise ValueError(
+            f"{_WHERE}: model.config.layer_types has {sliding}; only 'full_attention' layers are "
+            "supported (the mlx_lm model would attend to every position)"
+        )
+    if cfg["model_type"] == "mistral" and window is not None and (longest or 0) > window:
+        raise ValueError(
+            f"{_WHERE}: model.config.sliding_window is {window} (below max_position_embeddings "
+            f"{longest}); mlx_lm runs Mistral as Llama with full attention, so accepted: None or "
+            "a window of at least max_position_embeddings"
+        )
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
-    cfg.update(rope_theta=float(theta), rope_scaling=scaling, rope_traditional=False)
+    cfg.update(
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        rope_traditional=False,
+        layer_types=None,
+        sliding_window=None,
+    )
     cfg.pop("rope_parameters", None)
-    return ModelArgs.from_dict(cfg)
+    return args_class.from_dict(cfg)
 
 
 def _mx_dtype(dtype: Any) -> Any:
@@ -84,41 +112,95 @@ def _dense(tensor: Any, dtype: Any, *, name: str) -> mx.array:
     return mx.array(np.array(values, copy=True)).astype(dtype)
 
 
-def _check_source(model: Any) -> None:
-    from transformers import LlamaForCausalLM
+def _check_source(model: Any) -> str:
+    """The source's ``model_type`` once it is a supported transformers causal LM."""
+    from transformers import PreTrainedModel
 
-    if not isinstance(model, LlamaForCausalLM):
+    if not isinstance(model, PreTrainedModel) or not type(model).__name__.endswith("ForCausalLM"):
         raise ValueError(
-            f"{_WHERE}: model must be a transformers LlamaForCausalLM, got {type(model).__name__}"
+            f"{_WHERE}: model must be a transformers *ForCausalLM model, got {type(model).__name__}"
         )
     model_type = getattr(model.config, "model_type", None)
-    if model_type != "llama":
-        raise ValueError(f"{_WHERE}: model.config.model_type is {model_type!r}; only 'llama'")
-    act = getattr(model.config, "hidden_act", None)
-    if act != "silu":
+    if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"{_WHERE}: model.config.hidden_act is {act!r}; mlx_lm's Llama uses 'silu'"
+            f"{_WHERE}: model.config.model_type is {model_type!r}; accepted: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    act = getattr(model.config, "hidden_act", None)
+    if act != _HIDDEN_ACT:
+        raise ValueError(
+            f"{_WHERE}: model.config.hidden_act is {act!r}; mlx_lm's {model_type} model uses "
+            f"{_HIDDEN_ACT!r}"
+        )
+    return model_type
+
+
+def _source_tensors(model: Any, target_modules: Mapping[str, Any]) -> tuple[dict, dict, dict]:
+    """Split the source into FP8 linears, dense linears and named dense tensors.
+
+    Returns ``(fp8, dense_linears, tensors)``: path to ``TorchFP8Linear``, path to plain
+    ``torch.nn.Linear`` where the mlx_lm model has an ``mlx.nn.Linear``, and Hugging Face tensor
+    name to (tensor, owning module path). Refuses any other module type at a linear's place and
+    any module holding persistent buffers (quantized layers keep their codes there).
+    """
+    import torch
+
+    from floatxq.nn.fp8_linear import TorchFP8Linear
+
+    fp8: dict[str, Any] = {}
+    linears: dict[str, Any] = {}
+    tensors: dict[str, tuple[Any, str]] = {}
+    inside_fp8: tuple[str, ...] = ()
+    for path, module in model.named_modules():
+        if inside_fp8 and path.startswith(inside_fp8):
+            continue
+        if isinstance(module, TorchFP8Linear):
+            fp8[path] = module
+            inside_fp8 = (*inside_fp8, f"{path}.")
+            continue
+        if isinstance(target_modules.get(path), mlx.nn.Linear):
+            if type(module) is not torch.nn.Linear:
+                raise ValueError(
+                    f"{_WHERE}: {path} is a {type(module).__name__}; accepted: torch.nn.Linear "
+                    "or floatxq TorchFP8Linear"
+                )
+            linears[path] = module
+        persistent = [
+            n
+            for n, _ in module.named_buffers(recurse=False)
+            if n not in module._non_persistent_buffers_set
+        ]
+        if persistent:
+            raise ValueError(
+                f"{_WHERE}: module {path!r} ({type(module).__name__}) holds buffers {persistent}; "
+                "accepted: dense parameters, torch.nn.Linear or floatxq TorchFP8Linear"
+            )
+        for name, tensor in module.named_parameters(recurse=False):
+            tensors[f"{path}.{name}" if path else name] = (tensor, path)
+    return fp8, linears, tensors
 
 
 def convert_to_mlx(model: Any) -> MlxConversion:
-    """Convert a transformers Llama whose linears may be FP8 (floatxq) to an mlx_lm Llama.
+    """Convert a transformers decoder whose linears may be FP8 (floatxq) to its mlx_lm model.
 
     Args:
-      model: a ``transformers.LlamaForCausalLM`` (float32, bfloat16 or float16 parameters) whose
-        linears are ``torch.nn.Linear`` or :class:`floatxq.nn.TorchFP8Linear`.
+      model: a transformers ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
+        ``Qwen3ForCausalLM`` (``config.model_type`` in :data:`SUPPORTED_MODEL_TYPES`; float32,
+        bfloat16 or float16 parameters) whose linears are ``torch.nn.Linear`` or
+        :class:`floatxq.nn.TorchFP8Linear`.
 
     Returns:
-      An :class:`MlxConversion`: the ``mlx_lm.models.llama.Model``, the route of every linear
-      and the reason each packed linear could not use ``mxfp8``.
+      An :class:`MlxConversion`: the mlx_lm ``Model`` of that architecture, the route of every
+      linear and the reason each packed linear could not use ``mxfp8``.
 
     Raises:
-      ValueError: ``model`` is not a ``LlamaForCausalLM`` or has another ``model_type`` or
-        ``hidden_act`` than ``"silu"``; an unsupported rope type or parameter dtype, or dense
-        tensors of mixed dtypes; a linear of a type other than ``nn.Linear``
-        or ``TorchFP8Linear`` (GPTQ, NVFP4, ...); another module holding parameters outside the
-        Llama layout; a tensor or bias whose shape differs from what the config implies; an FP8
-        linear that cannot transfer (as :meth:`MlxFP8PackedLinear.from_torch`).
+      ValueError: ``model`` is not a transformers causal LM, its ``model_type`` is not supported
+        or its ``hidden_act`` is not ``"silu"``; an unsupported rope type, sliding-window
+        attention, parameter dtype, or dense tensors of mixed dtypes; a linear of a type other
+        than ``nn.Linear`` or ``TorchFP8Linear`` (GPTQ, NVFP4, ...) or another module holding
+        buffers; a module holding parameters the mlx_lm model lacks; missing or unexpected
+        tensors, or a tensor, linear or bias whose shape differs from what the config implies;
+        an FP8 linear that cannot transfer (as :meth:`MlxFP8PackedLinear.from_torch`).
 
     Numerics: dense tensors are copied exactly in the model's dtype (widened to FP32 and
     rounded back, exact for all three); FP8 bytes, FP32 inverse scales and biases are copied
@@ -132,54 +214,53 @@ def convert_to_mlx(model: Any) -> MlxConversion:
       (['dense'], (1, 3, 256))
     """
     import torch
+    from mlx_lm.utils import _get_classes
 
     from floatxq.nn.fp8_linear import TorchFP8Linear
 
-    _check_source(model)
-    dtype = _mx_dtype(model.model.embed_tokens.weight.dtype)
-    args = _model_args(model.config)
-    torch_modules = dict(model.named_modules())
-    _check_known_modules(torch_modules)
-    paths = [
-        f"model.layers.{i}.{name}"
-        for i in range(model.config.num_hidden_layers)
-        for name in LLAMA_STREAM_PROJECTIONS
-    ]
-    lm_head = torch_modules.get("lm_head")
+    model_type = _check_source(model)
+    model_class, args_class = _get_classes({"model_type": model_type})
+    embed = model.get_input_embeddings().weight
+    dtype = _mx_dtype(embed.dtype)
+    args = _model_args(model.config, args_class)
+    head = model.get_output_embeddings()
     tied = bool(args.tie_word_embeddings)
-    if isinstance(lm_head, TorchFP8Linear):
+    if isinstance(head, TorchFP8Linear):
         tied = False  # the quantized head is its own tensor even when the config ties it
-    if not tied:
-        paths.append("lm_head")
+    elif tied and head is not None and head.weight is not embed:
+        with torch.no_grad():
+            same = head.weight.shape == embed.shape and torch.equal(head.weight, embed)
+        if not same:
+            raise ValueError(
+                f"{_WHERE}: model.config.tie_word_embeddings is True but lm_head.weight differs "
+                "from the input embeddings; tie them or set tie_word_embeddings=False"
+            )
     args.tie_word_embeddings = tied
-    target = Model(args)
+    target = model_class(args)
     target_modules = dict(target.named_modules())
+    fp8, linears, sources = _source_tensors(model, target_modules)
+    kept = target.sanitize({name: name for name in sources})  # drops tied heads, rope buffers
 
     routes: dict[str, str] = {}
     reasons: dict[str, str] = {}
-    dense: dict[str, mx.array] = {}
-    for path in paths:
-        module = torch_modules.get(path)
-        if module is None:
-            raise ValueError(f"{_WHERE}: model has no module {path!r}, which Llama needs")
-        expected = target_modules[path]
-        out_f, in_f = expected.weight.shape
-        if type(module) is torch.nn.Linear:
-            if tuple(module.weight.shape) != (out_f, in_f):
-                raise ValueError(
-                    f"{_WHERE}: {path}.weight has shape {tuple(module.weight.shape)}; the config "
-                    f"implies {(out_f, in_f)}"
-                )
-            dense[f"{path}.weight"] = _dense(module.weight, dtype, name=f"{path}.weight")
-            if module.bias is not None:
-                dense[f"{path}.bias"] = _dense(module.bias, dtype, name=f"{path}.bias")
-            routes[path] = "dense"
-            continue
-        if not isinstance(module, TorchFP8Linear):
+    for name in kept:
+        path = sources[name][1]
+        if path not in target_modules:
+            module = model.get_submodule(path)
             raise ValueError(
-                f"{_WHERE}: {path} is a {type(module).__name__}; accepted: torch.nn.Linear or "
-                "floatxq TorchFP8Linear"
+                f"{_WHERE}: module {path!r} ({type(module).__name__}) holds parameters outside "
+                f"the layout of mlx_lm's {model_type} model"
             )
+    for path in linears:
+        routes[path] = "dense"
+    for path, module in fp8.items():
+        expected = target_modules.get(path)
+        if not isinstance(expected, mlx.nn.Linear):
+            raise ValueError(
+                f"{_WHERE}: {path} is an FP8 linear but mlx_lm's {model_type} model has no "
+                "linear there"
+            )
+        out_f, in_f = expected.weight.shape
         if (module.out_features, module.in_features) != (out_f, in_f):
             raise ValueError(
                 f"{_WHERE}: {path} is ({module.out_features}, {module.in_features}); the config "
@@ -188,7 +269,7 @@ def convert_to_mlx(model: Any) -> MlxConversion:
         if (module.bias is not None) != ("bias" in expected):
             raise ValueError(
                 f"{_WHERE}: {path} bias presence ({module.bias is not None}) differs from the "
-                "config's attention_bias/mlp_bias"
+                f"config's ({'bias' in expected}) for mlx_lm's {model_type} model"
             )
         why = MlxFP8Linear.eligibility(module)
         if why is None:
@@ -201,55 +282,23 @@ def convert_to_mlx(model: Any) -> MlxConversion:
         parent, _, leaf = path.rpartition(".")
         setattr(target_modules[parent] if parent else target, leaf, layer)
 
-    named = {
-        "model.embed_tokens.weight": model.model.embed_tokens.weight,
-        "model.norm.weight": model.model.norm.weight,
-    }
-    for i, block in enumerate(model.model.layers):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            named[f"model.layers.{i}.{norm}.weight"] = getattr(block, norm).weight
-    for key, tensor in named.items():
-        dense[key] = _dense(tensor, dtype, name=key)
-
     quantized = tuple(f"{p}." for p, r in routes.items() if r != "dense")
     wanted = {
         k: v.shape for k, v in tree_flatten(target.parameters()) if not k.startswith(quantized)
     }
-    missing = sorted(set(wanted) - set(dense))
-    extra = sorted(set(dense) - set(wanted))
+    missing = sorted(set(wanted) - set(kept))
+    extra = sorted(set(kept) - set(wanted))
     if missing or extra:
         raise ValueError(
-            f"{_WHERE}: the model's tensors do not match the Llama layout (missing {missing}, "
-            f"unexpected {extra})"
+            f"{_WHERE}: the model's tensors do not match mlx_lm's {model_type} model (missing "
+            f"{missing}, unexpected {extra})"
         )
     for key, shape in wanted.items():
-        if tuple(dense[key].shape) != tuple(shape):
-            raise ValueError(
-                f"{_WHERE}: {key} has shape {tuple(dense[key].shape)}; the config implies "
-                f"{tuple(shape)}"
-            )
+        got = tuple(sources[key][0].shape)
+        if got != tuple(shape):
+            raise ValueError(f"{_WHERE}: {key} has shape {got}; the config implies {tuple(shape)}")
+    dense = {key: _dense(sources[key][0], dtype, name=key) for key in sorted(wanted)}
     target.load_weights(list(dense.items()), strict=False)
     target.eval()
     mx.eval(target.parameters())
     return MlxConversion(model=target, routes=routes, reasons=reasons)
-
-
-def _check_known_modules(torch_modules: Mapping[str, Any]) -> None:
-    """Refuse modules with parameters outside the Llama layout this converter copies."""
-    from floatxq.nn.fp8_linear import TorchFP8Linear
-
-    known = {"embed_tokens", "norm", "input_layernorm", "post_attention_layernorm"}
-    for path, module in torch_modules.items():
-        if isinstance(module, TorchFP8Linear):
-            continue
-        own = [n for n, _ in module.named_parameters(recurse=False)]
-        if not own:
-            continue
-        leaf = path.rpartition(".")[2]
-        projections = {n.rpartition(".")[2] for n in LLAMA_STREAM_PROJECTIONS}
-        if leaf in known or leaf == "lm_head" or leaf in projections:
-            continue
-        raise ValueError(
-            f"{_WHERE}: module {path!r} ({type(module).__name__}) holds parameters outside the "
-            "Llama layout this converter copies"
-        )

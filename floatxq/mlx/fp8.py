@@ -4,7 +4,11 @@ The arithmetic is the torch encoder's, step for step, in FP32: ``amax`` per regi
 ``scale_inv = fp8_max / max(amax, FLT_MIN)`` by true division (capped at FLT_MAX, 1 for an
 all-zero region), ``w * scale_inv``, a clamp to ``±fp8_max``. The FP8 byte is then built from
 the FP32 bits with integer operations only (sign, exponent, mantissa, FP8 subnormals), rounding
-to nearest-even, so no FP8 dtype (which MLX lacks) and no Metal kernel is needed.
+to nearest-even, so no FP8 dtype (which MLX lacks) is needed. Where MLX runs on an Apple GPU,
+weights of at least :data:`~floatxq.mlx.kernels.FP8_ENCODE_MIN_ELEMENTS` elements are encoded
+by the Metal kernel ``fp8_encode`` (one fused pass, the same operations per element); the
+scales are always computed with array ops. :func:`fp8_encode_route` says which path a weight
+takes.
 
 FP32 subnormal weights are handled as IEEE values: the MLX CPU backend (where this is tested)
 computes with them exactly; a backend that flushes subnormals to zero would change such bytes.
@@ -15,19 +19,32 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from floatxq._typing import Float, Float32, UInt8, checked_record
+from floatxq._typing import Float, Float32, Tensor, UInt8, checked_record
 from floatxq.formats import (
     FLOAT32_MAX,
     FLOAT32_TINY,
     FP8ScaleMethod,
     FP8WeightFormat,
+    fp8_dtype,
     fp8_max,
     normalize_fp8_block_size,
     normalize_fp8_scale_method,
     normalize_fp8_weight_format,
 )
+from floatxq.fp8 import FP8Weight
+from floatxq.mlx.kernels import (
+    FP8_ENCODE_MIN_ELEMENTS,
+    fp8_encode_launch,
+    metal_available,
+    run_metal,
+)
 
-__all__ = ["MlxFP8Weight", "quantize_fp8_weight_mlx"]
+__all__ = [
+    "MlxFP8Weight",
+    "fp8_encode_route",
+    "quantize_fp8_weight_mlx",
+    "quantize_fp8_weight_torch_via_mlx",
+]
 
 _FP8_BITS: Mapping[FP8WeightFormat, tuple[int, int, bool]] = {
     # format: (mantissa bits, exponent bias, has a negative zero); the sign is bit 7 in all four.
@@ -101,6 +118,45 @@ def _quantize(w: mx.array, scale_inv: mx.array, name: FP8WeightFormat) -> mx.arr
     return _encode_fp8(mx.clip(w * scale_inv, -fmax, fmax), name)
 
 
+def fp8_encode_route(weight: Float[mx.array, "out in"]) -> str:
+    """Which encoder :func:`quantize_fp8_weight_mlx` uses for ``weight``'s bytes.
+
+    Returns:
+      ``"metal"`` where MLX has its Metal backend and ``weight`` has at least
+      ``FP8_ENCODE_MIN_ELEMENTS`` (2**20) elements, else ``"array-ops"``. Both give the same
+      bytes (the kernel's tests run its source against the array ops).
+
+    Example:
+      >>> fp8_encode_route(mx.zeros((4, 4)))
+      'array-ops'
+    """
+    big = weight.size >= FP8_ENCODE_MIN_ELEMENTS
+    return "metal" if big and metal_available() else "array-ops"
+
+
+def _encode(weight: mx.array, w: mx.array, scale_inv: mx.array, name: FP8WeightFormat) -> mx.array:
+    """FP8 bytes of ``weight`` (``w`` its FP32 copy) under region scales in the canonical shape."""
+    if fp8_encode_route(weight) == "metal":
+        mbits, bias, negative_zero = _FP8_BITS[name]
+        plan = fp8_encode_launch(
+            weight,
+            scale_inv,
+            mbits=mbits,
+            bias=bias,
+            negative_zero=negative_zero,
+            fmax=fp8_max(name),
+        )
+        return run_metal(plan)
+    if scale_inv.ndim == 0:
+        return _quantize(w, scale_inv, name)
+    if scale_inv.ndim == 1:
+        return _quantize(w, scale_inv[:, None], name)
+    rows, cols = w.shape
+    gr, gc = scale_inv.shape
+    blocks = w.reshape(gr, rows // gr, gc, cols // gc)
+    return _quantize(blocks, scale_inv[:, None, :, None], name).reshape(rows, cols)
+
+
 def _check_weight(weight: object, *, where: str) -> mx.array:
     if not isinstance(weight, mx.array):
         raise TypeError(
@@ -156,7 +212,9 @@ def quantize_fp8_weight_mlx(
 
     Numerics: FP32 scale math (true division), multiply-to-quantize, clamp then nearest-even;
     the fnuz formats store -0 as +0. Bytes and scales are bit-identical to
-    ``floatxq.quantize_fp8_weight`` on the same values.
+    ``floatxq.quantize_fp8_weight`` on the same values, on either encoder route
+    (:func:`fp8_encode_route`: the Metal kernel for large weights on an Apple GPU, else array
+    ops).
 
     Example:
       >>> q = quantize_fp8_weight_mlx(mx.array([[1.0, -2.0], [0.0, 0.0]]))
@@ -175,10 +233,10 @@ def quantize_fp8_weight_mlx(
 
     if method == "tensor":
         scale_inv = _inverse_scale(mx.max(mx.abs(w)), fmax)
-        return MlxFP8Weight(_quantize(w, scale_inv, name), scale_inv)
+        return MlxFP8Weight(_encode(weight, w, scale_inv, name), scale_inv)
     if method == "row":
         scale_inv = _inverse_scale(mx.max(mx.abs(w), axis=1), fmax)
-        return MlxFP8Weight(_quantize(w, scale_inv[:, None], name), scale_inv)
+        return MlxFP8Weight(_encode(weight, w, scale_inv, name), scale_inv)
 
     rows, cols = w.shape
     br, bc = block  # type: ignore[misc]  # "block" always carries a block size
@@ -189,5 +247,60 @@ def quantize_fp8_weight_mlx(
         )
     blocks = w.reshape(rows // br, br, cols // bc, bc)
     scale_inv = _inverse_scale(mx.max(mx.abs(blocks), axis=(1, 3)), fmax)
-    codes = _quantize(blocks, scale_inv[:, None, :, None], name)
-    return MlxFP8Weight(codes.reshape(rows, cols), scale_inv)
+    return MlxFP8Weight(_encode(weight, w, scale_inv, name), scale_inv)
+
+
+def quantize_fp8_weight_torch_via_mlx(
+    weight: Float[Tensor, "out in"],
+    *,
+    format: str = "float8_e4m3fn",
+    weight_scale_method: FP8ScaleMethod | None = "row",
+    weight_block_size: tuple[int, int] | list[int] | None = None,
+) -> FP8Weight:
+    """:func:`floatxq.quantize_fp8_weight` for a torch weight, encoded by MLX.
+
+    The weight is copied to MLX exactly (through FP32), encoded by
+    :func:`quantize_fp8_weight_mlx` and copied back: a :class:`floatxq.FP8Weight` of contiguous
+    CPU torch FP8 codes and FP32 inverse scales. ``quantize_fp8_weight_auto`` takes this route
+    for very large weights on Apple Silicon, where MLX's Metal encoder beats torch on the CPU.
+
+    Args:
+      weight: a non-empty 2-D float16/bfloat16/float32 torch tensor (any device).
+      format, weight_scale_method, weight_block_size: as ``quantize_fp8_weight``.
+
+    Returns:
+      ``FP8Weight(qweight, scale_inv)`` on the CPU.
+
+    Raises:
+      TypeError, ValueError: as :func:`quantize_fp8_weight_mlx`.
+
+    Numerics: bit-identical to ``quantize_fp8_weight`` on the same values.
+
+    Example:
+      >>> import torch
+      >>> q = quantize_fp8_weight_torch_via_mlx(torch.tensor([[1.0, -2.0]]))
+      >>> q.qweight.dtype, q.scale_inv.tolist()
+      (torch.float8_e4m3fn, [224.0])
+    """
+    import numpy as np
+    import torch
+
+    floats = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in floats:
+        got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise TypeError(
+            f"quantize_fp8_weight_torch_via_mlx: weight must be a float16, bfloat16 or float32 "
+            f"torch tensor, got {got}"
+        )
+    name = normalize_fp8_weight_format(format, where="quantize_fp8_weight_torch_via_mlx: format")
+    values = weight.detach().cpu().to(torch.float32).contiguous().numpy()
+    w = mx.array(values).astype(floats[weight.dtype])  # exact: the values came from it
+    q = quantize_fp8_weight_mlx(
+        w,
+        format=name,
+        weight_scale_method=weight_scale_method,
+        weight_block_size=weight_block_size,
+    )
+    codes = torch.from_numpy(np.array(q.qweight, copy=True)).view(fp8_dtype(name))
+    scales = torch.from_numpy(np.array(q.scale_inv, copy=True).reshape(q.scale_inv.shape))
+    return FP8Weight(codes.contiguous(), scales)

@@ -1,10 +1,13 @@
 """MLX linear layers over FP8 weight bytes: a general decode-table layer and a native MXFP8 one.
 
 * :class:`MlxFP8PackedLinear` keeps the checkpoint as it is (FP8 bytes ``(out, in)``, FP32
-  inverse scales in the tensor, row or block layout, an optional bias) and, per call, decodes
-  the bytes through a 256-entry FP32 table of the format, divides by the inverse scales in FP32,
-  multiplies in FP32, adds the bias and casts back to ``x``'s dtype. Any of the four encodable
-  FP8 formats and any scale layout.
+  inverse scales in the tensor, row or block layout, an optional bias) and decodes the bytes
+  through a 256-entry FP32 table of the format at every call. On an Apple GPU one of two Metal
+  kernels runs the product straight from the bytes: ``prefill`` (several rows, a wide output:
+  16-row tiles, each decoded weight serving 16 rows) or ``general`` (everything else); see
+  :func:`floatxq.mlx.kernels.packed_route`. Elsewhere (and as their reference,
+  :meth:`MlxFP8PackedLinear.reference`) array ops decode the whole weight in FP32 and multiply in
+  FP32. Any of the four encodable FP8 formats and any scale layout.
 * :class:`MlxFP8Linear` hands the multiplication to MLX's own ``mxfp8`` quantized matmul when
   that is exact: E4M3FN codes, one inverse scale per tensor or per output row, ``in % 32 == 0``,
   positive finite inverse scales with finite reciprocals, no NaN codes. The E4M3 bytes become
@@ -25,6 +28,7 @@ import numpy as np
 
 from floatxq._typing import Float, Float32, UInt8
 from floatxq.formats import FP8WeightFormat, normalize_fp8_weight_format
+from floatxq.mlx.kernels import metal_available, packed_linear_launch, packed_route, run_metal
 
 __all__ = ["MlxFP8Linear", "MlxFP8PackedLinear", "fp8_decode_table"]
 
@@ -195,9 +199,14 @@ class MlxFP8PackedLinear(nn.Module):
       ValueError: empty or non-2-D codes, a scale shape that fits no layout, zero, negative or
         non-finite scales, a bias of the wrong shape or not finite, E8M0 or unknown formats.
 
-    Numerics: the weight is ``table[code] / scale_inv`` in FP32 (bit-identical to
-    :func:`floatxq.dequantize_fp8_weight`), ``x`` is widened to FP32 exactly, the product and bias
-    are FP32 and the result is rounded once to ``x.dtype``. NaN codes give NaN outputs.
+    Numerics: ``x`` is widened to FP32 exactly, every product and sum is FP32 and the result is
+    rounded once to ``x.dtype``; NaN codes give NaN outputs. The array-ops route
+    (:meth:`reference`) multiplies by the decoded weight ``table[code] / scale_inv``
+    (bit-identical to :func:`floatxq.dequantize_fp8_weight`); the Metal routes accumulate
+    ``x * table[code]`` with fused multiply-adds in input order and divide each scale region's
+    partial sum by its inverse scale. The routes differ only by FP32 rounding order (bounded in
+    the tests by ``(in + 2) * 2**-24 * sum|x * w|`` before the final rounding); the two Metal
+    routes agree bit for bit.
 
     Example:
       >>> layer = MlxFP8PackedLinear(mx.array([[0x38, 0xC0]], dtype=mx.uint8), mx.array(2.0))
@@ -265,8 +274,26 @@ class MlxFP8PackedLinear(nn.Module):
         blocks = w.reshape(gr, out // gr, gc, inp // gc) / s[:, None, :, None]
         return blocks.reshape(out, inp)
 
-    def __call__(self, x: Float[mx.array, "*batch in"]) -> Float[mx.array, "*batch out"]:
-        """``x @ W.T + bias`` in FP32 with the decoded weight, returned in ``x``'s dtype.
+    def route(self, rows: int) -> str:
+        """The route a call with ``rows`` rows of ``x`` takes here.
+
+        Returns:
+          ``"prefill"`` or ``"general"`` (Metal kernels, where MLX has its Metal backend; the
+          choice is :func:`floatxq.mlx.kernels.packed_route`'s), else ``"array-ops"``.
+
+        Example:
+          >>> layer = MlxFP8PackedLinear(mx.zeros((8192, 64), dtype=mx.uint8), mx.array(1.0))
+          >>> layer.route(32) in ("prefill", "array-ops")
+          True
+        """
+        if not metal_available():
+            return "array-ops"
+        return packed_route(rows, self.in_features, self.out_features)
+
+    def reference(self, x: Float[mx.array, "*batch in"]) -> Float[mx.array, "*batch out"]:
+        """The array-ops product ``x @ dequantize().T + bias`` in FP32, returned in ``x``'s dtype.
+
+        This is the route off Apple GPUs and the reference the Metal kernels are tested against.
 
         Raises:
           TypeError: ``x`` not an MLX float16/bfloat16/float32 array.
@@ -277,6 +304,32 @@ class MlxFP8PackedLinear(nn.Module):
         if "bias" in self:
             y = y + self.bias.astype(mx.float32)
         return y.astype(x.dtype)
+
+    def __call__(self, x: Float[mx.array, "*batch in"]) -> Float[mx.array, "*batch out"]:
+        """``x @ W.T + bias`` in FP32 from the FP8 bytes, returned in ``x``'s dtype.
+
+        Raises:
+          TypeError: ``x`` not an MLX float16/bfloat16/float32 array.
+          ValueError: a last axis other than ``in_features``.
+        """
+        _check_x(x, self.in_features, where="MlxFP8PackedLinear")
+        lead = tuple(x.shape[:-1])
+        rows = math.prod(lead)
+        route = self.route(rows)
+        if route == "array-ops":
+            return self.reference(x)
+        if rows == 0:
+            return mx.zeros((*lead, self.out_features), dtype=x.dtype)
+        bias = self.bias if "bias" in self else None
+        plan = packed_linear_launch(
+            x.reshape(rows, self.in_features),
+            self.qweight,
+            self._table,
+            self.scale_inv,
+            bias,
+            route=route,
+        )
+        return run_metal(plan).reshape(*lead, self.out_features)
 
 
 def _packed_eligibility(layer: MlxFP8PackedLinear) -> str | None:
