@@ -144,7 +144,7 @@ _FP8_ENCODE = """
     }
     float s = SCALE_KIND == 2 ? scale[(r / dims[2]) * (C / dims[3]) + c / dims[3]]
                               : scale[SCALE_KIND == 1 ? r : 0];
-    float v = metal::clamp(static_cast<float>(w[(size_t)r * C + c]) * s, -fmax[0], fmax[0]);
+    float v = metal::clamp(static_cast<float>(w[(size_t)r * C + c]) * s, -fp8max[0], fp8max[0]);
     uint bits = as_type<uint>(v);
     uint sign = (bits >> 31) << 7;
     uint mag = bits & 0x7FFFFFFFu;
@@ -178,7 +178,7 @@ METAL_SOURCES: Mapping[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
         ("y",),
         _PACKED_PREFILL,
     ),
-    "fp8_encode": (("w", "scale", "dims", "fmax"), ("codes",), _FP8_ENCODE),
+    "fp8_encode": (("w", "scale", "dims", "fp8max"), ("codes",), _FP8_ENCODE),
 }
 """Each kernel's input names, output names and Metal body (MLX writes the signature)."""
 
