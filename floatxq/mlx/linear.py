@@ -263,7 +263,7 @@ class MlxFP8PackedLinear(nn.Module):
 
         Numerics: FP32 true division, bit-identical to :func:`floatxq.dequantize_fp8_weight`.
         """
-        w = mx.take(self._table, self.qweight.astype(mx.uint32))
+        w = mx.take(self._table, self.qweight)
         s = self.scale_inv
         if s.ndim == 0:
             return w / s
