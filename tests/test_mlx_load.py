@@ -60,3 +60,19 @@ def test_mlx_refuses_what_it_cannot_run(saved, tmp_path):
     directory = gptq.save(tmp_path / "gptq", layout="gptq")
     with pytest.raises(ValueError, match="is a GPTQ checkpoint"):
         floatxq.load(directory, backend="mlx")
+
+
+def test_the_mlx_example_runs(capsys):
+    import re
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "mlx_tiny_llama.py"
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "row scales: routes {'dense': 1, 'mxfp8': 56}" in out
+    assert "128x128 blocks: routes {'dense': 1, 'packed': 56}" in out
+    gaps = [float(g) for g in re.findall(r"torch vs MLX: (\S+)", out)]
+    assert len(gaps) == 2 and max(gaps) < 1e-3  # logits reach about 16: FP32 order only
+    agreed = [int(a) for a in re.findall(r"greedy tokens agree: (\d+)/48", out)]
+    assert len(agreed) == 2 and min(agreed) > 0
