@@ -33,6 +33,8 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
+from floatxq._typing import Float, Float32, UInt8
+
 __all__ = [
     "FP8_ENCODE_MIN_ELEMENTS",
     "METAL_SOURCES",
@@ -237,20 +239,42 @@ def packed_route(rows: int, in_features: int, out_features: int) -> str:
 
 
 def packed_linear_launch(
-    x: mx.array,
-    qweight: mx.array,
-    table: mx.array,
-    scale_inv: mx.array,
-    bias: mx.array | None,
+    x: Float[mx.array, "rows in"],
+    qweight: UInt8[mx.array, "out in"],
+    table: Float32[mx.array, "256"],
+    scale_inv: Float32[mx.array, "*scale"],
+    bias: Float[mx.array, "out"] | None,  # noqa: F821
     *,
     route: str,
 ) -> MetalLaunch:
-    """The launch plan of ``x @ decode(qweight).T + bias`` for one route (arrays already checked).
+    """The launch plan of ``x @ decode(qweight).T + bias`` on one packed-byte kernel.
 
-    ``x`` is ``(rows, in)`` of float16/bfloat16/float32; the output is ``(rows, out)`` of ``x``'s
-    dtype. Inputs go in as the kernel reads them: the scale grid flattened (a tensor scale as one
-    element), the bias widened to FP32 exactly (a one-element zero placeholder without bias) and
-    the sizes ``(rows, in, out, block rows, block cols)`` as ``uint32``.
+    Args:
+      x: ``(rows, in)`` float16/bfloat16/float32 inputs.
+      qweight: FP8 byte codes ``(out, in)``.
+      table: the format's 256-entry FP32 decode table (:func:`floatxq.mlx.fp8_decode_table`).
+      scale_inv: FP32 inverse scales ``()``, ``(out,)`` or ``(out/br, in/bc)``.
+      bias: ``(out,)`` float bias or ``None``.
+      route: ``"prefill"`` or ``"general"`` (see :func:`packed_route`).
+
+    Returns:
+      A :class:`MetalLaunch` whose output is ``(rows, out)`` in ``x``'s dtype. Inputs go in as
+      the kernel reads them: the scale grid flattened (a tensor scale as one element), the bias
+      widened to FP32 exactly (a one-element placeholder without bias, never read) and the sizes
+      ``(rows, in, out, block rows, block cols)`` as ``uint32``.
+
+    Raises:
+      ValueError: an unknown route. (Shapes and values are the caller's to check:
+        :class:`floatxq.mlx.MlxFP8PackedLinear` does.)
+
+    Numerics: a plan only; see the module docstring for the kernels' arithmetic.
+
+    Example:
+      >>> plan = packed_linear_launch(
+      ...     mx.zeros((20, 64)), mx.zeros((8, 64), dtype=mx.uint8), mx.zeros((256,)),
+      ...     mx.array(1.0), None, route="prefill")
+      >>> plan.kernel, plan.grid, plan.output_shape
+      ('packed_prefill', (8, 2, 1), (20, 8))
     """
     rows, inp = x.shape
     out = qweight.shape[0]
@@ -273,9 +297,34 @@ def packed_linear_launch(
 
 
 def fp8_encode_launch(
-    w: mx.array, scale_inv: mx.array, *, mbits: int, bias: int, negative_zero: bool, fmax: float
+    w: Float[mx.array, "rows cols"],
+    scale_inv: Float32[mx.array, "*scale"],
+    *,
+    mbits: int,
+    bias: int,
+    negative_zero: bool,
+    fmax: float,
 ) -> MetalLaunch:
-    """The launch plan of the FP8 byte encoder over ``w`` with its region scales (checked)."""
+    """The launch plan of the FP8 byte encoder over ``w`` with its region scales.
+
+    Args:
+      w: the ``(rows, cols)`` weight, float16/bfloat16/float32, finite.
+      scale_inv: its FP32 inverse scales (multiply to quantize) ``()``, ``(rows,)`` or a block
+        grid ``(rows/br, cols/bc)``.
+      mbits, bias, negative_zero: the format's mantissa bits, exponent bias and whether it keeps
+        ``-0`` (E4M3FN: 3, 7, True; E5M2: 2, 15, True; the fnuz formats: bias + 1, False).
+      fmax: the format's largest finite value (the clamp).
+
+    Returns:
+      A :class:`MetalLaunch` whose output is the ``(rows, cols)`` ``uint8`` codes.
+
+    Numerics: a plan only; the kernel computes the array-ops encoder's bytes.
+
+    Example:
+      >>> fp8_encode_launch(mx.ones((3, 5)), mx.array(448.0), mbits=3, bias=7,
+      ...                   negative_zero=True, fmax=448.0).grid
+      (5, 3, 1)
+    """
     rows, cols = w.shape
     kind = _SCALE_KIND[scale_inv.ndim]
     br, bc = (rows // scale_inv.shape[0], cols // scale_inv.shape[1]) if kind == 2 else (1, 1)
