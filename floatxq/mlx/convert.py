@@ -1,7 +1,7 @@
 """Whole-model conversion: a transformers decoder with floatxq FP8 linears to its mlx_lm model.
 
 :func:`convert_to_mlx` picks the mlx_lm ``Model``/``ModelArgs`` pair for the Hugging Face
-``config.model_type`` through mlx_lm's own registry (``mistral`` runs as mlx_lm's ``llama``),
+``config.model_type`` (``mistral`` runs as mlx_lm's ``llama``, as mlx_lm itself does),
 builds the arguments from the Hugging Face config, copies every dense tensor by its Hugging Face
 name in the model's dtype and gives each :class:`floatxq.nn.TorchFP8Linear` one of two MLX
 layers: the native ``mxfp8`` :class:`~floatxq.mlx.MlxFP8Linear` where that transfer is exact,
@@ -26,6 +26,8 @@ _WHERE = "convert_to_mlx"
 # Hugging Face model types whose transformers and mlx_lm models are checked to agree (the tests
 # compare logits for each); all four use SiLU-gated MLPs, RMSNorm and rotary attention.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The mlx_lm module that runs each (mlx_lm runs Mistral with its Llama model).
+_MLX_LM_MODULE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Rope types whose mlx_lm implementation reads the same keys as the Hugging Face config.
 _ROPE_TYPES = ("default", "linear", "llama3")
 # Every supported mlx_lm model hard-codes a SiLU-gated MLP (``swiglu``).
@@ -213,13 +215,15 @@ def convert_to_mlx(model: Any) -> MlxConversion:
       >>> sorted(set(out.routes.values())), out.model(mx.array([[1, 2, 3]])).shape
       (['dense'], (1, 3, 256))
     """
+    import importlib
+
     import torch
-    from mlx_lm.utils import _get_classes
 
     from floatxq.nn.fp8_linear import TorchFP8Linear
 
     model_type = _check_source(model)
-    model_class, args_class = _get_classes({"model_type": model_type})
+    module = importlib.import_module(f"mlx_lm.models.{_MLX_LM_MODULE[model_type]}")
+    model_class, args_class = module.Model, module.ModelArgs
     embed = model.get_input_embeddings().weight
     dtype = _mx_dtype(embed.dtype)
     args = _model_args(model.config, args_class)
