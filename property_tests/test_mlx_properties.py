@@ -19,6 +19,7 @@ from floatxq.formats import fp8_max  # noqa: E402
 from floatxq.mlx import kernels  # noqa: E402
 from floatxq.mlx import metal_emulator as emulator  # noqa: E402
 from floatxq.mlx.fp8 import _FP8_BITS  # noqa: E402
+from floatxq.testing.mlx import assert_mlx_linear_close  # noqa: E402
 from floatxq.testing.strategies import (  # noqa: E402
     FP8WeightCase,
     f32_values,
@@ -28,7 +29,6 @@ from floatxq.testing.strategies import (  # noqa: E402
 needs_compiler = pytest.mark.skipif(emulator.compiler() is None, reason="the emulator needs g++")
 DTYPES = st.sampled_from([torch.float32, torch.float16, torch.bfloat16])
 MX_DTYPE = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}
-OUT_ULP = {mx.float32: 0.0, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
 
 
 def _mx(w: torch.Tensor) -> "mx.array":
@@ -90,15 +90,6 @@ def test_metal_encoder_gives_array_ops_bytes(case: FP8WeightCase) -> None:
     np.testing.assert_array_equal(np.array(emulator.emulate(plan)), np.array(q.qweight))
 
 
-def _exact(x: "mx.array", layer: "fqm.MlxFP8PackedLinear") -> tuple[np.ndarray, np.ndarray]:
-    """FP64 product and the bound on any FP32 evaluation order plus the output rounding."""
-    w = np.array(layer.dequantize()).astype(np.float64)
-    x64 = np.array(x.astype(mx.float32)).astype(np.float64)
-    exact, mag = x64 @ w.T, np.abs(x64) @ np.abs(w).T
-    err = (x.shape[-1] + 3) * 2.0**-24 * mag
-    return exact, err + OUT_ULP[x.dtype] * (np.abs(exact) + err) + 1e-37
-
-
 @needs_compiler
 @given(
     case=cases_in_dtype(elements=BOUNDED),
@@ -116,10 +107,8 @@ def test_packed_kernels_agree_and_bound(case: FP8WeightCase, rows: int, seed: in
     general = emulator.emulate(kernels.packed_linear_launch(*args, route="general"))
     prefill = emulator.emulate(kernels.packed_linear_launch(*args, route="prefill"))
     assert mx.array_equal(general, prefill).item()
-    exact, tol = _exact(x, layer)
     for got in (general, layer.reference(x)):
-        got64 = np.array(got.astype(mx.float32)).astype(np.float64)
-        assert (np.abs(got64 - exact) <= tol).all()
+        assert_mlx_linear_close(got, x, layer)
 
 
 @given(
@@ -136,6 +125,4 @@ def test_native_mxfp8_within_bound_of_packed(case: FP8WeightCase, seed: int) -> 
     native = fqm.MlxFP8Linear.from_packed(packed)
     g = np.random.default_rng(seed)
     x = mx.array(g.standard_normal((3, packed.in_features)).astype(np.float32))
-    exact, tol = _exact(x, packed)
-    got = np.array(native(x)).astype(np.float64)
-    assert (np.abs(got - exact) <= tol).all()
+    assert_mlx_linear_close(native(x), x, packed)

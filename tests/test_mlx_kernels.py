@@ -19,14 +19,13 @@ from floatxq.formats import fp8_max  # noqa: E402
 from floatxq.mlx import kernels  # noqa: E402
 from floatxq.mlx import metal_emulator as emulator  # noqa: E402
 from floatxq.mlx.fp8 import _FP8_BITS  # noqa: E402
+from floatxq.testing.mlx import assert_mlx_linear_close  # noqa: E402
 
 if emulator.compiler() is None:
     pytest.skip("the Metal emulator needs g++", allow_module_level=True)
 
 ENCODABLE = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-# Output rounding: the unit roundoff of each output dtype (FP32 results are compared unrounded).
-OUT_ULP = {mx.float32: 0.0, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
 METAL = kernels.metal_available()
 
 
@@ -45,42 +44,8 @@ def _x(seed: int, rows: int, inp: int, dtype) -> "mx.array":
     return mx.array(g.standard_normal((rows, inp)).astype(np.float32)).astype(dtype)
 
 
-def _bound(x: "mx.array", layer: "fqm.MlxFP8PackedLinear") -> tuple[np.ndarray, np.ndarray]:
-    """The exact product (FP64) and the bound on an FP32 evaluation in any order, then rounding.
-
-    Each FP32 evaluation of a K-term dot product with one scale division per region is within
-    (K + 2) * 2**-24 * sum|x * w| of the exact value (the division moves the sum by at most
-    2**-24 relative, and the decoded weight ``table / s`` is itself one rounding off); the bias
-    adds one more rounding, and the output dtype one rounding of the result.
-    """
-    x64 = np.array(x.astype(mx.float32)).astype(np.float64)
-    table = np.array(layer._table).astype(np.float64)
-    codes = np.array(layer.qweight)
-    s = np.array(layer.scale_inv).astype(np.float64)
-    out, inp = codes.shape
-    if s.ndim == 2:
-        s = np.repeat(np.repeat(s, out // s.shape[0], 0), inp // s.shape[1], 1)
-    elif s.ndim == 1:
-        s = s[:, None]
-    w = table[codes] / s
-    exact = x64 @ w.T
-    mag = np.abs(x64) @ np.abs(w).T
-    if "bias" in layer:
-        bias = np.array(layer.bias.astype(mx.float32)).astype(np.float64)
-        exact = exact + bias
-        mag = mag + np.abs(bias)
-    err = (inp + 3) * 2.0**-24 * mag
-    return exact, err + OUT_ULP[x.dtype] * (np.abs(exact) + err) + 1e-37
-
-
 def _assert_close(got: "mx.array", x: "mx.array", layer) -> None:
-    exact, tol = _bound(x, layer)
-    got64 = np.array(got.astype(mx.float32)).astype(np.float64)
-    assert got64.shape == exact.shape
-    excess = np.abs(got64 - exact) - tol
-    assert excess.max() <= 0, (
-        f"worst excess {excess.max():.3g} at {np.unravel_index(excess.argmax(), excess.shape)}"
-    )
+    assert_mlx_linear_close(got, x, layer)
 
 
 def _run_both(layer, x) -> tuple["mx.array", "mx.array"]:
@@ -455,13 +420,22 @@ def test_auto_route_off_apple_is_torch() -> None:
     assert route == "torch"
 
 
-def test_fp8_linear_from_linear_through_mlx_route(apple) -> None:
-    torch.manual_seed(1)
-    linear = torch.nn.Linear(64, 32)
-    via_mlx = fq.nn.TorchFP8Linear.from_linear(linear, weight_scale_method="row")
+def test_fp8_linear_from_linear_through_mlx_route(apple, monkeypatch) -> None:
     import floatxq.kernels as fk
 
-    fk._apple_silicon = lambda: False  # restored by monkeypatch after the test
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(64, 32)
+    bridge = mlx_fp8.quantize_fp8_weight_torch_via_mlx
+    calls: list = []
+
+    def spy(weight, **kwargs):
+        calls.append(tuple(weight.shape))
+        return bridge(weight, **kwargs)
+
+    monkeypatch.setattr(mlx_fp8, "quantize_fp8_weight_torch_via_mlx", spy)
+    via_mlx = fq.nn.TorchFP8Linear.from_linear(linear, weight_scale_method="row")
+    assert calls == [(32, 64)]
+    monkeypatch.setattr(fk, "_apple_silicon", lambda: False)
     plain = fq.nn.TorchFP8Linear.from_linear(linear, weight_scale_method="row")
     assert torch.equal(via_mlx.weight.view(torch.uint8), plain.weight.view(torch.uint8))
     assert torch.equal(via_mlx.weight_scale_inv, plain.weight_scale_inv)

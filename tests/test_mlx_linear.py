@@ -10,14 +10,18 @@ mx = pytest.importorskip("mlx.core")
 import floatxq as fq  # noqa: E402
 import floatxq.mlx as fqm  # noqa: E402
 from floatxq.nn.fp8_linear import TorchFP8Linear  # noqa: E402
-from floatxq.testing import production_checks  # noqa: E402
+from floatxq.testing import (  # noqa: E402
+    assert_within_bound,
+    decoded_linear_error_bound,
+    production_checks,
+)
+from floatxq.testing.mlx import to_torch  # noqa: E402
 
 ENCODABLE = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
 MX_DTYPES = ["float32", "float16", "bfloat16"]
 # (out, in, block for the block layout): ragged widths, a single output row, wide rows.
 SHAPES = [(6, 12, (2, 4)), (1, 8, (1, 4)), (10, 36, (5, 12)), (7, 64, (7, 32))]
 LEADING = [(1,), (5,), (2, 3), (33,)]
-EPS32 = 2.0**-24
 
 
 def _torch_layer(
@@ -43,24 +47,14 @@ def _x(lead: tuple[int, ...], inp: int, dtype: str, seed: int = 1) -> "mx.array"
 
 
 def _assert_matches_reference(got: "mx.array", x: "mx.array", layer: TorchFP8Linear) -> None:
-    """``got`` within FP32 summation error (plus one rounding to x's dtype) of the torch reference.
-
-    The reference is ``x @ dequantize_fp8_weight(...).T + bias`` in FP32 with torch; the bound is
-    ``2 (in + 2) eps32 (|x| @ |W|.T + |bias|)``, which covers both FP32 sums, widened by one
-    rounding step of ``x``'s dtype for half-precision outputs.
-    """
+    """``got`` is torch's ``x @ dequantize_fp8_weight(...).T + bias`` up to FP32 sums in any order
+    and one rounding to ``x``'s dtype (``decoded_linear_error_bound``'s worst case)."""
     assert got.dtype == x.dtype and got.shape == (*x.shape[:-1], layer.out_features)
-    x32 = torch.from_numpy(np.array(x.astype(mx.float32)))
     w = fq.dequantize_fp8_weight(layer.weight, layer.weight_scale_inv)
-    b = torch.zeros(layer.out_features) if layer.bias is None else layer.bias.float()
-    ref = (x32 @ w.T + b).numpy()
-    mag = (x32.abs() @ w.abs().T + b.abs()).numpy().astype(np.float64)
-    bound = 2 * (layer.in_features + 2) * EPS32 * mag
-    if x.dtype != mx.float32:
-        unit = 2.0**-8 if x.dtype == mx.bfloat16 else 2.0**-10
-        bound = bound * (1 + unit) + unit * np.abs(ref) + 2.0**-24
-    diff = np.abs(np.array(got.astype(mx.float32)).astype(np.float64) - ref)
-    assert np.all(diff <= bound), f"max excess {np.max(diff - bound):g}"
+    bound = decoded_linear_error_bound(
+        to_torch(x).reshape(-1, layer.in_features), w, layer.bias, out_dtype=to_torch(x).dtype
+    )
+    assert_within_bound(to_torch(got).reshape(-1, layer.out_features), bound, which="worst_case")
 
 
 # ----------------------------------------------------------------------------------------------

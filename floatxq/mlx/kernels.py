@@ -58,8 +58,6 @@ PREFILL_MIN_OUT = 8192
 FP8_ENCODE_MIN_ELEMENTS = 1 << 20
 """Weights with at least this many elements are encoded by the Metal kernel where Metal runs."""
 
-_SCALE_KIND = {0: 0, 1: 1, 2: 2}  # scale_inv.ndim -> kernel SCALE_KIND (tensor, row, block)
-
 _PACKED_BODY = """
     uint n = thread_position_in_grid.x;
     uint M = dims[0];
@@ -278,7 +276,7 @@ def packed_linear_launch(
     """
     rows, inp = x.shape
     out = qweight.shape[0]
-    kind = _SCALE_KIND[scale_inv.ndim]
+    kind = scale_inv.ndim  # the kernels' SCALE_KIND: 0 tensor, 1 row, 2 block
     br, bc = (out // scale_inv.shape[0], inp // scale_inv.shape[1]) if kind == 2 else (1, inp)
     dims = mx.array([rows, inp, out, br, bc], dtype=mx.uint32)
     b = mx.zeros((1,), mx.float32) if bias is None else bias.astype(mx.float32)
@@ -326,7 +324,7 @@ def fp8_encode_launch(
       (5, 3, 1)
     """
     rows, cols = w.shape
-    kind = _SCALE_KIND[scale_inv.ndim]
+    kind = scale_inv.ndim  # the kernel's SCALE_KIND: 0 tensor, 1 row, 2 block
     br, bc = (rows // scale_inv.shape[0], cols // scale_inv.shape[1]) if kind == 2 else (1, 1)
     dims = mx.array([rows, cols, br, bc], dtype=mx.uint32)
     template = (

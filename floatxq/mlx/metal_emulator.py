@@ -15,6 +15,7 @@ compiler with ``_Float16`` (``g++`` 12 or later; :func:`compiler` says which is 
 """
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -72,7 +73,6 @@ _CTYPE = {
     mx.uint32: ("uint32_t", np.uint32),
 }
 _CACHE = Path(tempfile.gettempdir()) / "floatxq-metal-emulator"
-_LIBS: dict[str, ctypes.CDLL] = {}
 
 
 def compiler() -> str | None:
@@ -109,10 +109,9 @@ def _source(plan: MetalLaunch) -> str:
     )
 
 
+@functools.cache
 def _library(source: str) -> ctypes.CDLL:
     key = hashlib.sha256(source.encode()).hexdigest()[:20]
-    if key in _LIBS:
-        return _LIBS[key]
     _CACHE.mkdir(parents=True, exist_ok=True)
     lib = _CACHE / f"{key}.so"
     if not lib.exists():  # build under this process's own names, then move into place
@@ -123,8 +122,7 @@ def _library(source: str) -> ctypes.CDLL:
         subprocess.run([*cmd, str(src), "-o", str(tmp)], check=True, capture_output=True)
         tmp.replace(lib)
         src.unlink()
-    _LIBS[key] = ctypes.CDLL(str(lib))
-    return _LIBS[key]
+    return ctypes.CDLL(str(lib))
 
 
 def _host(a: mx.array) -> np.ndarray:

@@ -10,8 +10,9 @@ needs ``pytest``: they come with the
 per-element bound every FP8 GEMM path is held to against ``floatxq.fp8_scaled_linear``, for an
 error model of its accumulation (``FP32_ACCUMULATION``, ``HOPPER_FP8_ACCUMULATION``);
 ``w4a_fp8_linear_error_bound``, ``w4a_nvfp4_linear_error_bound`` and
-``w4a16_linear_error_bound`` give the same bounds for the INT4-weight GEMMs, checked with
-``assert_within_bound``.
+``w4a16_linear_error_bound`` give the same bounds for the INT4-weight GEMMs and
+``decoded_linear_error_bound`` for FP32 products with a decoded weight (the MLX layers),
+checked with ``assert_within_bound``.
 ``unchecked`` (one function) and ``production_checks`` (a block) switch the test run's
 jaxtyping/beartype check off, to see the errors users get; ``assert_fields_match_annotations``
 checks that a config's fields hold their declared types.
@@ -27,6 +28,7 @@ from floatxq.testing.assertions import (
     assert_fp8_linear_close,
     assert_within_bound,
     bits_of,
+    decoded_linear_error_bound,
     fp8_linear_error_bound,
     production_checks,
     unchecked,
@@ -45,6 +47,7 @@ __all__ = [
     "assert_fp8_linear_close",
     "assert_within_bound",
     "bits_of",
+    "decoded_linear_error_bound",
     "fp8_linear_error_bound",
     "production_checks",
     "unchecked",

@@ -487,6 +487,41 @@ def w4a16_linear_error_bound(
     return _bounds(parts, absolute, squares, k, accumulation, b, x.dtype)
 
 
+def decoded_linear_error_bound(
+    x: Float[Tensor, "m k"],
+    weight: Float32[Tensor, "n k"],
+    bias: Float[Tensor, "n"] | None,  # noqa: F821
+    *,
+    out_dtype: torch.dtype,
+) -> FP8LinearBound:
+    """:func:`fp8_linear_error_bound` for ``x @ weight.T + bias`` evaluated in FP32 in any order
+    (``x`` and ``bias`` widened to FP32 exactly, ``weight`` an FP32 decoded weight such as
+    ``code / scale_inv``), then rounded once to ``out_dtype``: the FP8 layers that decode their
+    weight and multiply in FP32 (the MLX linears and kernels, whose division by the inverse
+    scale may come after a partial sum instead of before each product).
+
+    ``worst_case`` is ``(k + 8) · u · Σ|x · w| + 2u · |bias|`` plus the output's rounding, which
+    covers the rounding of each product, of the decoded weight, of each scale division and of
+    every FP32 addition in any order.
+
+    Numerics: float64 on ``x``'s device.
+
+    Example:
+      >>> b = decoded_linear_error_bound(torch.ones(1, 4), torch.ones(2, 4), None,
+      ...                                out_dtype=torch.float16)
+      >>> b.exact.tolist()
+      [[4.0, 4.0]]
+    """
+    k = x.shape[1]
+    a, w = x.double(), weight.double().T
+    width = max(k, 1)
+    parts = _grouped_sums(a, w, width)
+    absolute = _grouped_sums(a.abs(), w.abs(), width)
+    squares = _grouped_sums(a.square(), w.square(), width)
+    b = bias.double() if bias is not None else parts.new_zeros(weight.shape[0])
+    return _bounds(parts, absolute, squares, k, FP32_ACCUMULATION, b, out_dtype)
+
+
 def assert_within_bound(
     actual: Shaped[Tensor, "m n"],
     bound: FP8LinearBound,
