@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from floatxq.gptq import (
+from floatxq.gptq.solve import (
     GPTQSolveOptions,
     gptq_solve,
     hessian_finalize,

@@ -11,7 +11,7 @@ cache, so nothing is served from L2).
 - ``pack``: :func:`floatxq.kernels.nvfp4_pack_and_swizzle` on 8192×8192 bf16 for every recipe,
   as effective bandwidth (bytes read + written: 2 per input element, 1/2 per code, 1/16 per
   scale) over the bandwidth of a plain copy of the same tensor, timed in the same run; beside
-  it the pure torch reference (:func:`floatxq.nvfp4_operand.nvfp4_pack_swizzled`, eager) and,
+  it the pure torch reference (:func:`floatxq.nvfp4_pack_swizzled`, eager) and,
   where torchao imports, torchao's ``NVFP4Tensor.to_nvfp4`` (eager).
 - ``linear``: for M ∈ {1, 16, 4096} and (N, K) ∈ {(8192, 8192), (28672, 8192), (8192,
   28672)}, bf16 activations: bf16 ``F.linear``; FP8 ``torch._scaled_mm`` rowwise on already
@@ -33,9 +33,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from w4a import _gptq, _option, copies_for, eager_us, graph_us
 
 import floatxq as fq
-from floatxq.int4 import centered_int4, int4_to_e4m3
+from floatxq.gptq.int4 import centered_int4, int4_to_e4m3
 from floatxq.kernels import nvfp4 as nvfp4_kernels
-from floatxq.nvfp4_operand import nvfp4_pack_swizzled
+from floatxq.nvfp4.operand import nvfp4_pack_swizzled
 
 SHAPES = ((8192, 8192), (28672, 8192), (8192, 28672))
 ROWS = (1, 16, 4096)

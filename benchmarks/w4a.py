@@ -48,7 +48,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import floatxq as fq
-from floatxq.int4 import centered_int4, int4_to_e4m3, pack_gptq_int4
+from floatxq.gptq.int4 import centered_int4, int4_to_e4m3, pack_gptq_int4
 from floatxq.kernels import w4a16 as w4a16_kernels
 from floatxq.kernels import w4a_fp8 as w4a_fp8_kernels
 
@@ -263,7 +263,7 @@ def _swap(model, make) -> None:
 
 
 def _w4a16(linear):
-    from floatxq.gptq import GPTQSolveOptions, rtn_quantize
+    from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
 
     sol = rtn_quantize(linear.weight.float(), GPTQSolveOptions(bits=4, group_size=128))
     return fq.GPTQLinear.from_solution(sol, bits=4, group_size=128, format="gptq")

@@ -154,15 +154,15 @@ def calibrate_row(qm: Any, samples: list[torch.Tensor], device: torch.device) ->
 def convert_without_replay(model: torch.nn.Module, policy: dict[str, Any]) -> dict[str, Any]:
     """Turn ``model``'s GPTQLinear modules (solved against bf16 activations) into the policy's
     W4A modules and install the stream for ``policy``, in place; the run's record."""
-    from floatxq.lifecycle.model import _install_stream, _install_w4a
+    from floatxq.lifecycle.w4a_install import install_activation_stream, install_w4a_modules
 
     activation = ActivationConfig.from_value(policy)
     start, cpu_start = time.perf_counter(), time.process_time()
     converted = sum(type(m) is floatxq.GPTQLinear for m in model.modules())
     # the lifecycle's own conversion (as after an activation-aware solve), without its scales:
     # these weights were solved against bf16 activations, so their inputs run dynamic
-    _install_w4a(model, floatxq.backend_for_activation(activation), activation=activation)
-    _install_stream(model, activation)
+    install_w4a_modules(model, floatxq.backend_for_activation(activation), activation=activation)
+    install_activation_stream(model, activation)
     return {
         "seconds": time.perf_counter() - start,
         "cpu_seconds": time.process_time() - cpu_start,

@@ -18,7 +18,6 @@ from floatxq.config import (
     GPTQConfig,
     backend_for_activation,
 )
-from floatxq.e2m1 import e2m1_decode, e2m1_encode, e2m1_round, pack_e2m1, unpack_e2m1
 from floatxq.formats import (
     E2M1_VALUES,
     FLOAT32_MAX,
@@ -64,26 +63,7 @@ from floatxq.fp8 import (
     infer_scale_layout,
     quantize_fp8_weight,
 )
-from floatxq.gptq import (
-    GPTQSolution,
-    GPTQSolveOptions,
-    HessianState,
-    gptq_solve,
-    hessian_finalize,
-    hessian_init,
-    hessian_update,
-    rtn_quantize,
-)
-from floatxq.headroom import (
-    HeadroomConfig,
-    HeadroomState,
-    NVFP4ActivationHeadroom,
-    headroom_amax,
-    headroom_init,
-    headroom_percentile,
-    headroom_update,
-)
-from floatxq.int4 import (
+from floatxq.gptq.int4 import (
     E2M1Planes,
     GPTQPacked,
     GPTQUnpacked,
@@ -99,6 +79,33 @@ from floatxq.int4 import (
     split_int4_planes,
     unpack_gptq,
     unpack_gptq_int4,
+)
+from floatxq.gptq.solve import (
+    GPTQSolution,
+    GPTQSolveOptions,
+    HessianState,
+    gptq_solve,
+    hessian_finalize,
+    hessian_init,
+    hessian_update,
+    rtn_quantize,
+)
+from floatxq.interop.sources import (
+    MODELOPT_ACTIVATION_REFUSAL,
+    SOURCE_FAMILIES,
+    NVFP4SourceLayout,
+    ScaleDirection,
+    SourceFamily,
+    decode_fp8_block_grid,
+    decode_mimo_weight,
+    decode_mx_weight,
+    fp4_module_from_source,
+    fp8_module_from_source,
+    is_mimo_mixed_source,
+    modelopt_activation_quantization,
+    native_floatx_source_format,
+    quark_floatx_formats,
+    read_hf_quant_config,
 )
 from floatxq.kernels import (
     FP8ScaledLinearTrace,
@@ -131,17 +138,17 @@ from floatxq.nn import (
     W4ANVFP4Linear,
     select_fp8_route,
 )
-from floatxq.nvfp4 import (
-    NVFP4Blocks,
-    NVFP4Packed,
-    nvfp4_block_qdq,
-    nvfp4_block_scales,
-    nvfp4_block_sse,
-    nvfp4_dequantize,
-    nvfp4_global_scale,
-    nvfp4_quantize,
+from floatxq.nvfp4.e2m1 import e2m1_decode, e2m1_encode, e2m1_round, pack_e2m1, unpack_e2m1
+from floatxq.nvfp4.headroom import (
+    HeadroomConfig,
+    HeadroomState,
+    NVFP4ActivationHeadroom,
+    headroom_amax,
+    headroom_init,
+    headroom_percentile,
+    headroom_update,
 )
-from floatxq.nvfp4_layouts import (
+from floatxq.nvfp4.layouts import (
     NVFP4Weight,
     nvfp4_dequantize_weight,
     nvfp4_from_comfy,
@@ -152,37 +159,36 @@ from floatxq.nvfp4_layouts import (
     nvfp4_to_modelopt,
     swap_nibbles,
 )
-from floatxq.nvfp4_operand import nvfp4_decode_swizzled, nvfp4_pack_swizzled
-from floatxq.nvfp4_report import (
+from floatxq.nvfp4.operand import nvfp4_decode_swizzled, nvfp4_pack_swizzled
+from floatxq.nvfp4.quantize import (
+    NVFP4Blocks,
+    NVFP4Packed,
+    nvfp4_block_qdq,
+    nvfp4_block_scales,
+    nvfp4_block_sse,
+    nvfp4_dequantize,
+    nvfp4_global_scale,
+    nvfp4_quantize,
+)
+from floatxq.nvfp4.report import (
     DEFAULT_REPORT_RECIPES,
     RecipeRow,
     RecipesReport,
     recipes_report,
 )
-from floatxq.sources import (
-    MODELOPT_ACTIVATION_REFUSAL,
-    SOURCE_FAMILIES,
-    NVFP4SourceLayout,
-    ScaleDirection,
-    SourceFamily,
-    decode_fp8_block_grid,
-    decode_mimo_weight,
-    decode_mx_weight,
-    fp4_module_from_source,
-    fp8_module_from_source,
-    is_mimo_mixed_source,
-    modelopt_activation_quantization,
-    native_floatx_source_format,
-    quark_floatx_formats,
-    read_hf_quant_config,
-)
-from floatxq.swizzle import (
+from floatxq.nvfp4.swizzle import (
     swizzle_scales,
     swizzle_scales_per_group,
     unswizzle_scales,
     unswizzle_scales_per_group,
 )
-from floatxq.w4a import (
+from floatxq.w4a.activation import (
+    W4A_ACTIVATION_MODES,
+    W4AActivation,
+    W4AActivationMode,
+    pack_activation,
+)
+from floatxq.w4a.linear import (
     W4A_OUTPUT_DTYPES,
     centered_weight,
     w4a16_linear,
@@ -191,12 +197,6 @@ from floatxq.w4a import (
     w4a_nvfp4_accumulate_group,
     w4a_nvfp4_linear,
     w4a_nvfp4_linear_prepacked,
-)
-from floatxq.w4a_activation import (
-    W4A_ACTIVATION_MODES,
-    W4AActivation,
-    W4AActivationMode,
-    pack_activation,
 )
 
 __version__ = "0.1.0"

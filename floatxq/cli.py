@@ -212,7 +212,7 @@ def quantize(
 ) -> None:
     """Quantize a model's linear layers and save the checkpoint in a chosen layout."""
     import floatxq
-    from floatxq.lifecycle.export import normalize_layout
+    from floatxq.interop.export import normalize_layout
 
     chosen = method.strip().lower()
     if chosen not in ("fp8", "gptq"):
@@ -300,8 +300,8 @@ def _activation_policy(spec: str) -> Any:
 @app.command()
 def inspect(path: Path = typer.Argument(..., help="A model directory.")) -> None:
     """What a checkpoint is: layout, declared format, scale convention, layers and scales."""
-    from floatxq.lifecycle.inspect import inspect_checkpoint
-    from floatxq.lifecycle.layouts import READ_LAYOUTS, SCALE_CONVENTIONS
+    from floatxq.interop.inspect import inspect_checkpoint
+    from floatxq.interop.layouts import READ_LAYOUTS, SCALE_CONVENTIONS
 
     try:
         report = inspect_checkpoint(path)
@@ -441,7 +441,7 @@ def _recipe_input(source: str, tensor: str | None, size: int):
     if source == "outliers":
         x = torch.randn(size, size, generator=g)
         return torch.where(torch.rand(size, size, generator=g) < 1e-3, x * 50, x).bfloat16()
-    from floatxq.lifecycle.checkpoint import iter_tensors
+    from floatxq.interop.checkpoint import iter_tensors
 
     if tensor is None:
         raise ValueError("--tensor NAME is needed with a checkpoint --source")

@@ -8,7 +8,7 @@ mappings) and then sets each field once, so every field holds what its annotatio
 are hashable, and ``dataclasses.replace`` normalizes its changes the same way.
 
 Serialization is not here: GPT-QModel's payload keys, legacy aliases and forced fields are read and
-written by :mod:`floatxq.lifecycle.payload`.
+written by :mod:`floatxq.interop.payload`.
 
 Per-module rules (``dynamic``) are shared by every config: :class:`DynamicRules` parses the
 ``{"+:regex" | "-:regex" | "regex": overrides}`` mapping once, with a per-config normalizer for the

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from floatxq.config import FP8Config, GPTQConfig
-from floatxq.gptq import GPTQSolveOptions, rtn_quantize
+from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
 from floatxq.lifecycle.evaluate import EvalReport, evaluate_lm, reference_logprobs
 from floatxq.lifecycle.model import load
-from floatxq.nvfp4 import nvfp4_block_qdq
+from floatxq.nvfp4.quantize import nvfp4_block_qdq
 
 FP8_PATHS: tuple[tuple[str, FP8Config], ...] = (
     ("fp8 e4m3 tensor", FP8Config(format="float8_e4m3fn", weight_scale_method="tensor")),

@@ -116,7 +116,7 @@ def test_a_gptq_payload_carries_the_policy_in_its_stored_form(payload, fmt):
     if expected is None:
         return
     from floatxq.config import GPTQConfig
-    from floatxq.lifecycle.payload import gptq_config_from_payload, gptq_config_to_payload
+    from floatxq.interop.payload import gptq_config_from_payload, gptq_config_to_payload
 
     cfg = GPTQConfig(activation=payload, format=fmt)
     stored = json.loads(json.dumps(gptq_config_to_payload(cfg)))

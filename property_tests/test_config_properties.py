@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from floatxq.config import FP8Config, GPTQConfig
 from floatxq.formats import GPTQ_BITS
-from floatxq.lifecycle.payload import (
+from floatxq.interop.payload import (
     fp8_config_from_payload,
     fp8_config_to_payload,
     gptq_config_from_payload,

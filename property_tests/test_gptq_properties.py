@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from floatxq.gptq import (
+from floatxq.gptq.solve import (
     GPTQSolveOptions,
     gptq_solve,
     hessian_finalize,

@@ -20,7 +20,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from floatxq.lifecycle.checkpoint import (
+from floatxq.interop.checkpoint import (
     CheckpointError,
     header_metadata,
     iter_tensors,

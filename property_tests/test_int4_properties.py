@@ -11,7 +11,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import floatxq.int4 as fq
+import floatxq.gptq.int4 as fq
 from floatxq.formats import E2M1_VALUES
 from floatxq.testing import assert_bitwise_equal
 from floatxq.testing.strategies import (

@@ -19,7 +19,7 @@ from floatxq.lifecycle.stream import (
     w4a_stream_policy,
 )
 from floatxq.testing.strategies import FLOAT_DTYPES, spread_matrices
-from floatxq.w4a_activation import pack_activation
+from floatxq.w4a.activation import pack_activation
 
 ORDER = [
     ("layer", "input"),

@@ -1,4 +1,4 @@
-"""Properties of the W4A-NVFP4 GEMM's pure reference (``floatxq.w4a``): what its kernels must
+"""Properties of the W4A-NVFP4 GEMM's pure reference (``floatxq.w4a.linear``): what its kernels must
 equal.
 
 * the two weight forms (int32 GPTQ words, staged E4M3 ``code - 8``) are the same operand:
@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import floatxq as fq
-from floatxq.nvfp4_operand import nvfp4_decode_swizzled
+from floatxq.nvfp4.operand import nvfp4_decode_swizzled
 from floatxq.testing import assert_bitwise_equal, assert_within_bound, w4a_nvfp4_linear_error_bound
 from floatxq.testing.strategies import int_arrays
-from floatxq.w4a import w4a_nvfp4_linear, w4a_nvfp4_linear_prepacked
-from floatxq.w4a_activation import pack_activation
+from floatxq.w4a.activation import pack_activation
+from floatxq.w4a.linear import w4a_nvfp4_linear, w4a_nvfp4_linear_prepacked
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

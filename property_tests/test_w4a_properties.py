@@ -1,4 +1,4 @@
-"""Properties of the INT4 GEMMs' pure references (``floatxq.w4a``): what the W4A16 and W4A-FP8
+"""Properties of the INT4 GEMMs' pure references (``w4a.linear``): what the W4A16 and W4A-FP8
 kernels must equal.
 
 * the two W4A-FP8 weight forms (int32 GPTQ words, staged E4M3 ``code - 8``) are the same

@@ -13,7 +13,7 @@ import torch
 
 import floatxq
 from floatxq.config import ActivationConfig, GPTQConfig
-from floatxq.nvfp4 import nvfp4_global_scale
+from floatxq.nvfp4.quantize import nvfp4_global_scale
 from floatxq.testing import production_checks
 
 pytest.importorskip("transformers")

@@ -19,7 +19,7 @@ from floatxq.config import (
     GPTQConfig,
 )
 from floatxq.formats import FP8_DECODE_ONLY_FORMATS, FP8_FORMATS
-from floatxq.lifecycle.payload import (
+from floatxq.interop.payload import (
     fp8_config_from_payload,
     fp8_config_to_payload,
     payload_format,
@@ -273,7 +273,7 @@ def test_replace_normalizes_like_the_constructor():
 
 
 # --------------------------------------------------------------------------------------------
-# FP8 payloads (floatxq.lifecycle.payload)
+# FP8 payloads (floatxq.interop.payload)
 # --------------------------------------------------------------------------------------------
 
 

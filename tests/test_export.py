@@ -17,17 +17,17 @@ from torch import nn
 import floatxq as fq
 from floatxq.config import FP8Config
 from floatxq.fp8 import dequantize_fp8_weight, fp8_decode
-from floatxq.lifecycle.checkpoint import write_checkpoint
-from floatxq.lifecycle.export import (
+from floatxq.interop.checkpoint import write_checkpoint
+from floatxq.interop.export import (
     CHECKPOINT_LAYOUTS,
     DEFAULT_LAYOUT,
     GPTQMODEL_REFUSAL_MARKER,
     export_layout,
     normalize_layout,
 )
-from floatxq.lifecycle.payload import fp8_config_to_payload
+from floatxq.interop.payload import fp8_config_to_payload
 from floatxq.nn.fp8_linear import TorchFP8Linear
-from floatxq.nvfp4 import nvfp4_dequantize
+from floatxq.nvfp4.quantize import nvfp4_dequantize
 from floatxq.testing import assert_bitwise_equal
 
 transformers = pytest.importorskip("transformers")

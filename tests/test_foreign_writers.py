@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from floatxq.e2m1 import e2m1_decode, unpack_e2m1
 from floatxq.fp8 import decode_e8m0
-from floatxq.nvfp4 import nvfp4_dequantize
-from floatxq.swizzle import swizzle_scales, unswizzle_scales
+from floatxq.nvfp4.e2m1 import e2m1_decode, unpack_e2m1
+from floatxq.nvfp4.quantize import nvfp4_dequantize
+from floatxq.nvfp4.swizzle import swizzle_scales, unswizzle_scales
 from floatxq.testing import foreign
 from floatxq.testing.foreign import (
     ForeignCheckpoint,

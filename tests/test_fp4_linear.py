@@ -10,8 +10,8 @@ from torch import nn
 from floatxq.kernels._triton import triton_unavailable_reason
 from floatxq.nn import fp4_linear
 from floatxq.nn.fp4_linear import TorchFP4Linear
-from floatxq.nvfp4 import nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
-from floatxq.nvfp4_layouts import NVFP4Weight
+from floatxq.nvfp4.layouts import NVFP4Weight
+from floatxq.nvfp4.quantize import nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
 from floatxq.testing import assert_bitwise_equal
 
 E4M3 = torch.float8_e4m3fn

@@ -21,9 +21,15 @@ from torch import nn
 
 import floatxq
 from floatxq.config import BACKEND, FP8Config, GPTQConfig
-from floatxq.gptq import gptq_solve, hessian_finalize, hessian_init, hessian_update, rtn_quantize
+from floatxq.gptq.solve import (
+    gptq_solve,
+    hessian_finalize,
+    hessian_init,
+    hessian_update,
+    rtn_quantize,
+)
+from floatxq.interop.export import export_layout
 from floatxq.lifecycle import inspect_checkpoint
-from floatxq.lifecycle.export import export_layout
 from floatxq.lifecycle.gptq import gptq_solve_options
 from floatxq.lifecycle.model import QuantizedModel
 from floatxq.nn.fp8_linear import TorchFP8Linear
@@ -416,7 +422,7 @@ def test_transformers_rounds_float16_scales_into_a_bfloat16_model(tmp_path):
     # float16 scales rounded to bfloat16 (floatxq keeps them as stored); modelled exactly here
     from transformers import AutoModelForCausalLM
 
-    from floatxq.int4 import GPTQPacked, dequantize_gptq
+    from floatxq.gptq.int4 import GPTQPacked, dequantize_gptq
 
     model = gptq_model(CT_CONFIGS["sym4_g64"], torch.bfloat16)
     model.save(tmp_path / "m", layout="compressed-tensors")

@@ -7,9 +7,9 @@ import warnings
 import pytest
 
 from floatxq.config import FORMAT, METHOD, GPTQConfig
-from floatxq.gptq import GPTQSolveOptions
+from floatxq.gptq.solve import GPTQSolveOptions
+from floatxq.interop.payload import gptq_config_from_payload, gptq_config_to_payload
 from floatxq.lifecycle.gptq import gptq_solve_options
-from floatxq.lifecycle.payload import gptq_config_from_payload, gptq_config_to_payload
 from floatxq.testing import assert_fields_match_annotations
 
 DEFAULT_PAYLOAD = {

@@ -14,9 +14,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import floatxq.gptq
+import floatxq.gptq.solve
 from floatxq.config import GPTQConfig
-from floatxq.gptq import (
+from floatxq.gptq.solve import (
     GPTQ_MAX_DAMP_RETRIES,
     GPTQSolveOptions,
     gptq_solve,
@@ -77,7 +77,7 @@ def test_every_accepted_schedule_rises_and_ends(damp, increment):
     except ValueError as exc:
         assert "damp_auto_increment" in str(exc)
         return
-    schedule = floatxq.gptq._damp_candidates(damp, increment)
+    schedule = floatxq.gptq.solve._damp_candidates(damp, increment)
     assert schedule[0] == damp and len(schedule) <= GPTQ_MAX_DAMP_RETRIES + 1
     assert all(a < b < 1.0 for a, b in itertools.pairwise(schedule))
     assert increment == 0 or schedule[-1] + increment >= 1.0

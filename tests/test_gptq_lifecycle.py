@@ -11,7 +11,7 @@ from torch import nn
 
 import floatxq
 from floatxq import GPTQConfig
-from floatxq.gptq import gptq_solve, hessian_finalize, hessian_init, hessian_update
+from floatxq.gptq.solve import gptq_solve, hessian_finalize, hessian_init, hessian_update
 from floatxq.lifecycle.gptq import gptq_solve_options, plan_gptq
 from floatxq.nn.gptq_linear import GPTQLinear
 
@@ -368,7 +368,8 @@ def test_requantization_from_an_nvfp4_source(monkeypatch):
 
 def test_llama_layers_group_by_the_input_their_modules_read():
     from floatxq.lifecycle.calibration import prepare_calibration
-    from floatxq.lifecycle.gptq import _capture_inputs, _groups_by_input
+    from floatxq.lifecycle.decoder import capture_inputs as _capture_inputs
+    from floatxq.lifecycle.gptq import _groups_by_input
 
     model = _model()
     layer = model.model.layers[0]

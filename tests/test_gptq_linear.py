@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import floatxq as fq
-from floatxq.gptq import GPTQSolveOptions, gptq_solve, rtn_quantize
+from floatxq.gptq.solve import GPTQSolveOptions, gptq_solve, rtn_quantize
 from floatxq.nn.gptq_linear import GPTQLinear
 from floatxq.testing import assert_bitwise_equal, unchecked
 

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 import floatxq
-from floatxq.lifecycle.export import GPTQMODEL_REFUSAL_MARKER
+from floatxq.interop.export import GPTQMODEL_REFUSAL_MARKER
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RECORDS = FIXTURES / "gptqmodel_reads_floatxq"

@@ -24,7 +24,7 @@ from floatxq.config import (
     FP8Config,
     GPTQConfig,
 )
-from floatxq.lifecycle.payload import fp8_config_from_payload, gptq_config_from_payload
+from floatxq.interop.payload import fp8_config_from_payload, gptq_config_from_payload
 
 MODULES = (
     "lm_head",

@@ -21,14 +21,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import floatxq
-from floatxq.lifecycle import CheckpointError
-from floatxq.lifecycle.checkpoint import (
+from floatxq.interop.checkpoint import (
     header_metadata,
     iter_tensors,
     read_json,
     shard_files,
     tensor_infos,
 )
+from floatxq.lifecycle import CheckpointError
 
 GOOD = Path(__file__).parent / "fixtures" / "gptqmodel_fp8_row"
 INDEX = "model.safetensors.index.json"

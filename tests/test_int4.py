@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import floatxq.int4 as fq
+import floatxq.gptq.int4 as fq
 from floatxq.formats import E2M1_VALUES
 from floatxq.testing import assert_bitwise_equal, unchecked
 

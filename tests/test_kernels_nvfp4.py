@@ -1,6 +1,6 @@
 """The NVFP4 packer and the emulated W4A-NVFP4 GEMM against their pure references.
 
-* ``nvfp4_pack_and_swizzle`` equals :func:`floatxq.nvfp4_operand.nvfp4_pack_swizzled` bit for
+* ``nvfp4_pack_and_swizzle`` equals :func:`floatxq.nvfp4_pack_swizzled` bit for
   bit for every recipe (rows 0, 1, 7, 129, 1000; K 128 to 8192; float16/bfloat16/float32; zero,
   huge, tiny and subnormal blocks; global scales from 1e-30 to 1e30; strided input), and marks a
   block holding NaN or infinity with the NaN scale 0x7F;
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import floatxq as fq
-from floatxq.int4 import centered_int4, int4_to_e4m3, pack_gptq_int4
+from floatxq.gptq.int4 import centered_int4, int4_to_e4m3, pack_gptq_int4
 from floatxq.kernels.nvfp4 import (
     NVFP4Tuning,
     nvfp4_linear,
@@ -24,7 +24,7 @@ from floatxq.kernels.nvfp4 import (
     nvfp4_operand,
     nvfp4_pack_and_swizzle,
 )
-from floatxq.nvfp4_operand import nvfp4_pack_swizzled
+from floatxq.nvfp4.operand import nvfp4_pack_swizzled
 from floatxq.testing import (
     assert_bitwise_equal,
     assert_within_bound,
@@ -32,7 +32,7 @@ from floatxq.testing import (
     w4a_nvfp4_linear_error_bound,
 )
 from floatxq.testing.interpreter import can_interpret, needs_interpreter, run_interpreted_tests
-from floatxq.w4a import w4a_nvfp4_linear
+from floatxq.w4a.linear import w4a_nvfp4_linear
 
 RECIPES = ("nvidia", "nvidia_headroom", "four_six", "least_squares", "least_squares_headroom",
            "least_squares_grid", "exhaustive")  # fmt: skip

@@ -1,12 +1,12 @@
 """The NVFP4 decode kernels and the W4A-NVFP4 group accumulation against their pure twins.
 
-* ``nvfp4_decode`` equals :func:`floatxq.nvfp4_operand.nvfp4_decode_swizzled` and
-  ``nvfp4_dequantize_kernel`` equals :func:`floatxq.nvfp4.nvfp4_dequantize` bit for bit (rows
+* ``nvfp4_decode`` equals :func:`floatxq.nvfp4_decode_swizzled` and
+  ``nvfp4_dequantize_kernel`` equals :func:`floatxq.nvfp4_dequantize` bit for bit (rows
   0, 1, 7, 129; widths 128..512; signed zeros, zero scales, values clamped to the dtype's
   largest finite magnitude; the global scale as a number and as a device tensor);
 * all 256 scale bytes (NaN and negative ones included, which the pure functions refuse) decode
   as an oracle computed here says: ``clamp(e2m1 · e4m3 · g)`` with torch's own conversions;
-* ``nvfp4_accumulate_group`` equals :func:`floatxq.w4a.w4a_nvfp4_accumulate_group` bit for bit
+* ``nvfp4_accumulate_group`` equals :func:`floatxq.w4a_nvfp4_accumulate_group` bit for bit
   (first, middle and last groups; token scale, bias of every dtype, overflow to inf, signed
   zeros) and is compiled without fused multiply-adds (its PTX, on the GPU);
 * every argument check raises the exception kind of the pure twin (CPU, below).
@@ -32,13 +32,13 @@ from floatxq.kernels.nvfp4_decoding import (
     nvfp4_dequantize_kernel,
 )
 from floatxq.nn.fp4_linear import TorchFP4Linear
-from floatxq.nvfp4 import nvfp4_dequantize
-from floatxq.nvfp4_layouts import NVFP4Weight
-from floatxq.nvfp4_operand import nvfp4_decode_swizzled, nvfp4_pack_swizzled
-from floatxq.swizzle import swizzle_scales_per_group
+from floatxq.nvfp4.layouts import NVFP4Weight
+from floatxq.nvfp4.operand import nvfp4_decode_swizzled, nvfp4_pack_swizzled
+from floatxq.nvfp4.quantize import nvfp4_dequantize
+from floatxq.nvfp4.swizzle import swizzle_scales_per_group
 from floatxq.testing import assert_bitwise_equal, production_checks
 from floatxq.testing.interpreter import can_interpret, needs_interpreter, run_interpreted_tests
-from floatxq.w4a import w4a_nvfp4_accumulate_group
+from floatxq.w4a.linear import w4a_nvfp4_accumulate_group
 
 decode_kernels = importlib.import_module("floatxq.kernels.nvfp4_decoding")
 """The module (``floatxq.kernels.nvfp4_decoding`` may name the function of the same name)."""

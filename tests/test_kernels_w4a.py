@@ -6,7 +6,7 @@
   grouped sum of the same operands within the statistical bound of their accumulation: FP32
   sums for FP16 tensor cores and the interpreter, Hopper's truncating FP8 sums for the E4M3
   route;
-* the W4A16 decode equals :func:`floatxq.int4.dequantize_gptq` bit for bit (2/4/8 bits, v1/v2,
+* the W4A16 decode equals :func:`floatxq.dequantize_gptq` bit for bit (2/4/8 bits, v1/v2,
   ``desc_act`` orders, one group), and both W4A16 routes hold ``F.linear`` of the decoded weight
   within the FP32 bound;
 * the bounds can fail: an output with one weight code off by one is caught (CPU, below).
@@ -20,7 +20,13 @@ import pytest
 import torch
 
 import floatxq as fq
-from floatxq.int4 import centered_int4, dequantize_gptq, int4_to_e4m3, pack_gptq, pack_gptq_int4
+from floatxq.gptq.int4 import (
+    centered_int4,
+    dequantize_gptq,
+    int4_to_e4m3,
+    pack_gptq,
+    pack_gptq_int4,
+)
 from floatxq.kernels import w4a16 as w4a16_kernels
 from floatxq.kernels.w4a16 import dequantize_gptq_kernel, w4a16_linear_kernel
 from floatxq.kernels.w4a_fp8 import (
@@ -40,7 +46,7 @@ from floatxq.testing import (
     w4a_fp8_linear_error_bound,
 )
 from floatxq.testing.interpreter import can_interpret, needs_interpreter, run_interpreted_tests
-from floatxq.w4a import w4a16_linear, w4a_fp8_linear_prepacked
+from floatxq.w4a.linear import w4a16_linear, w4a_fp8_linear_prepacked
 
 # ----------------------------------------------------------------------------------------------
 # Cases
@@ -328,7 +334,7 @@ def test_w4a16_large_shape_and_split_k():
 
 @pytest.mark.gpu
 def test_gptq_linear_routes_on_cuda():
-    from floatxq.gptq import GPTQSolveOptions, rtn_quantize
+    from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
     from floatxq.nn import GPTQLinear
 
     w = torch.randn(256, 512)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import floatxq as fq
-from floatxq.lifecycle.checkpoint import CheckpointError
+from floatxq.interop.checkpoint import CheckpointError
 from floatxq.nn.fp8_linear import TorchFP8Linear
 from floatxq.testing import assert_bitwise_equal
 
@@ -156,7 +156,7 @@ def test_save_refuses_to_overwrite_and_replaces_on_request(tmp_path):
 
 
 def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
-    import floatxq.lifecycle.checkpoint as ckpt
+    import floatxq.interop.checkpoint as ckpt
 
     q = fq.load(_small("llama"), quantize_config=fq.FP8Config()).quantize(progress=False)
     calls = []
@@ -176,7 +176,7 @@ def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
 
 _KILLED_SAVE = """
 import sys, time, torch, transformers
-import floatxq as fq, floatxq.lifecycle.checkpoint as ckpt
+import floatxq as fq, floatxq.interop.checkpoint as ckpt
 torch.manual_seed(0)
 config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)

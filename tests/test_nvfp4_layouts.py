@@ -13,8 +13,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from floatxq.nvfp4 import nvfp4_dequantize, nvfp4_quantize
-from floatxq.nvfp4_layouts import (
+from floatxq.nvfp4.layouts import (
     NVFP4Weight,
     nvfp4_dequantize_weight,
     nvfp4_from_comfy,
@@ -25,7 +24,8 @@ from floatxq.nvfp4_layouts import (
     nvfp4_to_modelopt,
     swap_nibbles,
 )
-from floatxq.swizzle import swizzle_scales
+from floatxq.nvfp4.quantize import nvfp4_dequantize, nvfp4_quantize
+from floatxq.nvfp4.swizzle import swizzle_scales
 from floatxq.testing import assert_bitwise_equal
 
 E4M3 = torch.float8_e4m3fn

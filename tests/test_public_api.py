@@ -8,36 +8,36 @@ import torch
 
 import floatxq as fq
 import floatxq.config
-import floatxq.e2m1
 import floatxq.formats
 import floatxq.fp8
-import floatxq.gptq
-import floatxq.headroom
-import floatxq.int4
+import floatxq.gptq.int4
+import floatxq.gptq.solve
 import floatxq.kernels
 import floatxq.nn
-import floatxq.nvfp4
-import floatxq.nvfp4_report
-import floatxq.swizzle
-import floatxq.w4a
-import floatxq.w4a_activation
+import floatxq.nvfp4.e2m1
+import floatxq.nvfp4.headroom
+import floatxq.nvfp4.quantize
+import floatxq.nvfp4.report
+import floatxq.nvfp4.swizzle
+import floatxq.w4a.activation
+import floatxq.w4a.linear
 
 OWNERS = (
     floatxq.config,
-    floatxq.e2m1,
+    floatxq.nvfp4.e2m1,
     floatxq.formats,
     floatxq.fp8,
-    floatxq.gptq,
-    floatxq.headroom,
-    floatxq.int4,
+    floatxq.gptq.solve,
+    floatxq.nvfp4.headroom,
+    floatxq.gptq.int4,
     floatxq.nn,
-    floatxq.nvfp4,
-    floatxq.nvfp4_layouts,
-    floatxq.nvfp4_report,
-    floatxq.sources,
-    floatxq.swizzle,
-    floatxq.w4a,
-    floatxq.w4a_activation,
+    floatxq.nvfp4.quantize,
+    floatxq.nvfp4.layouts,
+    floatxq.nvfp4.report,
+    floatxq.interop.sources,
+    floatxq.nvfp4.swizzle,
+    floatxq.w4a.linear,
+    floatxq.w4a.activation,
 )
 
 

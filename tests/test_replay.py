@@ -19,8 +19,7 @@ from torch import nn
 import floatxq.lifecycle.gptq as gptq_lifecycle
 from floatxq.config import GPTQConfig
 from floatxq.fp8 import fp8_token_qdq
-from floatxq.gptq import hessian_finalize, hessian_init, hessian_update
-from floatxq.headroom import headroom_amax, headroom_init, headroom_update
+from floatxq.gptq.solve import hessian_finalize, hessian_init, hessian_update
 from floatxq.lifecycle.calibration import prepare_calibration
 from floatxq.lifecycle.gptq import quantize_gptq_model
 from floatxq.lifecycle.replay import (
@@ -40,9 +39,10 @@ from floatxq.lifecycle.stream import (
 )
 from floatxq.nn.gptq_linear import GPTQLinear
 from floatxq.nn.w4a_nvfp4_linear import W4ANVFP4Linear
-from floatxq.nvfp4 import nvfp4_block_qdq, nvfp4_global_scale
+from floatxq.nvfp4.headroom import headroom_amax, headroom_init, headroom_update
+from floatxq.nvfp4.quantize import nvfp4_block_qdq, nvfp4_global_scale
 from floatxq.tiny import calibration_samples
-from floatxq.w4a_activation import W4AActivation, pack_activation
+from floatxq.w4a.activation import W4AActivation, pack_activation
 from tests.test_stream import DEPTH, _dense, _ids, _model, _random_llama, _record
 
 pytest.importorskip("transformers")

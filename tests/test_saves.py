@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import floatxq as fq
-from floatxq.lifecycle.checkpoint import recover_interrupted_save, write_checkpoint
+from floatxq.interop.checkpoint import recover_interrupted_save, write_checkpoint
 from floatxq.lifecycle.model import _parse_size
 
 transformers = pytest.importorskip("transformers")
@@ -198,7 +198,7 @@ def test_recover_leaves_existing_targets_and_other_models_alone(tmp_path, refs):
 # shutil.rmtree or save_file, so the test can SIGKILL it at exactly that point.
 _KILL_SERVER = """
 import os, shutil, signal, sys, torch
-import floatxq.lifecycle.checkpoint as ckpt
+import floatxq.interop.checkpoint as ckpt
 target = sys.argv[1]
 def state(seed):
     g = torch.Generator().manual_seed(seed)
@@ -425,7 +425,7 @@ def test_read_only_parent_is_named_and_nothing_is_left(read_only, quantized):
 
 
 def test_failed_save_removes_the_parents_it_created(tmp_path, monkeypatch, quantized):
-    import floatxq.lifecycle.checkpoint as ckpt
+    import floatxq.interop.checkpoint as ckpt
 
     def full(tensors, filename, metadata=None):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -1,4 +1,4 @@
-"""floatxq.sources: source-family detection from metadata, ModelOpt refusals, dense decoders.
+"""interop.sources: source-family detection from metadata, ModelOpt refusals, dense decoders.
 
 Decoder expectations come from oracles written here (ml_dtypes' E2M1/FP8/E8M0 tables, numpy
 float64/float32 arithmetic, explicit index loops), never from floatxq itself.
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from floatxq.lifecycle.checkpoint import CheckpointError
-from floatxq.sources import (
+from floatxq.interop.checkpoint import CheckpointError
+from floatxq.interop.sources import (
     MODELOPT_ACTIVATION_REFUSAL,
     SOURCE_FAMILIES,
     decode_fp8_block_grid,
@@ -713,8 +713,8 @@ def _codes(rows: int, cols: int) -> torch.Tensor:
      ((2, 4), (32, 32), "block")],
 )  # fmt: skip
 def test_fp8_module_from_source_layouts_and_directions(scale_shape, block, method):
+    from floatxq.interop.sources import fp8_module_from_source
     from floatxq.nn import TorchFP8Linear
-    from floatxq.sources import fp8_module_from_source
 
     codes = _codes(64, 128)
     scale = torch.rand(scale_shape) + 0.5
@@ -732,7 +732,7 @@ def test_fp8_module_from_source_layouts_and_directions(scale_shape, block, metho
 
 
 def test_fp8_module_from_source_ragged_grid_decodes_to_dense():
-    from floatxq.sources import fp8_module_from_source
+    from floatxq.interop.sources import fp8_module_from_source
 
     codes = _codes(192, 128)
     scale = torch.tensor([[0.5], [0.25]])  # [ceil(192/128), ceil(128/128)]
@@ -745,7 +745,7 @@ def test_fp8_module_from_source_ragged_grid_decodes_to_dense():
 
 
 def test_fp8_module_from_source_refusals(production_checks):
-    from floatxq.sources import fp8_module_from_source
+    from floatxq.interop.sources import fp8_module_from_source
 
     codes = _codes(64, 128)
     with pytest.raises(ValueError, match="direction"):
@@ -759,13 +759,13 @@ def test_fp8_module_from_source_refusals(production_checks):
 
 
 def test_fp4_module_from_source_names_what_is_missing_and_reads_each_layout(production_checks):
-    from floatxq.nvfp4 import nvfp4_dequantize, nvfp4_quantize
-    from floatxq.nvfp4_layouts import nvfp4_to_compressed_tensors, nvfp4_to_modelopt
-    from floatxq.sources import fp4_module_from_source
+    from floatxq.interop.sources import fp4_module_from_source
+    from floatxq.nvfp4.layouts import nvfp4_to_compressed_tensors, nvfp4_to_modelopt
+    from floatxq.nvfp4.quantize import nvfp4_dequantize, nvfp4_quantize
 
     torch.manual_seed(1)
     q = nvfp4_quantize(torch.randn(32, 64), None, recipe="nvidia")
-    from floatxq.nvfp4_layouts import NVFP4Weight
+    from floatxq.nvfp4.layouts import NVFP4Weight
 
     canonical = NVFP4Weight(q.packed, q.block_scales, q.global_scale)
     want = nvfp4_dequantize(*q)

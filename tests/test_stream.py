@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from floatxq.gptq import GPTQSolveOptions, rtn_quantize
+from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
 from floatxq.lifecycle.stream import (
     LLAMA_STREAM_PROJECTIONS,
     NVFP4BoundaryQuantizer,
@@ -37,7 +37,7 @@ from floatxq.nn.gptq_linear import GPTQLinear
 from floatxq.nn.w4a_fp8_linear import W4AFP8Linear
 from floatxq.nn.w4a_nvfp4_linear import W4ANVFP4Linear
 from floatxq.tiny import calibration_samples, load_tiny_llama
-from floatxq.w4a_activation import W4AActivation, pack_activation
+from floatxq.w4a.activation import W4AActivation, pack_activation
 
 pytest.importorskip("transformers")
 

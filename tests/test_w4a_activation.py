@@ -15,7 +15,7 @@ import torch
 import floatxq as fq
 from floatxq.testing import assert_bitwise_equal
 from floatxq.testing.interpreter import can_interpret, needs_interpreter, run_interpreted_tests
-from floatxq.w4a_activation import _fp8_pack_reason
+from floatxq.w4a.activation import _fp8_pack_reason
 
 E4M3 = torch.float8_e4m3fn
 FP4X2 = torch.float4_e2m1fn_x2

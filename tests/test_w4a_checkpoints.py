@@ -16,10 +16,11 @@ from torch import nn
 
 import floatxq
 from floatxq.config import BACKEND, ActivationConfig, GPTQConfig
-from floatxq.gptq import rtn_quantize
-from floatxq.lifecycle.checkpoint import CheckpointError
+from floatxq.gptq.solve import rtn_quantize
+from floatxq.interop.checkpoint import CheckpointError
 from floatxq.lifecycle.gptq import gptq_solve_options
-from floatxq.lifecycle.model import QuantizedModel, _install_stream, _install_w4a
+from floatxq.lifecycle.model import QuantizedModel
+from floatxq.lifecycle.w4a_install import install_activation_stream, install_w4a_modules
 from floatxq.nn.gptq_linear import GPTQLinear
 from floatxq.nn.w4a_fp8_linear import W4AFP8Linear
 from floatxq.nn.w4a_nvfp4_linear import W4ANVFP4Linear
@@ -48,8 +49,8 @@ def _w4a_model(activation: ActivationConfig, scales=None) -> QuantizedModel:
     config = GPTQConfig(activation=activation)
     backend = floatxq.backend_for_activation(activation)
     model = _rtn_gptq_llama()
-    _install_w4a(model, backend, activation=activation, scales=scales or {})
-    _install_stream(model, activation)
+    install_w4a_modules(model, backend, activation=activation, scales=scales or {})
+    install_activation_stream(model, activation)
     return QuantizedModel(model, quantize_config=config, backend=backend, quantized=True)
 
 

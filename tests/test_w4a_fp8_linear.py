@@ -1,6 +1,6 @@
 """``W4AFP8Linear``: GPTQ buffers, the staged E4M3 operand, routes, loads and the FP8 carrier.
 
-On CPU the module takes the pure reference (``floatxq.w4a.w4a_fp8_linear``); its outputs are
+On CPU the module takes the pure reference (``floatxq.w4a.linear.w4a_fp8_linear``); its outputs are
 checked bit for bit against that reference fed the other weight operand (the int32 GPTQ words,
 decoded by a different path), and against a float64 oracle of ``F.linear`` on the FP8-quantized
 tokens. The Triton route is checked against the same float64 oracle within a bound of its
@@ -15,12 +15,12 @@ import torch.nn.functional as F
 import floatxq.kernels.w4a_fp8 as w4a_kernels
 from floatxq import BACKEND, GPTQLinear, W4AFP8Linear
 from floatxq.fp8 import fp8_token_qdq, fp8_token_quantize
-from floatxq.gptq import GPTQSolveOptions, gptq_solve, rtn_quantize
-from floatxq.int4 import GPTQPacked, pack_gptq_int4
+from floatxq.gptq.int4 import GPTQPacked, pack_gptq_int4
+from floatxq.gptq.solve import GPTQSolveOptions, gptq_solve, rtn_quantize
 from floatxq.nn.w4a_fp8_linear import w4a_fp8_ineligibility, w4a_fp8_route
 from floatxq.testing import FP32_ACCUMULATION, Accumulation, w4a_fp8_linear_error_bound
 from floatxq.testing.interpreter import can_interpret, needs_interpreter, run_interpreted_tests
-from floatxq.w4a import w4a_fp8_linear
+from floatxq.w4a.linear import w4a_fp8_linear
 
 K, N = 256, 64
 CACHE_ABSENT = "staged weight cache is absent; call post_init"
@@ -334,7 +334,7 @@ def test_pack_replaces_the_weight_and_empties_the_cache():
 
 
 def test_an_fp8_carrier_gives_what_the_tensor_gives():
-    from floatxq.w4a_activation import pack_activation
+    from floatxq.w4a.activation import pack_activation
 
     layer = W4AFP8Linear.from_gptq_linear(_gptq(10, bias=True))
     for dtype in (torch.bfloat16, torch.float16):
@@ -348,7 +348,7 @@ def test_an_fp8_carrier_gives_what_the_tensor_gives():
 
 
 def test_an_nvfp4_carrier_is_refused_naming_its_mode():
-    from floatxq.w4a_activation import pack_activation
+    from floatxq.w4a.activation import pack_activation
 
     layer = W4AFP8Linear.from_gptq_linear(_gptq(11))
     carrier = pack_activation(_x(11, 2, K, dtype=torch.bfloat16), "w4a_nvfp4", global_scale=1.0)
@@ -421,7 +421,7 @@ def _check_triton(device: str, rows: int, dtype: torch.dtype, *, chunk_bits: int
     assert bool((error <= bound).all()), float((error / bound).max())
     reference = w4a_fp8_linear(x, layer._weight_e4m3, layer.scales, layer.bias)
     assert bool(((reference.double() - exact).abs() <= bound).all())
-    from floatxq.w4a_activation import pack_activation
+    from floatxq.w4a.activation import pack_activation
 
     if dtype != torch.float32:  # a carrier holds float16/bfloat16 activations
         carried = layer(pack_activation(x, "w4afp8"))

@@ -1,4 +1,4 @@
-"""The W4A-NVFP4 GEMM's pure reference (``floatxq.w4a``), its per-group step and its error bound.
+"""The W4A-NVFP4 GEMM's pure reference (``w4a.linear``), its per-group step and its error bound.
 
 Expectations come from hand-computed small cases (E2M1 codes and E4M3 block scales placed by the
 swizzle offset formula written out here, integer weights, FP32 values chosen so that another
@@ -10,7 +10,7 @@ scales, the two weight forms).
 import pytest
 import torch
 
-from floatxq.nvfp4_operand import nvfp4_pack_swizzled
+from floatxq.nvfp4.operand import nvfp4_pack_swizzled
 from floatxq.testing import (
     FP32_ACCUMULATION,
     Accumulation,
@@ -19,8 +19,12 @@ from floatxq.testing import (
     unchecked,
     w4a_nvfp4_linear_error_bound,
 )
-from floatxq.w4a import w4a_nvfp4_accumulate_group, w4a_nvfp4_linear, w4a_nvfp4_linear_prepacked
-from floatxq.w4a_activation import pack_activation
+from floatxq.w4a.activation import pack_activation
+from floatxq.w4a.linear import (
+    w4a_nvfp4_accumulate_group,
+    w4a_nvfp4_linear,
+    w4a_nvfp4_linear_prepacked,
+)
 
 E4M3 = torch.float8_e4m3fn
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -725,9 +729,9 @@ def test_the_gemm_is_the_nvfp4_qdq_of_x_times_the_dequantized_weight(recipe):
     oracle) times the dequantized GPTQ weight: the activation the GEMM multiplies decodes to
     qdq(x) exactly, and the output lies within the GEMM's bound of that float64 product, plus
     one FP32 rounding per term for qdq's own product with the global scale."""
-    from floatxq.int4 import dequantize_gptq, pack_gptq_int4
-    from floatxq.nvfp4 import nvfp4_block_qdq
-    from floatxq.nvfp4_operand import nvfp4_decode_swizzled
+    from floatxq.gptq.int4 import dequantize_gptq, pack_gptq_int4
+    from floatxq.nvfp4.operand import nvfp4_decode_swizzled
+    from floatxq.nvfp4.quantize import nvfp4_block_qdq
 
     g = torch.Generator().manual_seed(7)
     m, k, n = 5, 384, 64

@@ -4,7 +4,7 @@ The checkpoints are the tiny random Llama of ``tests/fixtures`` with its decoder
 by round-to-nearest GPTQ modules and saved with ``layout="gptq"``; its ``down_proj`` takes 192
 inputs (not a multiple of 128), so the eligible checkpoint leaves it dense with a ``-:`` rule.
 The W4A-NVFP4 logits are checked against the ordinary ``gptq_torch`` load with every GPTQ
-module's output replaced by the pure ``floatxq.w4a.w4a_nvfp4_linear`` of its input on its int32
+module's output replaced by the pure ``floatxq.w4a_nvfp4_linear`` of its input on its int32
 words (dynamic global scale, as a checkpoint without calibrated scales runs).
 """
 
@@ -16,12 +16,12 @@ from torch import nn
 
 import floatxq
 from floatxq.config import BACKEND, FP8Config, GPTQConfig
-from floatxq.gptq import rtn_quantize
+from floatxq.gptq.solve import rtn_quantize
 from floatxq.lifecycle.gptq import gptq_solve_options
 from floatxq.lifecycle.model import QuantizedModel
 from floatxq.nn.gptq_linear import GPTQLinear
 from floatxq.nn.w4a_nvfp4_linear import W4ANVFP4Linear
-from floatxq.w4a import w4a_nvfp4_linear
+from floatxq.w4a.linear import w4a_nvfp4_linear
 
 pytest.importorskip("transformers")
 

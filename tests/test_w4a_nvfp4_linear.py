@@ -1,7 +1,7 @@
 """``W4ANVFP4Linear``: GPTQ buffers, the stored global scale, staged operands, routes, carriers.
 
 On CPU the module takes the reference route; its outputs are checked bit for bit against the
-pure ``floatxq.w4a`` functions fed the other weight operand (the int32 GPTQ words). The native
+pure ``w4a.linear`` functions fed the other weight operand (the int32 GPTQ words). The native
 route (FP4 tensor cores, SM 12.1+) cannot run here: its gating is checked with the availability
 monkeypatched, its staged operand is decoded by hand, and its GEMM loop is run against a stand-in
 ``F.scaled_mm`` written from the NVFP4 operand format (decode both operands, multiply in
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import floatxq.kernels._triton as _triton
 import floatxq.nn.w4a_nvfp4_linear as wmod
 from floatxq.config import BACKEND
-from floatxq.gptq import GPTQSolveOptions, rtn_quantize
-from floatxq.int4 import GPTQPacked, pack_gptq_int4
+from floatxq.gptq.int4 import GPTQPacked, pack_gptq_int4
+from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
 from floatxq.nn.gptq_linear import GPTQLinear
 from floatxq.nn.w4a_fp8_linear import W4AFP8Linear
 from floatxq.nn.w4a_nvfp4_linear import (
@@ -30,8 +30,12 @@ from floatxq.nn.w4a_nvfp4_linear import (
 )
 from floatxq.testing import w4a_nvfp4_linear_error_bound
 from floatxq.testing.interpreter import can_interpret, needs_interpreter, run_interpreted_tests
-from floatxq.w4a import w4a_fp8_linear_prepacked, w4a_nvfp4_linear, w4a_nvfp4_linear_prepacked
-from floatxq.w4a_activation import pack_activation
+from floatxq.w4a.activation import pack_activation
+from floatxq.w4a.linear import (
+    w4a_fp8_linear_prepacked,
+    w4a_nvfp4_linear,
+    w4a_nvfp4_linear_prepacked,
+)
 
 K, N = 256, 64
 CACHE_ABSENT = "weight cache is absent; call post_init"
@@ -742,7 +746,7 @@ def test_the_device_global_scale_is_the_dynamic_one_or_the_stored_one_bitwise():
     """The no-host-read global scale of the CUDA path equals nvfp4_global_scale of max|x| on
     x's grid while the stored value is 0.0, and the stored value otherwise (checked on CPU,
     where the same torch ops run)."""
-    from floatxq.nvfp4 import nvfp4_global_scale
+    from floatxq.nvfp4.quantize import nvfp4_global_scale
 
     layer = W4ANVFP4Linear.from_gptq_linear(_gptq(50))
     for dtype in (torch.float16, torch.bfloat16, torch.float32):

@@ -142,7 +142,7 @@ def nvfp4_accumulate_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One ``(BLOCK_M, BLOCK_N)`` tile of :func:`floatxq.w4a.w4a_nvfp4_accumulate_group`:
+    """One ``(BLOCK_M, BLOCK_N)`` tile of :func:`floatxq.w4a_nvfp4_accumulate_group`:
     ``t = (acc or +0) + (low + 4·high) · float32(group_scale)``, then when ``LAST``: ``t · g``,
     ``· token_scale[row]``, ``+ float32(bias)``, one rounding to ``out_ptr``'s dtype.
 

@@ -5,7 +5,7 @@ Imported by :mod:`floatxq.kernels.nvfp4` on the first launch, never at ``import 
 module imports Triton); :data:`INTERPRETED` records whether ``triton.jit`` chose the
 interpreter. ``@no_type_check`` keeps the test run's jaxtyping hook off the functions.
 
-The packer reproduces :func:`floatxq.nvfp4.nvfp4_block_scales` bit for bit. It is compiled with
+The packer reproduces :func:`floatxq.nvfp4_block_scales` bit for bit. It is compiled with
 ``enable_fp_fusion=False`` (no multiply-add contraction: the reference rounds every product and
 sum) and ``enable_reflect_ftz=False`` (IEEE division keeps subnormals). Two exact rewrites keep
 it cheap:
@@ -171,7 +171,7 @@ def nvfp4_pack_kernel(
     BLOCK_R: tl.constexpr,
 ):
     """Rows ``[pid·BLOCK_R, +BLOCK_R)`` of K group ``program_id(1)`` of
-    :func:`floatxq.nvfp4_operand.nvfp4_pack_swizzled`.
+    :func:`floatxq.nvfp4_pack_swizzled`.
 
     ``LOCAL``: 0 ``nvidia``, 1 ``four_six``, 2 ``least_squares``, 3 ``least_squares_grid``,
     4 ``exhaustive``. Codes go to ``packed_ptr`` (uint8 ``(M, K/2)``, even K in the low
@@ -330,7 +330,7 @@ def w4a_nvfp4_kernel(
     SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """``out[m-tile, n-tile]`` of :func:`floatxq.w4a.w4a_nvfp4_linear_prepacked`, emulated.
+    """``out[m-tile, n-tile]`` of :func:`floatxq.w4a_nvfp4_linear_prepacked`, emulated.
 
     The activation is the packed NVFP4 operand (``c_ptr`` uint8 ``(M, K/2)``, swizzled E4M3
     scales at ``sc_ptr``), decoded per 128-wide group to exact FP16 values (without the global

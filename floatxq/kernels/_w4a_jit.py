@@ -176,7 +176,7 @@ def w4a_fp8_kernel(
     SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """``out[m-tile, n-tile]`` of :func:`floatxq.w4a.w4a_fp8_linear_prepacked`.
+    """``out[m-tile, n-tile]`` of :func:`floatxq.w4a_fp8_linear_prepacked`.
 
     ``a_ptr``: E4M3 token codes ``(M, K)`` (unit K stride); ``rs_ptr``: their FP32 direct
     scales. The weight is either the int32 GPTQ words ``(K/8, N)`` read as ``code - 8``
@@ -248,7 +248,7 @@ def decoded_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, offs_n, n_ok, K, group_size,
                  GATHER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                  OUT_DTYPE: tl.constexpr):  # fmt: skip
     """The ``(BLOCK_K, BLOCK_N)`` weight tile at input rows ``k0..`` decoded as
-    :func:`floatxq.int4.dequantize_gptq` does: ``float32(scale) · (code - zero)`` rounded once
+    :func:`floatxq.dequantize_gptq` does: ``float32(scale) · (code - zero)`` rounded once
     to ``OUT_DTYPE``. ``GATHER``: each row's group is ``g_idx[k]`` (any order); otherwise every
     row of the tile lies in group ``k0 // group_size``. ``V1`` adds a one to every field of the
     zero-point words (with carries, as the word arithmetic of the v1 convention does)."""
@@ -321,7 +321,7 @@ def w4a16_kernel(
     K_ITERS: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    """``out[m-tile, n-tile]`` of :func:`floatxq.w4a.w4a16_linear`: each weight tile decoded in
+    """``out[m-tile, n-tile]`` of :func:`floatxq.w4a16_linear`: each weight tile decoded in
     registers (:func:`decoded_tile`, the exact decode rounded to ``x``'s dtype), multiplied on
     the tensor cores with FP32 accumulation, split over K by ``program_id(1)`` (``K_ITERS``
     steps each, reduced by :func:`split_k_reduce`), the bias (rounded to ``x``'s dtype, as the

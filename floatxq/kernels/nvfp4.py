@@ -1,7 +1,7 @@
 """NVFP4 activations on the GPU: the packer for every recipe and the emulated W4A-NVFP4 GEMM.
 
 * :func:`nvfp4_pack_and_swizzle` quantizes ``(rows, K)`` activations to NVFP4 and lays them
-  out as the tensor-core operand, bit for bit :func:`floatxq.nvfp4_operand.nvfp4_pack_swizzled`
+  out as the tensor-core operand, bit for bit :func:`floatxq.nvfp4_pack_swizzled`
   (every recipe, ``exhaustive`` included). One program takes ``pack_rows`` rows of one 128-wide
   K group; zero rows launch nothing.
 * :func:`nvfp4_linear_prepacked` / :func:`nvfp4_linear` compute the W4A-NVFP4 GEMM (an NVFP4
@@ -11,7 +11,7 @@
   integer in ``-8..7``. So each 128-wide group's products are exact and their FP32 sum differs
   from the native FP4 route (which sums the weight's two E2M1 planes separately) only in
   summation order; the group scale, the ascending group sum, the global scale, the token scale
-  and the bias follow :func:`floatxq.w4a.w4a_nvfp4_linear_prepacked` exactly.
+  and the bias follow :func:`floatxq.w4a_nvfp4_linear_prepacked` exactly.
 
 Import needs neither Triton nor CUDA; the Triton sources load on the first launch. Launch shapes
 come from a frozen :class:`NVFP4Tuning` (defaults measured on an H200, ``benchmarks/nvfp4.py``).
@@ -27,7 +27,7 @@ import torch
 from floatxq._checks import real_scalar, require_floating
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor
 from floatxq.formats import NVFP4RecipeName, normalize_nvfp4_recipe, nvfp4_kernel_recipe
-from floatxq.int4 import _unpack_fields
+from floatxq.gptq.int4 import _unpack_fields
 from floatxq.kernels import fp8_small_m
 from floatxq.kernels._triton import (
     CachedLauncher,
@@ -38,8 +38,8 @@ from floatxq.kernels._triton import (
     triton_interpret_enabled,
     triton_unavailable_reason,
 )
-from floatxq.nvfp4_operand import NVFP4_OPERAND_GROUP, padded_rows
-from floatxq.w4a import _check_nvfp4_shapes, _check_nvfp4_weight_side
+from floatxq.nvfp4.operand import NVFP4_OPERAND_GROUP, padded_rows
+from floatxq.w4a.linear import _check_nvfp4_shapes, _check_nvfp4_weight_side
 
 __all__ = [
     "DEFAULT_NVFP4_TUNING",
@@ -199,7 +199,7 @@ def nvfp4_pack_and_swizzle(
         that is not positive and finite.
       RuntimeError: Triton missing, or a GPU below SM 8.9.
 
-    Numerics: bit for bit :func:`floatxq.nvfp4_operand.nvfp4_pack_swizzled` on finite input. No
+    Numerics: bit for bit :func:`floatxq.nvfp4_pack_swizzled` on finite input. No
     finiteness check on the host (no synchronization): a block holding NaN or infinity gets the
     NaN scale byte 0x7F, so it decodes to NaN rather than to a finite wrong value.
 
@@ -287,10 +287,10 @@ def nvfp4_linear_prepacked(
 
     Raises:
       TypeError, ValueError: the shape and kind errors of
-        :func:`floatxq.w4a.w4a_nvfp4_linear_prepacked` (values are not read: no host sync).
+        :func:`floatxq.w4a_nvfp4_linear_prepacked` (values are not read: no host sync).
       RuntimeError: Triton missing, or a GPU below SM 8.9.
 
-    Numerics: :func:`floatxq.w4a.w4a_nvfp4_linear_prepacked` up to FP32 summation order: each
+    Numerics: :func:`floatxq.w4a_nvfp4_linear_prepacked` up to FP32 summation order: each
     group's exact products summed in FP32 by the tensor cores (the native route sums the two
     weight planes separately), split-K partial sums added in split order for few rows; the
     group scale, global scale, token scale, bias and rounding in the reference's order.
@@ -331,7 +331,7 @@ def nvfp4_linear(
     Raises:
       TypeError, ValueError, RuntimeError: as the two kernels.
 
-    Numerics: :func:`floatxq.w4a.w4a_nvfp4_linear` with that global scale, up to FP32
+    Numerics: :func:`floatxq.w4a_nvfp4_linear` with that global scale, up to FP32
     summation order.
     """
     where = "nvfp4_linear"

@@ -1,13 +1,13 @@
 """Triton NVFP4 decodes and the W4A-NVFP4 group accumulation, each bit for bit its pure twin.
 
 ``nvfp4_decode``
-    :func:`floatxq.nvfp4_operand.nvfp4_decode_swizzled`: an activation operand (packed codes,
+    :func:`floatxq.nvfp4_decode_swizzled`: an activation operand (packed codes,
     block scales swizzled per 128-wide K group) back to ``(rows, width)``.
 ``nvfp4_dequantize_kernel``
-    :func:`floatxq.nvfp4.nvfp4_dequantize`: a weight in the ModelOpt layout (packed codes,
+    :func:`floatxq.nvfp4_dequantize`: a weight in the ModelOpt layout (packed codes,
     row-major block scales), as :class:`floatxq.nn.TorchFP4Linear` stores it.
 ``nvfp4_accumulate_group``
-    :func:`floatxq.w4a.w4a_nvfp4_accumulate_group`: one 128-row group of the W4A-NVFP4 GEMM
+    :func:`floatxq.w4a_nvfp4_accumulate_group`: one 128-row group of the W4A-NVFP4 GEMM
     folded into the running FP32 sum, compiled without fused multiply-adds.
 
 The host checks the same shapes, dtypes and devices as the pure functions, with the same
@@ -34,9 +34,9 @@ from floatxq.kernels._triton import (
     require_kernel_device,
     triton_interpret_enabled,
 )
-from floatxq.nvfp4 import _validated_global_scale
-from floatxq.nvfp4_operand import _check_decode_operands
-from floatxq.w4a import _check_accumulate_operands
+from floatxq.nvfp4.operand import _check_decode_operands
+from floatxq.nvfp4.quantize import _validated_global_scale
+from floatxq.w4a.linear import _check_accumulate_operands
 
 __all__ = [
     "DEFAULT_NVFP4_DECODE_TUNING",
@@ -172,7 +172,7 @@ def nvfp4_decode(
     *,
     tuning: NVFP4DecodeTuning = DEFAULT_NVFP4_DECODE_TUNING,
 ) -> Float[Tensor, "rows {width}"]:
-    """:func:`floatxq.nvfp4_operand.nvfp4_decode_swizzled` in one launch.
+    """:func:`floatxq.nvfp4_decode_swizzled` in one launch.
 
     Args:
       codes: ``(rows, width/2)`` ``float4_e2m1fn_x2`` or ``uint8`` packed codes (any strides).
@@ -231,7 +231,7 @@ def nvfp4_dequantize_kernel(
     dtype: torch.dtype = torch.float32,
     tuning: NVFP4DecodeTuning = DEFAULT_NVFP4_DECODE_TUNING,
 ) -> Float[Tensor, "*b 2*half"]:
-    """:func:`floatxq.nvfp4.nvfp4_dequantize` in one launch (the ModelOpt weight layout).
+    """:func:`floatxq.nvfp4_dequantize` in one launch (the ModelOpt weight layout).
 
     Args:
       packed: ``(*b, k/2)`` uint8 or ``float4_e2m1fn_x2``, two E2M1 codes per byte, the even
@@ -308,7 +308,7 @@ def nvfp4_accumulate_group(
     output_dtype: torch.dtype = torch.float32,
     tuning: NVFP4DecodeTuning = DEFAULT_NVFP4_DECODE_TUNING,
 ) -> Float[Tensor, "m n"]:
-    """:func:`floatxq.w4a.w4a_nvfp4_accumulate_group` in one launch.
+    """:func:`floatxq.w4a_nvfp4_accumulate_group` in one launch.
 
     Args:
       both: ``(m, 2n)`` FP32 (any strides): the low plane's sums, then the high plane's.

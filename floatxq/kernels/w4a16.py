@@ -1,7 +1,7 @@
 """Triton W4A16: GPTQ weights decoded in registers and multiplied in ``x``'s dtype.
 
-Twin of :func:`floatxq.w4a.w4a16_linear` (what :class:`floatxq.nn.GPTQLinear` computes): every
-weight element is decoded exactly as :func:`floatxq.int4.dequantize_gptq` decodes it (an FP32
+Twin of :func:`floatxq.w4a16_linear` (what :class:`floatxq.nn.GPTQLinear` computes): every
+weight element is decoded exactly as :func:`floatxq.dequantize_gptq` decodes it (an FP32
 product ``scale · (code - zero)`` rounded once to ``x``'s float16/bfloat16), so the kernels
 multiply the very operands of the reference and differ from it only in FP32 summation order.
 
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from floatxq._typing import Float, Tensor
 from floatxq.formats import normalize_gptq_format
-from floatxq.int4 import GPTQPacked, _check_bits, _check_packed
+from floatxq.gptq.int4 import GPTQPacked, _check_bits, _check_packed
 from floatxq.kernels import fp8_small_m
 from floatxq.kernels._triton import (
     CachedLauncher,
@@ -160,10 +160,10 @@ def dequantize_gptq_kernel(
     group_size: int | None = None,
     tuning: W4A16Tuning = DEFAULT_W4A16_TUNING,
 ) -> Float[Tensor, "out in"]:
-    """:func:`floatxq.int4.dequantize_gptq` in one launch.
+    """:func:`floatxq.dequantize_gptq` in one launch.
 
     Args:
-      packed: a :class:`floatxq.int4.GPTQPacked` on CUDA.
+      packed: a :class:`floatxq.GPTQPacked` on CUDA.
       bits: 2, 4 or 8. format: ``"gptq"`` (v1) or ``"gptq_v2"``.
       dtype: float16 or bfloat16.
       group_size: the contiguous group size the caller guarantees (``g_idx == arange(in) //
@@ -174,10 +174,10 @@ def dequantize_gptq_kernel(
       ``(out, in)`` in ``dtype``: the transposed view of a contiguous ``(in, out)`` tensor.
 
     Raises:
-      TypeError, ValueError: as :func:`floatxq.int4.dequantize_gptq`; another dtype.
+      TypeError, ValueError: as :func:`floatxq.dequantize_gptq`; another dtype.
       RuntimeError: Triton missing.
 
-    Numerics: bit for bit :func:`floatxq.int4.dequantize_gptq`.
+    Numerics: bit for bit :func:`floatxq.dequantize_gptq`.
     """
     where = "dequantize_gptq_kernel"
     if dtype not in _DTYPES:
@@ -225,13 +225,13 @@ def w4a16_linear_kernel(
     route: W4A16Route | None = None,
     tuning: W4A16Tuning = DEFAULT_W4A16_TUNING,
 ) -> Float[Tensor, "m n"]:
-    """:func:`floatxq.w4a.w4a16_linear` on CUDA.
+    """:func:`floatxq.w4a16_linear` on CUDA.
 
     Args:
       x: ``(m, k)`` float16/bfloat16 CUDA activations (any strides).
       packed: the GPTQ tensors on ``x``'s device.
       bias: ``(n,)`` floating or None.
-      bits, format: as :func:`floatxq.int4.dequantize_gptq`.
+      bits, format: as :func:`floatxq.dequantize_gptq`.
       group_size: the contiguous group size the caller guarantees, or None (gather by
         ``g_idx``; see :func:`dequantize_gptq_kernel`).
       route: ``"w4a16_fused"`` or ``"w4a16_decode_gemm"``; None picks by rows

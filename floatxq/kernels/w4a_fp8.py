@@ -1,7 +1,7 @@
 """Triton W4A-FP8: per-token E4M3 packing and the grouped INT4 × FP8 GEMM.
 
 Twins of :func:`floatxq.fp8_token_quantize` (:func:`fp8_pack`, bit for bit) and of
-:func:`floatxq.w4a.w4a_fp8_linear` / :func:`floatxq.w4a.w4a_fp8_linear_prepacked`
+:func:`floatxq.w4a_fp8_linear` / :func:`floatxq.w4a_fp8_linear_prepacked`
 (:func:`fp8_linear` / :func:`fp8_linear_prepacked`, up to FP32 summation order). The signatures
 are GPT-QModel's, so either library's callers can swap one for the other.
 
@@ -42,7 +42,7 @@ from floatxq.kernels._triton import (
     triton_interpret_enabled,
     triton_unavailable_reason,
 )
-from floatxq.w4a import W4A_OUTPUT_DTYPES, _check_operands
+from floatxq.w4a.linear import W4A_OUTPUT_DTYPES, _check_operands
 
 __all__ = [
     "DEFAULT_W4A_FP8_TUNING",
@@ -233,7 +233,7 @@ def fp8_linear(
     Args:
       x: ``(m, k)`` float16/bfloat16/float32 CUDA activations; ``k`` a multiple of 128.
       weight: int32 GPTQ words ``(k/8, n)`` (symmetric, zero point 8) or the staged
-        ``float8_e4m3fn (k, n)`` operand (see :func:`floatxq.w4a.centered_weight`).
+        ``float8_e4m3fn (k, n)`` operand (see :func:`floatxq.centered_weight`).
       scales: ``(k/128, n)`` GPTQ group scales (any floating dtype).
       bias: ``(n,)`` floating or None.
       route: ``"triton"`` (the grouped Triton GEMM), ``"scaled_mm_blockwise"`` (cuBLAS, staged
@@ -244,10 +244,10 @@ def fp8_linear(
       ``(m, n)`` in ``x.dtype``.
 
     Raises:
-      TypeError, ValueError: as :func:`floatxq.w4a.w4a_fp8_linear` (no finiteness checks).
+      TypeError, ValueError: as :func:`floatxq.w4a_fp8_linear` (no finiteness checks).
       RuntimeError: Triton missing, or a GPU below SM 8.9.
 
-    Numerics: :func:`floatxq.w4a.w4a_fp8_linear` up to FP32 summation order (within a group,
+    Numerics: :func:`floatxq.w4a_fp8_linear` up to FP32 summation order (within a group,
     across K splits) and, on FP8 tensor cores, their truncating accumulation of a group's 128
     products (docs/numerics.md states the bound the tests hold it to).
     """
@@ -285,11 +285,11 @@ def fp8_linear_prepacked(
       ``(m, n)`` in ``output_dtype``.
 
     Raises:
-      TypeError, ValueError: as :func:`floatxq.w4a.w4a_fp8_linear_prepacked` (the scale's
+      TypeError, ValueError: as :func:`floatxq.w4a_fp8_linear_prepacked` (the scale's
         values are not checked: no host sync).
       RuntimeError: Triton missing, or a GPU below SM 8.9.
 
-    Numerics: :func:`floatxq.w4a.w4a_fp8_linear_prepacked` up to FP32 summation order (see
+    Numerics: :func:`floatxq.w4a_fp8_linear_prepacked` up to FP32 summation order (see
     :func:`fp8_linear`).
     """
     where = "fp8_linear_prepacked"

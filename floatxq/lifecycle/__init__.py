@@ -1,9 +1,8 @@
 """Load → quantize → save → load: the only code that mutates models, the checkpoint layouts it
 reads and writes, and the payloads in them."""
 
-from floatxq.lifecycle.checkpoint import CheckpointError
-from floatxq.lifecycle.evaluate import EvalReport, evaluate_lm
-from floatxq.lifecycle.export import (
+from floatxq.interop.checkpoint import CheckpointError
+from floatxq.interop.export import (
     CHECKPOINT_LAYOUTS,
     DEFAULT_LAYOUT,
     CheckpointLayout,
@@ -11,16 +10,14 @@ from floatxq.lifecycle.export import (
     export_layout,
     normalize_layout,
 )
-from floatxq.lifecycle.gptq import gptq_solve_options
-from floatxq.lifecycle.inspect import CheckpointReport, inspect_checkpoint
-from floatxq.lifecycle.layouts import (
+from floatxq.interop.inspect import CheckpointReport, inspect_checkpoint
+from floatxq.interop.layouts import (
     READ_LAYOUTS,
     SCALE_CONVENTIONS,
     LayoutDecision,
     decide_layout,
 )
-from floatxq.lifecycle.model import QuantizedModel, load
-from floatxq.lifecycle.payload import (
+from floatxq.interop.payload import (
     fp8_config_from_payload,
     fp8_config_to_payload,
     gptq_config_from_payload,
@@ -28,6 +25,9 @@ from floatxq.lifecycle.payload import (
     payload_format,
     payload_method,
 )
+from floatxq.lifecycle.evaluate import EvalReport, evaluate_lm
+from floatxq.lifecycle.gptq import gptq_solve_options
+from floatxq.lifecycle.model import QuantizedModel, load
 from floatxq.lifecycle.stream import (
     NVFP4BoundaryQuantizer,
     W4AStreamPolicy,

@@ -33,7 +33,7 @@ from torch import nn
 
 from floatxq.config import ActivationConfig
 from floatxq.formats import normalize_nvfp4_recipe
-from floatxq.nvfp4 import nvfp4_global_scale
+from floatxq.nvfp4.quantize import nvfp4_global_scale
 
 CALIBRATED_RECIPES: tuple[str, ...] = ("nvidia", "four_six", "least_squares", "least_squares_grid")
 """Recipes whose producers take a calibrated global scale (the headroom recipes calibrate per
@@ -152,8 +152,8 @@ def _check_ready(core: Any, policy: Any) -> None:
             f"{where}: the model's quantize_config has no activation policy, so calibrated "
             f"scales could not be saved; load or quantize it with one"
         )
-    from floatxq.lifecycle.model import stream_arguments
     from floatxq.lifecycle.stream import w4a_stream_policy
+    from floatxq.lifecycle.w4a_install import stream_arguments
 
     saved = w4a_stream_policy(**stream_arguments(activation))
     if saved != dataclasses.replace(policy, fused_norms=False):
@@ -231,8 +231,8 @@ def calibrate_nvfp4_producers(
     Numerics: each scale is ``nvfp4_global_scale(amax, recipe=...)``: one FP32 division of the
     observed ``max|x|`` by ``448·6`` (``nvidia``) or ``448·4``, no grid rounding.
     """
-    from floatxq.lifecycle.gptq import decoder_layers
-    from floatxq.lifecycle.payload import gptq_config_to_payload
+    from floatxq.interop.payload import gptq_config_to_payload
+    from floatxq.lifecycle.decoder import decoder_layers
     from floatxq.lifecycle.stream import (
         installed_w4a_stream,
         set_stream_global_scales,

@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from floatxq.config import FP8Config
+from floatxq.interop.export import output_embedding_names
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
 try:  # transformers is a dependency, but keep the module importable without it
@@ -32,15 +33,6 @@ class Fp8Plan(NamedTuple):
     reason: str | None
 
 
-def _output_embedding_names(model: nn.Module) -> set[str]:
-    names = {"lm_head"}
-    getter = getattr(model, "get_output_embeddings", None)
-    head = getter() if callable(getter) else None
-    if head is not None:
-        names.update(n for n, m in model.named_modules() if m is head)
-    return names
-
-
 def plan_fp8(model: nn.Module, config: FP8Config) -> list[Fp8Plan]:
     """Decide, module by module, what the FP8 lifecycle does (nothing is changed).
 
@@ -50,7 +42,7 @@ def plan_fp8(model: nn.Module, config: FP8Config) -> list[Fp8Plan]:
 
     Numerics: names only.
     """
-    heads = _output_embedding_names(model)
+    heads = output_embedding_names(model)
     plans = []
     for name, module in model.named_modules():
         if isinstance(module, TorchFP8Linear) or not isinstance(module, LINEAR_TYPES):

@@ -35,13 +35,13 @@ import contextlib
 import time
 import types
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from floatxq.config import GPTQConfig
-from floatxq.gptq import (
+from floatxq.gptq.solve import (
     GPTQSolveOptions,
     gptq_solve,
     hessian_finalize,
@@ -49,12 +49,24 @@ from floatxq.gptq import (
     hessian_update,
 )
 from floatxq.lifecycle.calibration import CalibrationSet
+from floatxq.lifecycle.decoder import (
+    FINAL_NORM_NAMES,
+    LayerInput,
+    Stop,
+    call_layer,
+    capture_inputs,
+    decoder_layers,
+    device_of,
+    features,
+    final_norm,
+    layer_output,
+    move_outside,
+    output_embedding,
+)
+from floatxq.lifecycle.gptq_replay import replay_outputs, replay_setup, replay_solve
 
 PACKABLE_BITS: tuple[int, ...] = (2, 4, 8)
 """Bit widths a GPTQ checkpoint packs (32/bits values per int32 word)."""
-
-_LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer")
-_FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm")
 
 
 def gptq_solve_options(config: GPTQConfig) -> GPTQSolveOptions:
@@ -150,66 +162,8 @@ def _target_types() -> tuple[type, ...]:
     return tuple(kinds)
 
 
-def _features(module: nn.Module) -> tuple[int, int]:
-    """``(in_features, out_features)`` of a linear-like target."""
-    if hasattr(module, "in_features") and hasattr(module, "out_features"):
-        return int(module.in_features), int(module.out_features)
-    rows, cols = module.weight.shape  # transformers' Conv1D stores (in, out)
-    return int(rows), int(cols)
-
-
-def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The model's list of decoder layers and its qualified name (``model.layers`` in a Llama).
-
-    The list is the ``nn.ModuleList`` of modules of one type whose length is the config's
-    ``num_hidden_layers`` (when it has one), preferring names ending in ``layers``/``h``/``blocks``.
-
-    Raises:
-      ValueError: no such list (the GPTQ lifecycle needs repeated decoder layers).
-
-    Numerics: names only.
-    """
-    want = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    found = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        if len({type(child) for child in module}) != 1:
-            continue
-        if want is not None and len(module) != want:
-            continue
-        named = name.rsplit(".", 1)[-1] in _LAYER_LIST_NAMES
-        found.append((not named, name.count("."), name, module))
-    if not found:
-        raise ValueError(
-            f"GPTQ: {type(model).__name__} has no list of decoder layers (an nn.ModuleList of "
-            f"{want if want is not None else 'repeated'} modules of one type, such as "
-            f"model.layers); the layer-by-layer lifecycle needs one"
-        )
-    _, _, name, layers = min(found, key=lambda item: item[:3])
-    return name, layers
-
-
-def _output_embedding(model: nn.Module) -> tuple[str, nn.Module] | None:
-    getter = getattr(model, "get_output_embeddings", None)
-    head = getter() if callable(getter) else None
-    if head is None:
-        return None
-    name = next(n for n, m in model.named_modules() if m is head)
-    return name, head
-
-
-def _final_norm(model: nn.Module, layers_name: str) -> nn.Module | None:
-    parent = model.get_submodule(layers_name.rsplit(".", 1)[0]) if "." in layers_name else model
-    for name in _FINAL_NORM_NAMES:
-        norm = getattr(parent, name, None)
-        if isinstance(norm, nn.Module):
-            return norm
-    return None
-
-
 def _check_target(name: str, module: nn.Module, config: GPTQConfig) -> None:
-    k, n = _features(module)
+    k, n = features(module)
     if config.bits not in PACKABLE_BITS:
         raise ValueError(
             f"GPTQ: module {name!r} resolves to bits={config.bits}, which no GPTQ checkpoint "
@@ -257,7 +211,7 @@ def plan_gptq(model: nn.Module, config: GPTQConfig) -> list[GptqPlan]:
                 continue
             _check_target(name, module, resolved)
             plans.append(GptqPlan(name, index, resolved, None))
-    head = _output_embedding(model)
+    head = output_embedding(model)
     if head is not None:
         name, module = head
         resolved = config.resolve(name) if config.lm_head else None
@@ -272,9 +226,9 @@ def plan_gptq(model: nn.Module, config: GPTQConfig) -> list[GptqPlan]:
                     f"embedding (tie_word_embeddings); quantizing it would change the embedding "
                     f"too. Untie them first or set lm_head=False"
                 )
-            if _final_norm(model, layers_name) is None:
+            if final_norm(model, layers_name) is None:
                 raise ValueError(
-                    f"GPTQ: lm_head=True, but no final norm ({', '.join(_FINAL_NORM_NAMES)}) "
+                    f"GPTQ: lm_head=True, but no final norm ({', '.join(FINAL_NORM_NAMES)}) "
                     f"was found beside {layers_name!r} to compute {name!r}'s inputs"
                 )
             if not isinstance(module, kinds):
@@ -284,96 +238,8 @@ def plan_gptq(model: nn.Module, config: GPTQConfig) -> list[GptqPlan]:
     return plans
 
 
-# ----------------------------------------------------------------------------------------------
-# Running layers
-# ----------------------------------------------------------------------------------------------
-
-
-class _Stop(Exception):
-    """Raised by a hook to end a forward once the wanted input has been seen."""
-
-
-class _LayerInput(NamedTuple):
-    hidden: torch.Tensor
-    args: tuple[Any, ...]
-    """The layer's other positional arguments, as the model passed them."""
-    kwargs: dict[str, Any]
-    mask: torch.Tensor
-    """bool (batch, length): True on real tokens."""
-
-
-def _move_outside(model: nn.Module, skip: set[int], device: torch.device) -> None:
-    """Move every module of ``model`` except those in ``skip`` (by id) to ``device``."""
-
-    def walk(module: nn.Module) -> bool:
-        """Move ``module``'s own tensors and its children; False when a skipped one is inside."""
-        if id(module) in skip:
-            return False
-        children = list(module.children())
-        inside = [walk(child) for child in children]
-        if all(inside):
-            module.to(device)
-            return True
-        for param in list(module.parameters(recurse=False)):
-            param.data = param.data.to(device)
-        for name, buf in list(module.named_buffers(recurse=False)):
-            if buf is not None:
-                module._buffers[name] = buf.to(device)
-        return False
-
-    walk(model)
-
-
-def _layer_output(result: Any) -> Any:
-    return result[0] if isinstance(result, (tuple, list)) else result
-
-
-def _capture_inputs(
-    model: nn.Module,
-    first_layer: nn.Module,
-    calibration: CalibrationSet,
-    device: torch.device,
-) -> list[_LayerInput]:
-    """Run the embeddings on every batch and keep the first decoder layer's inputs."""
-    captured: list[_LayerInput] = []
-    current: dict[str, torch.Tensor] = {}
-
-    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-        kwargs = dict(kwargs)
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        captured.append(_LayerInput(hidden, tuple(args[1:]), kwargs, current["mask"]))
-        raise _Stop
-
-    handle = first_layer.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        for batch in calibration.batches:
-            mask = batch.attention_mask.to(device)
-            current["mask"] = mask
-            # Unpadded batches pass no mask: the model then takes its causal fast path, as it
-            # does in use; padded ones pass the keep-mask, which also masks attention.
-            attention = None if bool(batch.attention_mask.all()) else mask.to(torch.int64)
-            with contextlib.suppress(_Stop):
-                model(
-                    input_ids=batch.input_ids.to(device),
-                    attention_mask=attention,
-                    use_cache=False,
-                )
-    finally:
-        handle.remove()
-    if len(captured) != len(calibration.batches):
-        raise RuntimeError(
-            f"GPTQ: the model's forward reached its first decoder layer for {len(captured)} of "
-            f"{len(calibration.batches)} calibration batches"
-        )
-    return captured
-
-
-def _call_layer(layer: nn.Module, item: _LayerInput) -> Any:
-    return layer(item.hidden, *item.args, **item.kwargs)
-
-
 def _groups_by_input(
-    layer: nn.Module, targets: list[tuple[str, nn.Module]], probe: _LayerInput
+    layer: nn.Module, targets: list[tuple[str, nn.Module]], probe: LayerInput
 ) -> list[list[tuple[str, nn.Module]]]:
     """Group the targets of one layer by the tensor they read, in the order they are called."""
     seen: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
@@ -392,7 +258,7 @@ def _groups_by_input(
 
     handles = [module.register_forward_pre_hook(make(name)) for name, module in targets]
     try:
-        _call_layer(layer, probe)
+        call_layer(layer, probe)
     finally:
         for handle in handles:
             handle.remove()
@@ -418,7 +284,7 @@ def _fold_group(
     layer: nn.Module,
     first: nn.Module,
     names: list[str],
-    inputs: list[_LayerInput],
+    inputs: list[LayerInput],
     in_features: int,
     device: torch.device,
 ) -> torch.Tensor:
@@ -439,14 +305,14 @@ def _fold_group(
                 f"{tuple(mask.shape)} cannot be matched to; calibrate it with batch_size=1 (no "
                 f"padding)"
             )
-        raise _Stop
+        raise Stop
 
     handle = first.register_forward_pre_hook(hook)
     try:
         for item in inputs:
             current["mask"] = item.mask
-            with contextlib.suppress(_Stop):
-                _call_layer(layer, item)
+            with contextlib.suppress(Stop):
+                call_layer(layer, item)
     finally:
         handle.remove()
     try:
@@ -545,7 +411,7 @@ class _LayerStep(NamedTuple):
     model: nn.Module
     layer: nn.Module
     index: int
-    inputs: list[_LayerInput]
+    inputs: list[LayerInput]
     device: torch.device
     rows: int
     on_module: Callable[[str], None] | None
@@ -563,14 +429,14 @@ class _LayerStep(NamedTuple):
             names = [n for n, _ in group]
             first = group[0][1]
             hessian = _fold_group(
-                self.layer, first, names, self.inputs, _features(first)[0], self.device
+                self.layer, first, names, self.inputs, features(first)[0], self.device
             )
             del first
-            self._solve_group(group, hessian, configs, solved, reports)
+            self.solve_group(group, hessian, configs, solved, reports)
             del hessian
         return reports
 
-    def _solve_group(
+    def solve_group(
         self,
         group: list[tuple[str, nn.Module]],
         hessian: torch.Tensor,
@@ -589,251 +455,6 @@ class _LayerStep(NamedTuple):
             reports.append(report)
             if self.on_module is not None:
                 self.on_module(name)
-
-    def replay_solve(
-        self,
-        prefix: str,
-        plan: Any,
-        configs: dict[str, GPTQConfig],
-        solved: dict[str, nn.Module],
-        producer_scales: Mapping[str, float] | None,
-    ) -> tuple[list[GPTQModuleReport], dict[str, float], dict[str, float]]:
-        """Solve a streamed Llama layer on the replayed W4A operands (module docstring, step 2
-        with an activation policy): per input group, in call order, an optional headroom probe
-        pass freezes the group's scale, then a pass folds the Hessian of the rounded operand
-        (and the running ``max|x|`` of the un-rounded one), then the group is solved.
-
-        Returns ``(reports, activation scales by module name, frozen headroom scales by
-        site)``."""
-        from floatxq.headroom import headroom_amax
-        from floatxq.lifecycle.replay import ReplayCodec
-        from floatxq.nvfp4 import nvfp4_global_scale
-
-        reports: list[GPTQModuleReport] = []
-        scales: dict[str, float] = {}
-        frozen: dict[str, float] = {}
-        for site, group_name, paths in _REPLAY_GROUPS:
-            lane = plan.attention if group_name == "attention" else plan.mlp
-            names = [prefix + p for p in paths]
-            if lane.headroom:  # probe: the un-rounded operand's histogram freezes the scale
-                probe = _GroupFold(names, None)
-                self._replay(plan, ReplayCodec(
-                    producer_scales=producer_scales, site_scales=frozen,
-                    pack_observers={site: probe.collect},
-                ), probe)  # fmt: skip
-                try:
-                    amax = headroom_amax(probe.headroom)
-                except ValueError as exc:
-                    raise ValueError(f"GPTQ: the inputs of {', '.join(names)}: {exc}") from None
-                frozen[site] = float(nvfp4_global_scale(amax, recipe=lane.recipe))
-            k = _features(self.model.get_submodule(names[0]))[0]
-            fold = _GroupFold(names, hessian_init(k, device=self.device))
-            observers = {site: fold.observe} if lane.nvfp4 and not lane.headroom else {}
-            self._replay(plan, ReplayCodec(
-                producer_scales=producer_scales, site_scales=frozen, pack_observers=observers,
-                linear_observers={paths[0].rsplit(".", 1)[-1]: fold.fold},
-            ), fold)  # fmt: skip
-            try:
-                hessian = hessian_finalize(fold.hessian)
-            except ValueError as exc:
-                raise ValueError(
-                    f"GPTQ: the replayed W4A activations reaching {', '.join(names)} are not "
-                    f"finite (inf or NaN); check the model in its dtype on this device ({exc})"
-                ) from None
-            if not lane.nvfp4:
-                scale = 0.0
-            elif lane.headroom:
-                scale = frozen[site]
-            else:
-                scale = float(nvfp4_global_scale(fold.amax, recipe=lane.recipe))
-            scales.update(dict.fromkeys(names, scale))
-            fold.hessian = None
-            group = [(n, self.model.get_submodule(n)) for n in names]
-            self._solve_group(group, hessian, configs, solved, reports)
-            del hessian, group
-        return reports, scales, frozen
-
-    def _replay(self, plan: Any, codec: Any, fold: "_GroupFold") -> None:
-        """Run the replayed layer on every batch (an observer's ``_Stop`` ends a batch)."""
-        from floatxq.lifecycle.replay import replay_llama_layer
-
-        for item in self.inputs:
-            fold.mask = item.mask
-            with contextlib.suppress(_Stop):
-                replay_llama_layer(
-                    self.layer, item.hidden, *item.args, plan=plan, codec=codec, **item.kwargs
-                )
-
-
-class _GroupFold:
-    """What the replay passes of one input group gather, batch by batch (``mask`` is the
-    current batch's keep-mask): a headroom histogram, the running ``max|x|`` of the un-rounded
-    operand, the Hessian of the rounded one."""
-
-    def __init__(self, names: list[str], hessian: Any) -> None:
-        from floatxq.headroom import headroom_init
-
-        self.names = names
-        self.mask: torch.Tensor | None = None
-        self.headroom = headroom_init()
-        self.amax: torch.Tensor = torch.zeros((), dtype=torch.float32)
-        self.hessian = hessian
-
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        return _kept_rows(x, self.mask, self.names)
-
-    def collect(self, x: torch.Tensor) -> None:
-        """Headroom probe: fold the operand's block maxima, then end the batch."""
-        from floatxq.headroom import headroom_update
-
-        self.headroom = headroom_update(self.headroom, self._rows(x))
-        raise _Stop
-
-    def observe(self, x: torch.Tensor) -> None:
-        """Track the un-rounded operand's ``max|x|`` over real tokens."""
-        rows = self._rows(x)
-        if rows.numel():
-            amax = rows.abs().amax().to(torch.float32)
-            self.amax = torch.maximum(self.amax.to(amax.device), amax)
-
-    def fold(self, x: torch.Tensor) -> None:
-        """Fold the rounded operand into the Hessian, then end the batch."""
-        self.hessian = hessian_update(self.hessian, self._rows(x))
-        raise _Stop
-
-
-_REPLAY_GROUPS = (
-    ("attention_norm", "attention", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    ("o_proj", "attention", ("self_attn.o_proj",)),
-    ("mlp_norm", "mlp", ("mlp.gate_proj", "mlp.up_proj")),
-    ("down_proj", "mlp", ("mlp.down_proj",)),
-)
-"""A streamed Llama layer's input groups in call order: the site whose operand they read, the
-lane (attention or MLP) it is rounded in, and the projections that read it."""
-
-
-def _kept_rows(x: torch.Tensor, mask: torch.Tensor, names: list[str]) -> torch.Tensor:
-    """The ``(n, k)`` rows of ``x`` on real tokens (padding dropped by the keep-mask)."""
-    if tuple(x.shape[:-1]) == tuple(mask.shape):
-        return x[mask]
-    if bool(mask.all()):
-        return x.reshape(-1, x.shape[-1])
-    raise ValueError(
-        f"GPTQ: {names[0]} reads inputs of shape {tuple(x.shape)}, which the padding mask "
-        f"{tuple(mask.shape)} cannot be matched to; calibrate it with batch_size=1 (no padding)"
-    )
-
-
-class _ReplaySetup(NamedTuple):
-    """An activation policy's replay: the stream policy and the plan of each streamed layer."""
-
-    policy: Any
-    plans: dict[int, Any]
-
-
-def _replay_setup(
-    model: nn.Module,
-    config: GPTQConfig,
-    targets: dict[str, GptqPlan],
-    layers_name: str,
-    layers: nn.ModuleList,
-    head_plan: GptqPlan | None,
-) -> _ReplaySetup | None:
-    """The replay of ``config.activation`` (None without one), after every check that needs
-    no work: a Llama, each layer's seven projections all targets or none (at least one layer
-    with all), each of them 4-bit symmetric groups of 128 with ``in`` and ``out`` multiples of
-    128, ``mlp`` layers that exist, producer scales naming exactly the stream's producers."""
-    activation = getattr(config, "activation", None)
-    if activation is None:
-        return None
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    from floatxq.lifecycle.stream import (
-        LLAMA_STREAM_PROJECTIONS,
-        stream_layer_plans,
-        stream_producer_keys,
-        validate_producer_scales,
-        w4a_stream_policy,
-    )
-
-    where = f"GPTQ: activation policy (mode {activation.mode!r})"
-    if layers_name != "model.layers" or not isinstance(layers[0], LlamaDecoderLayer):
-        raise ValueError(
-            f"{where}: the W4A activation stream runs Llama causal LMs (model.model.layers of "
-            f"LlamaDecoderLayer); {type(model).__name__} has {layers_name} of "
-            f"{type(layers[0]).__name__}"
-        )
-    if head_plan is not None:
-        raise ValueError(f"{where}: the output embedding (lm_head=True) has no W4A stream")
-    selected = []
-    for index in range(len(layers)):
-        prefix = f"{layers_name}.{index}."
-        names = [prefix + p for p in LLAMA_STREAM_PROJECTIONS]
-        chosen = [n for n in names if n in targets]
-        extra = [n for n in targets if n.startswith(prefix) and n not in names]
-        if extra:
-            raise ValueError(
-                f"{where}: {extra[:3]} are not among a Llama layer's seven projections; only "
-                f"those run W4A (exclude the others with '-:' rules)"
-            )
-        if not chosen:
-            continue
-        if len(chosen) != len(names):
-            missing = [n.removeprefix(prefix) for n in names if n not in targets]
-            raise ValueError(
-                f"{where}: layer {index} quantizes {len(chosen)} of its seven projections but "
-                f"not {missing}; a W4A layer quantizes all seven or none ('-:' rules exclude "
-                f"all of a layer's or none)"
-            )
-        for name in names:
-            resolved = targets[name].config
-            k, n = _features(model.get_submodule(name))
-            settings = (resolved.bits, resolved.group_size, resolved.sym, resolved.desc_act)
-            if settings != (4, 128, True, False):
-                raise ValueError(
-                    f"{where}: {name} resolves to bits={resolved.bits}, group_size="
-                    f"{resolved.group_size}, sym={resolved.sym}, desc_act={resolved.desc_act}; "
-                    f"the W4A GEMMs take 4, 128, True, False"
-                )
-            if k % 128 or n % 128:
-                raise ValueError(
-                    f"{where}: {name} is ({n}, {k}) (out, in); a streamed projection needs both "
-                    f"to be multiples of 128"
-                )
-        selected.append(index)
-    if not selected:
-        raise ValueError(
-            f"{where}: no decoder layer quantizes all seven projections, so nothing would run W4A"
-        )
-    attention, mlp = activation.attention, activation.mlp
-    policy = w4a_stream_policy(
-        activation.mode,
-        recipe=activation.recipe,
-        global_scales=activation.global_scales,
-        attention_mode=None if attention is None else attention.mode,
-        attention_recipe=None if attention is None else attention.recipe,
-        mlp_fp8_layers=None if mlp is None else mlp.layers,
-    )
-    depth = len(layers)
-    beyond = [i for i in policy.mlp_fp8_layers if i >= depth]
-    if beyond:
-        raise ValueError(f"{where}: mlp layers {beyond} lie beyond the model's {depth} layers")
-    if policy.global_scales is not None:
-        try:
-            validate_producer_scales(
-                policy.global_scales, stream_producer_keys(policy, depth, selected)
-            )
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
-    return _ReplaySetup(policy, stream_layer_plans(policy, depth, selected))
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    for tensor in module.parameters():
-        return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
-    return torch.device("cpu")
 
 
 def quantize_gptq_model(
@@ -871,26 +492,26 @@ def quantize_gptq_model(
     plans = plan_gptq(model, config)
     targets = {p.name: p for p in plans if p.config is not None}
     layers_name, layers = decoder_layers(model)
-    head = _output_embedding(model)
+    head = output_embedding(model)
     head_plan = targets.get(head[0]) if head is not None else None
-    replay = _replay_setup(model, config, targets, layers_name, layers, head_plan)
+    replay = replay_setup(model, config, targets, layers_name, layers, head_plan)
     start = time.perf_counter()
     reports: list[GPTQModuleReport] = []
     activation_scales: dict[str, float] = {}
     skip = {id(layers)} | ({id(head[1])} if head is not None else set())
-    home = {id(m): _device_of(m) for m in layers}
-    outside_home = _device_of(
+    home = {id(m): device_of(m) for m in layers}
+    outside_home = device_of(
         model.get_submodule(layers_name.rsplit(".", 1)[0]) if "." in layers_name else model
     )
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            _move_outside(model, skip, device)
+            move_outside(model, skip, device)
             first = layers[0]
             first.to(device)
-            inputs = _capture_inputs(model, first, calibration, device)
-            _move_outside(model, skip, outside_home)  # the embeddings are done with: off the device
+            inputs = capture_inputs(model, first, calibration, device)
+            move_outside(model, skip, outside_home)  # the embeddings are done with: off the device
             rows = calibration.tokens
             solved: dict[str, nn.Module] = {}
             for index, layer in enumerate(layers):
@@ -902,8 +523,8 @@ def quantize_gptq_model(
                 if names and plan is not None:
                     step = _LayerStep(model, layer, index, inputs, device, rows, on_module)
                     configs = {n: targets[n].config for n in names}
-                    done, scales, frozen = step.replay_solve(
-                        prefix, plan, configs, solved, replay.policy.global_scales
+                    done, scales, frozen = replay_solve(
+                        step, prefix, plan, configs, solved, replay.policy.global_scales
                     )
                     reports.extend(done)
                     activation_scales.update(scales)
@@ -913,10 +534,10 @@ def quantize_gptq_model(
                 last = index == len(layers) - 1
                 if (not last or head_plan is not None) and replay is None:
                     for i, item in enumerate(inputs):
-                        out = _layer_output(_call_layer(layer, item))
+                        out = layer_output(call_layer(layer, item))
                         inputs[i] = item._replace(hidden=out)
                 elif not last:
-                    _replay_outputs(layer, plan, inputs, replay.policy.global_scales, frozen)
+                    replay_outputs(layer, plan, inputs, replay.policy.global_scales, frozen)
                 for name, built in solved.items():
                     model.set_submodule(name, built)
                 solved.clear()
@@ -925,10 +546,10 @@ def quantize_gptq_model(
                     on_layer(index, len(layers))
             if head_plan is not None and head is not None:
                 name, module = head
-                norm = _final_norm(model, layers_name)
+                norm = final_norm(model, layers_name)
                 norm.to(device)
                 module.to(device)
-                state = hessian_init(_features(module)[0], device=device)
+                state = hessian_init(features(module)[0], device=device)
                 for item in inputs:
                     state = hessian_update(state, norm(item.hidden), item.mask)
                 try:
@@ -946,9 +567,9 @@ def quantize_gptq_model(
                     on_module(name)
             del inputs
             if head_plan is not None:
-                _final_norm(model, layers_name).to(outside_home)
+                final_norm(model, layers_name).to(outside_home)
     finally:  # also after an error: nothing is left on the work device
-        _move_outside(model, skip, outside_home)
+        move_outside(model, skip, outside_home)
         for layer in layers:
             layer.to(home[id(layer)])
     model.train(was_training)
@@ -961,31 +582,6 @@ def quantize_gptq_model(
         time.perf_counter() - start,
         types.MappingProxyType(activation_scales),
     )
-
-
-def _replay_outputs(
-    layer: nn.Module,
-    plan: Any,
-    inputs: list[_LayerInput],
-    producer_scales: Mapping[str, float] | None,
-    frozen: Mapping[str, float],
-) -> None:
-    """Each batch's next-layer input, as the runtime stream computes it: a streamed layer's
-    replayed ``output`` operand; an unstreamed layer run on the exact input in the model dtype."""
-    from floatxq.lifecycle.replay import ReplayCodec, ReplayOperand, replay_llama_layer
-
-    codec = ReplayCodec(producer_scales=producer_scales, site_scales=frozen)
-    for i, item in enumerate(inputs):
-        if plan is not None:
-            out = replay_llama_layer(
-                layer, item.hidden, *item.args, plan=plan, codec=codec, **item.kwargs
-            )
-        else:
-            hidden = item.hidden
-            if isinstance(hidden, ReplayOperand):
-                hidden = hidden.exact()
-            out = _call_layer(layer, item._replace(hidden=hidden))
-        inputs[i] = item._replace(hidden=_layer_output(out))
 
 
 __all__ = [

@@ -21,12 +21,11 @@ from torch import nn
 from floatxq.config import (
     BACKEND,
     METHOD,
-    ActivationConfig,
     FP8Config,
     GPTQConfig,
     backend_for_activation,
 )
-from floatxq.lifecycle.checkpoint import (
+from floatxq.interop.checkpoint import (
     CONFIG_FILE,
     TOKENIZER_FILES,
     CheckpointError,
@@ -36,13 +35,14 @@ from floatxq.lifecycle.checkpoint import (
     tensor_infos,
     write_checkpoint,
 )
-from floatxq.lifecycle.export import DEFAULT_LAYOUT
-from floatxq.lifecycle.fp8 import quantize_fp8_modules
-from floatxq.lifecycle.payload import (
+from floatxq.interop.export import DEFAULT_LAYOUT
+from floatxq.interop.payload import (
     fp8_config_from_payload,
     gptq_config_from_payload,
     payload_method,
 )
+from floatxq.lifecycle.fp8 import quantize_fp8_modules
+from floatxq.lifecycle.w4a_install import install_activation_stream, install_w4a_modules
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
 _W4A_BACKENDS = (BACKEND.GPTQ_W4AFP8, BACKEND.GPTQ_W4A_NVFP4)
@@ -154,107 +154,6 @@ def _backend_name(backend: Any) -> BACKEND:
 
 
 _ACTIVATION_SCALE_BITS = "activation_global_scale_bits"
-_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def _module_recipe(name: str, activation: ActivationConfig | None) -> str | None:
-    """The NVFP4 recipe a module's inputs use under ``activation`` (None: the module default)."""
-    if activation is None or activation.recipe is None:
-        return None
-    attention = activation.attention
-    if (
-        attention is not None
-        and attention.mode == "w4a_nvfp4"
-        and name.rsplit(".", 1)[-1] in _ATTENTION_PROJECTIONS
-    ):
-        return attention.recipe
-    return activation.recipe
-
-
-def _install_w4a(
-    model: nn.Module,
-    backend: BACKEND,
-    *,
-    activation: ActivationConfig | None = None,
-    scale_bits: Mapping[str, torch.Tensor] | None = None,
-    scales: Mapping[str, float] | None = None,
-) -> None:
-    """Replace every GPTQLinear by the ``backend``'s W4A module sharing its tensors.
-
-    NVFP4 modules take their activation global scale from ``scale_bits`` (a checkpoint's int32
-    bits) or ``scales`` (a GPTQ run's values; 0.0 stays dynamic), and their recipe from the
-    ``activation`` policy.
-
-    Raises:
-      ValueError: naming the first module that cannot run on ``backend`` and why, before any
-        module is replaced.
-    """
-    from floatxq.nn.gptq_linear import GPTQLinear
-    from floatxq.nn.w4a_fp8_linear import W4AFP8Linear, w4a_fp8_ineligibility
-    from floatxq.nn.w4a_nvfp4_linear import W4ANVFP4Linear, w4a_nvfp4_ineligibility
-
-    nvfp4 = backend == BACKEND.GPTQ_W4A_NVFP4
-    ineligibility = w4a_nvfp4_ineligibility if nvfp4 else w4a_fp8_ineligibility
-    gptq = [(n, m) for n, m in model.named_modules() if type(m) is GPTQLinear]
-    for name, module in gptq:
-        why = ineligibility(module)
-        if why is not None:
-            raise ValueError(
-                f"load: backend {backend.value!r} cannot run {name}: {why}; load with backend "
-                f"'auto' to run the checkpoint as W4A16 (gptq_torch)"
-            )
-    for name, module in gptq:
-        if not nvfp4:
-            model.set_submodule(name, W4AFP8Linear.from_gptq_linear(module))
-            continue
-        layer = W4ANVFP4Linear.from_gptq_linear(module)
-        recipe = _module_recipe(name, activation)
-        if recipe is not None:
-            layer.activation_recipe = recipe
-        if scale_bits is not None and name in scale_bits:
-            bits = scale_bits[name].to(layer.activation_global_scale_bits.device)
-            layer.activation_global_scale_bits = bits.reshape(()).clone()
-            layer.post_init()  # checks the stored value (0.0 or positive finite)
-        elif scales is not None and scales.get(name, 0.0) != 0.0:
-            layer.activation_global_scale = scales[name]
-        model.set_submodule(name, layer)
-
-
-def _install_stream(model: nn.Module, activation: ActivationConfig) -> bool:
-    """Install the Llama activation stream for ``activation``; False (nothing done) for a model
-    that is not a Llama: its W4A modules then quantize their own inputs, call by call."""
-    from floatxq.lifecycle.stream import _llama_layers, install_w4a_llama_stream
-
-    try:
-        _llama_layers(model, where="load")  # the stream's own test of a Llama
-    except ValueError:
-        return False
-
-    install_w4a_llama_stream(model, **stream_arguments(activation))
-    return True
-
-
-def stream_arguments(activation: ActivationConfig) -> dict[str, Any]:
-    """:func:`~floatxq.lifecycle.stream.install_w4a_llama_stream`'s keyword arguments for a
-    stored activation policy (no rotation in floatxq: ``fused_norms`` stays False).
-
-    Example:
-      >>> policy = ActivationConfig(mode="w4a_nvfp4", mlp={"mode": "w4afp8", "layers": [1]})
-      >>> args = stream_arguments(policy)
-      >>> args["mode"], args["recipe"], args["attention_mode"], args["mlp_fp8_layers"]
-      ('w4a_nvfp4', 'least_squares', None, (1,))
-    """
-    attention, mlp = activation.attention, activation.mlp
-    return {
-        "mode": activation.mode,
-        "recipe": activation.recipe,
-        "global_scales": None
-        if activation.global_scales is None
-        else dict(activation.global_scales),
-        "attention_mode": None if attention is None else attention.mode,
-        "attention_recipe": None if attention is None else attention.recipe,
-        "mlp_fp8_layers": None if mlp is None else tuple(mlp.layers),
-    }
 
 
 def _as_config(value: Any) -> FP8Config | GPTQConfig:
@@ -386,8 +285,8 @@ def _gptqmodel_config(path: Path, qpayload: Mapping[str, Any]) -> FP8Config:
     without floatxq's refusal marker) and refuses them when they describe different configs, so
     neither file is silently ignored.
     """
-    from floatxq.lifecycle.checkpoint import QUANTIZE_CONFIG_FILE
-    from floatxq.lifecycle.layouts import GPTQMODEL_MARKER_PREFIX
+    from floatxq.interop.checkpoint import QUANTIZE_CONFIG_FILE
+    from floatxq.interop.layouts import GPTQMODEL_MARKER_PREFIX
 
     def parse(file: Path, payload: Mapping[str, Any]) -> FP8Config:
         try:
@@ -417,8 +316,8 @@ def _gptq_config(path: Path, qpayload: Mapping[str, Any]) -> GPTQConfig:
     """The GPTQConfig of a ``quant_method: gptq`` directory (GPT-QModel, transformers, floatxq):
     ``quantize_config.json`` when present (GPT-QModel reads it first), which must agree with
     ``config.json`` on every field that decides how the tensors are read."""
-    from floatxq.lifecycle.checkpoint import QUANTIZE_CONFIG_FILE
-    from floatxq.lifecycle.layouts import read_gptq_config
+    from floatxq.interop.checkpoint import QUANTIZE_CONFIG_FILE
+    from floatxq.interop.layouts import read_gptq_config
 
     quantize_file = path / QUANTIZE_CONFIG_FILE
     quantize = read_json(quantize_file, what="load") if quantize_file.is_file() else None
@@ -463,20 +362,20 @@ def _pop_activation_bits(
 def _load_quantized(
     path: Path, config_payload: Mapping[str, Any], *, device: Any, dtype: Any
 ) -> "tuple[nn.Module | None, FP8Config | GPTQConfig | None, Any, dict[str, torch.Tensor]]":
-    from floatxq.lifecycle.checkpoint import header_metadata
-    from floatxq.lifecycle.fp8 import LINEAR_TYPES
-    from floatxq.lifecycle.layouts import (
+    from floatxq.interop.checkpoint import header_metadata
+    from floatxq.interop.layouts import (
         _torchao_metadata,
         decide_layout,
         module_sources,
         read_module,
         refuse_activation_scales,
     )
-    from floatxq.sources import (
+    from floatxq.interop.sources import (
         MODELOPT_ACTIVATION_REFUSAL,
         modelopt_activation_quantization,
         read_hf_quant_config,
     )
+    from floatxq.lifecycle.fp8 import LINEAR_TYPES
 
     infos = tensor_infos(path)
     metadata = header_metadata(path)
@@ -562,9 +461,9 @@ def _load_quantized(
 
 
 def _head_names(model: nn.Module) -> set[str]:
-    from floatxq.lifecycle.fp8 import _output_embedding_names
+    from floatxq.interop.export import output_embedding_names
 
-    return _output_embedding_names(model)
+    return output_embedding_names(model)
 
 
 def _check_built(
@@ -642,7 +541,7 @@ def _describe_gptq(model: nn.Module) -> GPTQConfig | None:
     themselves)."""
     from collections import Counter
 
-    from floatxq.lifecycle.export import _gptq_facts
+    from floatxq.interop.export import _gptq_facts
     from floatxq.nn.gptq_linear import GPTQLinear
 
     gptq = {n: m for n, m in model.named_modules() if isinstance(m, GPTQLinear)}
@@ -722,7 +621,7 @@ class QuantizedModel:
             else []
         )
         self.layout: Any = None
-        """The :class:`~floatxq.lifecycle.layouts.LayoutDecision` a checkpoint was read with."""
+        """The :class:`~floatxq.interop.layouts.LayoutDecision` a checkpoint was read with."""
         self.source = source
         self.device = device
         self.quantize_seconds: float | None = None
@@ -841,8 +740,10 @@ class QuantizedModel:
             self.model.to(self.device)
         if config.activation is not None:  # W4A: the solved modules run the policy's GEMMs
             scales = getattr(self.report, "activation_scales", None) or {}
-            _install_w4a(self.model, self.backend, activation=config.activation, scales=scales)
-            _install_stream(self.model, config.activation)
+            install_w4a_modules(
+                self.model, self.backend, activation=config.activation, scales=scales
+            )
+            install_activation_stream(self.model, config.activation)
         self.quantize_seconds = time.perf_counter() - start
         self.quantized = True
         self.quantized_modules = [m.name for m in self.report.modules]
@@ -937,7 +838,7 @@ class QuantizedModel:
         (exact for powers of two, else within half an FP32 ulp); ``gptqmodel`` stores them
         unchanged.
         """
-        from floatxq.lifecycle.export import export_layout
+        from floatxq.interop.export import export_layout
 
         if self.backend == BACKEND.MLX:
             raise RuntimeError(
@@ -1082,7 +983,7 @@ def load(
         directory. A directory holding a quantized checkpoint (floatxq's or another tool's, see
         ``docs/interop.md``) is rebuilt from its files: its quantized modules get the saved bytes.
       quantize_config: an ``FP8Config`` or ``GPTQConfig`` (or a payload of either, see
-        :mod:`floatxq.lifecycle.payload`) for :meth:`QuantizedModel.quantize`. Given a native
+        :mod:`floatxq.interop.payload`) for :meth:`QuantizedModel.quantize`. Given a native
         FP8 / NVFP4 checkpoint, a ``GPTQConfig`` requantizes it: the source modules keep their
         bytes, run their own forward for the calibration capture and are decoded one at a time
         for their solve. Ignored with a warning for any other quantized checkpoint.
@@ -1165,9 +1066,9 @@ def load(
         else:
             chosen = _resolve_backend(backend, qconfig, checkpoint=True)
         if chosen in _W4A_BACKENDS:
-            _install_w4a(model, chosen, activation=activation, scale_bits=activation_bits)
+            install_w4a_modules(model, chosen, activation=activation, scale_bits=activation_bits)
         if activation is not None:
-            _install_stream(model, activation)
+            install_activation_stream(model, activation)
         if quantize_config is not None:
             warnings.warn(
                 f"load: {path} is already quantized; quantize_config is ignored",

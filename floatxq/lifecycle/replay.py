@@ -38,8 +38,8 @@ from floatxq.lifecycle.stream import (
     _llama_layer_flow,
     _returns_tuple,
 )
-from floatxq.nvfp4 import nvfp4_block_qdq, nvfp4_global_scale
-from floatxq.w4a_activation import W4AActivation
+from floatxq.nvfp4.quantize import nvfp4_block_qdq, nvfp4_global_scale
+from floatxq.w4a.activation import W4AActivation
 
 __all__ = [
     "ReplayCodec",

@@ -58,7 +58,7 @@ from floatxq.formats import (
     normalize_nvfp4_recipe,
     nvfp4_uses_headroom,
 )
-from floatxq.w4a_activation import W4AActivation, _unchecked_activation, pack_activation
+from floatxq.w4a.activation import W4AActivation, _unchecked_activation, pack_activation
 
 __all__ = [
     "LLAMA_STREAM_PROJECTIONS",
@@ -928,7 +928,7 @@ def _device_pack(
             reference=reference,
         )  # fmt: skip
     from floatxq.kernels.nvfp4 import nvfp4_pack_and_swizzle
-    from floatxq.nvfp4 import _device_global_scale
+    from floatxq.nvfp4.quantize import _device_global_scale
 
     if scale.fixed is not None:
         g = scale.fixed.to(torch.float32).reshape(())

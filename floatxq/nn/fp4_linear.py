@@ -1,6 +1,6 @@
 """``TorchFP4Linear``: an NVFP4 weight-only linear layer (activations stay in their dtype).
 
-The module holds the buffers of the ModelOpt checkpoint layout (:mod:`floatxq.nvfp4_layouts`):
+The module holds the buffers of the ModelOpt checkpoint layout (:mod:`floatxq.nvfp4.layouts`):
 
 * ``weight``: uint8 ``(out, in/2)``, two E2M1 codes per byte, the even element in the low nibble;
 * ``weight_scale``: float8_e4m3fn ``(out, in/16)``, row-major block scales (multiply to decode);
@@ -36,8 +36,8 @@ from floatxq.formats import NVFP4_BLOCK, NVFP4RecipeName
 from floatxq.kernels._triton import triton_unavailable_reason
 from floatxq.kernels.nvfp4_decoding import nvfp4_dequantize_kernel
 from floatxq.nn.fp8_linear import _move_bytes  # buffers move as bytes, never cast
-from floatxq.nvfp4 import nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
-from floatxq.nvfp4_layouts import NVFP4Weight, nvfp4_from_modelopt
+from floatxq.nvfp4.layouts import NVFP4Weight, nvfp4_from_modelopt
+from floatxq.nvfp4.quantize import nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
 
 __all__ = ["TorchFP4Linear"]
 
@@ -109,7 +109,7 @@ class TorchFP4Linear(nn.Module):
       TypeError: non-integer sizes. ValueError: negative sizes, ``in_features % 16``, another
         dtype.
 
-    Numerics: the decode is :func:`floatxq.nvfp4.nvfp4_dequantize` (exact code-scale product,
+    Numerics: the decode is :func:`floatxq.nvfp4_dequantize` (exact code-scale product,
     one FP32 rounding for the tensor scale, one rounding into ``x.dtype``), or its Triton twin
     on CUDA (the same bits), then ``F.linear``. torchao's route (CUDA, when installed) decodes
     with its own rounding order.
@@ -177,7 +177,7 @@ class TorchFP4Linear(nn.Module):
         """Wrap a canonical NVFP4 record (its tensors become the buffers, no copy when contiguous).
 
         Args:
-          w: the weight (:func:`floatxq.nvfp4_layouts.nvfp4_from_modelopt` and friends).
+          w: the weight (:func:`floatxq.nvfp4_from_modelopt` and friends).
           bias: ``(out,)`` floating, stored in ``dtype``; ``None`` for no bias.
           dtype: the model dtype (see the class).
 
@@ -214,7 +214,7 @@ class TorchFP4Linear(nn.Module):
         """Quantize an ``nn.Linear``: global scale from the weight's amax, then the block search.
 
         ``global_scale = nvfp4_global_scale(max|W|, recipe=recipe)`` and the codes and block
-        scales of :func:`floatxq.nvfp4.nvfp4_quantize` under it. The bias is kept in the
+        scales of :func:`floatxq.nvfp4_quantize` under it. The bias is kept in the
         linear's dtype, which becomes the module's ``dtype``.
 
         Raises:
@@ -253,7 +253,7 @@ class TorchFP4Linear(nn.Module):
     def dequantize_weight(self, dtype: torch.dtype | None = None) -> Float[Tensor, "out in"]:
         """The decoded ``(out, in)`` weight in ``dtype`` (default: the module's ``dtype``).
 
-        Numerics: :func:`floatxq.nvfp4.nvfp4_dequantize`.
+        Numerics: :func:`floatxq.nvfp4_dequantize`.
         """
         return nvfp4_dequantize(
             self.weight, self.weight_scale, self.weight_scale_2, dtype=dtype or self.dtype

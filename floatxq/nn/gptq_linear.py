@@ -1,6 +1,6 @@
 """``GPTQLinear``: a GPTQ weight-only linear layer (2, 4 or 8-bit codes; x keeps its dtype).
 
-The module holds the buffers of GPT-QModel's checkpoint layout (:mod:`floatxq.int4`), under the
+The module holds the buffers of GPT-QModel's checkpoint layout (:mod:`floatxq.gptq.int4`), under the
 names that layout uses as state-dict keys:
 
 * ``qweight``: int32 ``(in·bits/32, out)``, ``32/bits`` input rows per word;
@@ -19,8 +19,8 @@ against the module's geometry (shape, dtype, ``g_idx`` range, finite scales and 
 their own floating dtype (the module adopts it rather than casting).
 
 A call flattens ``x`` ``(*, in)`` to rows and takes one of three routes, all computing
-:func:`floatxq.w4a.w4a16_linear` (the weight decoded exactly as
-:func:`floatxq.int4.dequantize_gptq` decodes it, rounded to ``x``'s dtype, FP32 accumulation):
+:func:`floatxq.w4a16_linear` (the weight decoded exactly as
+:func:`floatxq.dequantize_gptq` decodes it, rounded to ``x``'s dtype, FP32 accumulation):
 
 * ``w4a16_fused`` (CUDA, float16/bfloat16 ``x``, up to ``W4A16Tuning.fused_max_rows`` rows):
   the Triton kernel decodes the weight tiles in registers and multiplies them on the tensor
@@ -44,8 +44,7 @@ from torch import nn
 
 from floatxq._typing import Float, Tensor
 from floatxq.formats import normalize_gptq_format
-from floatxq.gptq import GPTQSolution
-from floatxq.int4 import (
+from floatxq.gptq.int4 import (
     GPTQPacked,
     GPTQUnpacked,
     _check_bits,
@@ -55,6 +54,7 @@ from floatxq.int4 import (
     pack_gptq,
     unpack_gptq,
 )
+from floatxq.gptq.solve import GPTQSolution
 from floatxq.kernels import w4a16
 from floatxq.kernels._triton import triton_unavailable_reason
 from floatxq.kernels.w4a16 import w4a16_route
@@ -134,12 +134,12 @@ class GPTQLinear(nn.Module):
       ValueError: negative sizes, sizes that are not multiples of ``32 / bits``, ``bits`` other
         than 2, 4 or 8, ``group_size`` 0 or below -1, an unknown format.
 
-    Numerics: the decode is :func:`floatxq.int4.dequantize_gptq` (an exact FP32 product for
+    Numerics: the decode is :func:`floatxq.dequantize_gptq` (an exact FP32 product for
     float16/bfloat16 scales, then one rounding into ``x``'s dtype), the bias is cast to ``x``'s
     dtype, then ``F.linear`` in ``x``'s dtype.
 
     Example:
-      >>> from floatxq.gptq import GPTQSolveOptions, rtn_quantize
+      >>> from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
       >>> w = torch.randn(16, 64)
       >>> sol = rtn_quantize(w, GPTQSolveOptions(bits=4, group_size=32))
       >>> layer = GPTQLinear.from_solution(sol, bits=4, group_size=32)
@@ -219,7 +219,7 @@ class GPTQLinear(nn.Module):
         """Pack a solved (or round-to-nearest) weight into a new module.
 
         Args:
-          solution: a :class:`floatxq.gptq.GPTQSolution` (``(out, in)`` codes, ``(out,
+          solution: a :class:`floatxq.GPTQSolution` (``(out, in)`` codes, ``(out,
             groups)`` scales and zeros, ``g_idx``).
           bits: the code width the solution was made with (2, 4 or 8).
           group_size: the solve's group size (-1: one group); must give the solution's group
@@ -231,7 +231,7 @@ class GPTQLinear(nn.Module):
           A :class:`GPTQLinear` on the solution's device.
 
         Raises:
-          ValueError, TypeError: what :func:`floatxq.int4.pack_gptq` refuses (codes beyond
+          ValueError, TypeError: what :func:`floatxq.pack_gptq` refuses (codes beyond
             ``bits``, sizes that are not multiples of ``32/bits``, scales float16 cannot hold);
             a group count that ``group_size`` does not give; a bias of the wrong shape or
             non-finite.
@@ -274,8 +274,8 @@ class GPTQLinear(nn.Module):
         """A module holding ``packed``'s tensors as they are (the same tensors, no copy or cast).
 
         Args:
-          packed: a :class:`floatxq.int4.GPTQPacked`, valid for ``bits`` (checked as
-            :func:`floatxq.int4.unpack_gptq` does).
+          packed: a :class:`floatxq.GPTQPacked`, valid for ``bits`` (checked as
+            :func:`floatxq.unpack_gptq` does).
           bits: 2, 4 or 8.
           group_size: the checkpoint's group size (-1: one group); must give the packed group
             count, ``ceil(in / group_size)``.
@@ -330,7 +330,7 @@ class GPTQLinear(nn.Module):
         return layer
 
     def packed(self) -> GPTQPacked:
-        """The buffers as a :class:`floatxq.int4.GPTQPacked` (the same tensors, not copies).
+        """The buffers as a :class:`floatxq.GPTQPacked` (the same tensors, not copies).
 
         Numerics: exact.
         """
@@ -339,14 +339,14 @@ class GPTQLinear(nn.Module):
     def unpacked(self) -> GPTQUnpacked:
         """The logical codes and zero points (v2 meaning, whatever ``format``), scales, ``g_idx``.
 
-        Numerics: exact (:func:`floatxq.int4.unpack_gptq`).
+        Numerics: exact (:func:`floatxq.unpack_gptq`).
         """
         return unpack_gptq(self.packed(), bits=self.bits, format=self.format)
 
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> Float[Tensor, "out in"]:
         """The decoded ``(out, in)`` weight in ``dtype``.
 
-        Numerics: :func:`floatxq.int4.dequantize_gptq` (FP32 product, one rounding to ``dtype``).
+        Numerics: :func:`floatxq.dequantize_gptq` (FP32 product, one rounding to ``dtype``).
         """
         return dequantize_gptq(self.packed(), bits=self.bits, format=self.format, dtype=dtype)
 

@@ -7,13 +7,13 @@ moves them as bytes, checks incoming state dicts the same way and saves as an or
 checkpoint. Beside them it keeps one non-persistent cache, built by :meth:`post_init`:
 
 * ``_weight_e4m3``: ``float8_e4m3fn (in, out)``, the centered codes ``code - 8`` staged as exact
-  E4M3 values (:func:`floatxq.int4.int4_to_e4m3`), stored K-contiguous (strides ``(1, in)``:
+  E4M3 values (:func:`floatxq.int4_to_e4m3`), stored K-contiguous (strides ``(1, in)``:
   the layout the kernel's E4M3 tiles read fastest). ``.to()`` moves it as ``uint8`` bytes, so a
   dtype cast of the model never rounds or reinterprets it. ``load_state_dict`` and :meth:`pack`
   empty it; a forward without it raises ``RuntimeError`` until :meth:`post_init` runs again.
 
 A call quantizes each row of ``x`` to E4M3 with one FP32 scale (:func:`floatxq.fp8_token_quantize`)
-and runs the grouped GEMM of :func:`floatxq.w4a.w4a_fp8_linear`: through the kernels of
+and runs the grouped GEMM of :func:`floatxq.w4a_fp8_linear`: through the kernels of
 :mod:`floatxq.kernels.w4a_fp8` (route ``"triton"``: ``fp8_pack``, then the Triton GEMM on the
 int32 words for decode-sized calls, on the staged E4M3 operand above, and cuBLAS's blockwise
 FP8 GEMM from 128 rows on Hopper) where they can run, else through the pure reference (route
@@ -32,10 +32,10 @@ import torch
 from floatxq._typing import Float, Tensor
 from floatxq.config import BACKEND
 from floatxq.formats import GPTQ_W4A_GROUP_SIZE
-from floatxq.int4 import GPTQPacked, centered_int4, int4_to_e4m3
+from floatxq.gptq.int4 import GPTQPacked, centered_int4, int4_to_e4m3
 from floatxq.nn.fp8_linear import _move_bytes
 from floatxq.nn.gptq_linear import GPTQLinear, _check_size
-from floatxq.w4a import W4A_OUTPUT_DTYPES, w4a_fp8_linear, w4a_fp8_linear_prepacked
+from floatxq.w4a.linear import W4A_OUTPUT_DTYPES, w4a_fp8_linear, w4a_fp8_linear_prepacked
 
 __all__ = ["W4A_FP8_ROUTES", "W4AFP8Linear", "w4a_fp8_ineligibility", "w4a_fp8_route"]
 
@@ -75,7 +75,7 @@ def w4a_fp8_route(requested: str, device: torch.device) -> tuple[str, str | None
       ValueError: an unknown ``requested``.
       RuntimeError: ``"triton"`` requested where the kernels cannot run (the reason named).
 
-    Numerics: none (both routes compute :func:`floatxq.w4a.w4a_fp8_linear`, up to FP32 order).
+    Numerics: none (both routes compute :func:`floatxq.w4a_fp8_linear`, up to FP32 order).
 
     Example:
       >>> w4a_fp8_route("reference", torch.device("cpu"))
@@ -112,7 +112,7 @@ def w4a_fp8_ineligibility(module: GPTQLinear) -> str | None:
     Numerics: exact comparisons of the stored words.
 
     Example:
-      >>> from floatxq.gptq import GPTQSolveOptions, rtn_quantize
+      >>> from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
       >>> sol = rtn_quantize(torch.randn(32, 128), GPTQSolveOptions(bits=8, group_size=128))
       >>> w4a_fp8_ineligibility(GPTQLinear.from_solution(sol, bits=8, group_size=128))
       'bits=8; W4A-FP8 takes 4-bit codes'
@@ -200,7 +200,7 @@ def _repack(
 
 
 def _is_carrier(x: Any) -> bool:
-    """Duck-typed :class:`floatxq.w4a_activation.W4AActivation` (not imported: no cycle)."""
+    """Duck-typed :class:`floatxq.W4AActivation` (not imported: no cycle)."""
     return all(hasattr(x, a) for a in ("codes", "scales", "shape", "model_dtype", "mode"))
 
 
@@ -208,7 +208,7 @@ class W4AFP8Linear(GPTQLinear):
     """A GPTQ INT4 linear layer whose calls multiply FP8 E4M3 tokens by the integer weight.
 
     ``y = (Σ_g scales[g] · Σ_{k in g} e4m3(x)[k] · (code[k] - 8)) · row_scale + bias``
-    (:func:`floatxq.w4a.w4a_fp8_linear`). The constructor allocates zero-filled GPTQ buffers for
+    (:func:`floatxq.w4a_fp8_linear`). The constructor allocates zero-filled GPTQ buffers for
     ``load_state_dict`` to fill (then :meth:`post_init`); :meth:`from_packed` and
     :meth:`from_gptq_linear` build a ready module.
 
@@ -233,7 +233,7 @@ class W4AFP8Linear(GPTQLinear):
     FP32 summation order.
 
     Example:
-      >>> from floatxq.gptq import GPTQSolveOptions, rtn_quantize
+      >>> from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
       >>> sol = rtn_quantize(torch.randn(32, 128), GPTQSolveOptions(bits=4, group_size=128))
       >>> layer = W4AFP8Linear.from_gptq_linear(GPTQLinear.from_solution(sol, bits=4,
       ...     group_size=128))
@@ -305,7 +305,7 @@ class W4AFP8Linear(GPTQLinear):
         """A ready module holding ``packed``'s tensors as they are (no copy), staged.
 
         Args:
-          packed: a 4-bit :class:`floatxq.int4.GPTQPacked` with ``in / 128`` groups.
+          packed: a 4-bit :class:`floatxq.GPTQPacked` with ``in / 128`` groups.
           format: ``"gptq"`` or ``"gptq_v2"``, the convention of ``packed.qzeros``.
           bias: ``(out,)`` floating or ``None``, kept in its dtype.
           bits, group_size: accepted only as 4 and 128 (GPTQLinear's signature).
@@ -315,7 +315,7 @@ class W4AFP8Linear(GPTQLinear):
 
         Raises:
           TypeError, ValueError: what :meth:`GPTQLinear.from_packed` refuses, the class
-            constraints, and :func:`floatxq.int4.centered_int4`'s refusals (``g_idx`` not
+            constraints, and :func:`floatxq.centered_int4`'s refusals (``g_idx`` not
             ``arange(in) // 128``, a zero point other than 8, naming its group and column).
 
         Numerics: exact; the staged operand equals ``code - 8``.
@@ -349,7 +349,7 @@ class W4AFP8Linear(GPTQLinear):
         """Stage ``_weight_e4m3`` from the buffers (after loading or :meth:`pack`); returns self.
 
         Raises:
-          ValueError: :func:`floatxq.int4.centered_int4`'s refusals (``g_idx`` not
+          ValueError: :func:`floatxq.centered_int4`'s refusals (``g_idx`` not
             ``arange(in) // 128``, a zero point other than 8: its group and column named).
 
         Numerics: exact integers ``code - 8`` in E4M3.
@@ -365,7 +365,7 @@ class W4AFP8Linear(GPTQLinear):
         Call :meth:`post_init` before the next forward.
 
         Args:
-          packed: a 4-bit :class:`floatxq.int4.GPTQPacked` of this module's shapes.
+          packed: a 4-bit :class:`floatxq.GPTQPacked` of this module's shapes.
           format: its ``qzeros`` convention (default: the module's).
 
         Raises:

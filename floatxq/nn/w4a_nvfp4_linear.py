@@ -30,7 +30,7 @@ multiplies it by the weight through one of three routes (:func:`w4a_nvfp4_route`
 * ``"emulation"``: the Triton kernel ``floatxq.kernels.nvfp4.nvfp4_linear_prepacked``, which
   decodes both operands exactly and multiplies them on FP16 tensor cores (Hopper, Ada, or the
   Triton interpreter).
-* ``"reference"``: the pure :func:`floatxq.w4a.w4a_nvfp4_linear_prepacked`, on any device.
+* ``"reference"``: the pure :func:`floatxq.w4a_nvfp4_linear_prepacked`, on any device.
 
 ``last_route`` and ``last_reason`` (``None`` when the native route ran) record each call, as
 :class:`~floatxq.nn.gptq_linear.GPTQLinear` records its routes.
@@ -54,7 +54,7 @@ from floatxq._typing import (
 )
 from floatxq.config import BACKEND
 from floatxq.formats import GPTQ_W4A_GROUP_SIZE, normalize_nvfp4_recipe
-from floatxq.int4 import (
+from floatxq.gptq.int4 import (
     GPTQPacked,
     centered_int4,
     int4_planes_to_e2m1,
@@ -70,9 +70,9 @@ from floatxq.nn.w4a_fp8_linear import (
     _is_carrier,
     _repack,
 )
-from floatxq.nvfp4 import _device_global_scale
-from floatxq.swizzle import swizzle_scales
-from floatxq.w4a import (
+from floatxq.nvfp4.quantize import _device_global_scale
+from floatxq.nvfp4.swizzle import swizzle_scales
+from floatxq.w4a.linear import (
     W4A_OUTPUT_DTYPES,
     w4a_fp8_linear_prepacked,
     w4a_nvfp4_accumulate_group,
@@ -179,7 +179,7 @@ def w4a_nvfp4_route(
       RuntimeError: ``"native"`` or ``"emulation"`` requested where it cannot run (the reason
         named), or ``"native"`` without the staged planes (call ``post_init()`` on the device).
 
-    Numerics: none (every route computes :func:`floatxq.w4a.w4a_nvfp4_linear_prepacked`, up to
+    Numerics: none (every route computes :func:`floatxq.w4a_nvfp4_linear_prepacked`, up to
     FP32 summation order).
 
     Example:
@@ -235,7 +235,7 @@ def w4a_nvfp4_ineligibility(module: GPTQLinear) -> str | None:
     Numerics: exact comparisons of the stored words.
 
     Example:
-      >>> from floatxq.gptq import GPTQSolveOptions, rtn_quantize
+      >>> from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
       >>> sol = rtn_quantize(torch.randn(32, 128), GPTQSolveOptions(bits=8, group_size=128))
       >>> w4a_nvfp4_ineligibility(GPTQLinear.from_solution(sol, bits=8, group_size=128))
       'bits=8; W4A-NVFP4 takes 4-bit codes'
@@ -264,8 +264,8 @@ class W4ANVFP4WeightPlanes(NamedTuple):
 def w4a_nvfp4_weight_planes(c: Integer[Tensor, "k n"]) -> W4ANVFP4WeightPlanes:
     """Stage centered INT4 values ``c = code - 8`` as the native W4A-NVFP4 weight operand.
 
-    ``c = low + 4·high`` (:func:`floatxq.int4.split_int4_planes`), both planes exact E2M1 values
-    (:func:`floatxq.int4.int4_planes_to_e2m1`), so one FP4 GEMM of the activation by ``[low |
+    ``c = low + 4·high`` (:func:`floatxq.split_int4_planes`), both planes exact E2M1 values
+    (:func:`floatxq.int4_planes_to_e2m1`), so one FP4 GEMM of the activation by ``[low |
     high]`` with unit block scales gives both partial sums exactly as products.
 
     Args:
@@ -302,7 +302,7 @@ def w4a_nvfp4_weight_planes(c: Integer[Tensor, "k n"]) -> W4ANVFP4WeightPlanes:
 
 def _accumulator(device: torch.device) -> Callable[..., Tensor]:
     """The group-accumulation step: the Triton kernel where floatxq ships it and it runs on
-    ``device``, else the pure :func:`floatxq.w4a.w4a_nvfp4_accumulate_group` (the same FP32
+    ``device``, else the pure :func:`floatxq.w4a_nvfp4_accumulate_group` (the same FP32
     operations in the same order)."""
     from floatxq.kernels._triton import triton_unavailable_reason
 
@@ -394,7 +394,7 @@ class W4ANVFP4Linear(GPTQLinear):
     """A GPTQ INT4 linear layer whose calls multiply NVFP4 activations by the integer weight.
 
     ``y = (Σ_g scales[g] · Σ_{k in g} nvfp4(x)[k] · (code[k] - 8)) · global_scale · token_scale
-    + bias`` (:func:`floatxq.w4a.w4a_nvfp4_linear_prepacked`), ``nvfp4(x)`` being the E2M1 code
+    + bias`` (:func:`floatxq.w4a_nvfp4_linear_prepacked`), ``nvfp4(x)`` being the E2M1 code
     times its E4M3 block scale. The constructor allocates zero-filled GPTQ buffers for
     ``load_state_dict`` to fill (then :meth:`post_init`); :meth:`from_packed` and
     :meth:`from_gptq_linear` build a ready module.
@@ -423,7 +423,7 @@ class W4ANVFP4Linear(GPTQLinear):
     reference up to FP32 summation order.
 
     Example:
-      >>> from floatxq.gptq import GPTQSolveOptions, rtn_quantize
+      >>> from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
       >>> sol = rtn_quantize(torch.randn(32, 128), GPTQSolveOptions(bits=4, group_size=128))
       >>> layer = W4ANVFP4Linear.from_gptq_linear(GPTQLinear.from_solution(sol, bits=4,
       ...     group_size=128))
@@ -505,7 +505,7 @@ class W4ANVFP4Linear(GPTQLinear):
         calibrate it.
 
         Args:
-          packed: a 4-bit :class:`floatxq.int4.GPTQPacked` with ``in / 128`` groups.
+          packed: a 4-bit :class:`floatxq.GPTQPacked` with ``in / 128`` groups.
           format: ``"gptq"`` or ``"gptq_v2"``, the convention of ``packed.qzeros``.
           bias: ``(out,)`` floating or ``None``, kept in its dtype.
           bits, group_size: accepted only as 4 and 128 (GPTQLinear's signature).
@@ -515,7 +515,7 @@ class W4ANVFP4Linear(GPTQLinear):
 
         Raises:
           TypeError, ValueError: what :meth:`GPTQLinear.from_packed` refuses, the class
-            constraints, and :func:`floatxq.int4.centered_int4`'s refusals (``g_idx`` not
+            constraints, and :func:`floatxq.centered_int4`'s refusals (``g_idx`` not
             ``arange(in) // 128``, a zero point other than 8, naming its group and column).
 
         Numerics: exact; the staged operands equal ``code - 8``.
@@ -562,7 +562,7 @@ class W4ANVFP4Linear(GPTQLinear):
             where it can): a module built on the CPU and moved to an SM 12.1 GPU afterwards.
 
         Raises:
-          ValueError: :func:`floatxq.int4.centered_int4`'s refusals (``g_idx`` not
+          ValueError: :func:`floatxq.centered_int4`'s refusals (``g_idx`` not
             ``arange(in) // 128``, a zero point other than 8: its group and column named); an
             ``activation_global_scale_bits`` that is not 0.0 or a positive finite FP32 value.
 
@@ -586,7 +586,7 @@ class W4ANVFP4Linear(GPTQLinear):
         The activation global scale is kept. Call :meth:`post_init` before the next forward.
 
         Args:
-          packed: a 4-bit :class:`floatxq.int4.GPTQPacked` of this module's shapes.
+          packed: a 4-bit :class:`floatxq.GPTQPacked` of this module's shapes.
           format: its ``qzeros`` convention (default: the module's).
 
         Raises:
@@ -730,7 +730,7 @@ class W4ANVFP4Linear(GPTQLinear):
             (:class:`floatxq.W4AActivation`): mode ``"w4a_nvfp4"`` (its codes, block scales,
             global scale and token scale are used as they are) or ``"w4afp8"`` (the W4A-FP8
             GEMM of its E4M3 tokens: the FP8 kernels where they run and ``route`` is not
-            ``"reference"``, else :func:`floatxq.w4a.w4a_fp8_linear_prepacked`).
+            ``"reference"``, else :func:`floatxq.w4a_fp8_linear_prepacked`).
 
         Returns:
           ``(*, out)`` in ``x``'s dtype (a carrier: ``model_dtype``, ``shape[:-1] + (out,)``).
@@ -767,7 +767,7 @@ class W4ANVFP4Linear(GPTQLinear):
         return torch.where(bits == 0, dynamic, bits.view(torch.float32))
 
     def _forward_tensor(self, x: Tensor) -> Tensor:
-        from floatxq.w4a_activation import pack_activation
+        from floatxq.w4a.activation import pack_activation
 
         where = "W4ANVFP4Linear"
         if x.dtype not in W4A_OUTPUT_DTYPES:

@@ -326,11 +326,11 @@ def w4a_fp8_linear_error_bound(
     must divide 128) and then across groups in FP32; the bounds are those of
     :func:`fp8_linear_error_bound` for these terms, the bias as the GEMM adds it (FP32 of its
     stored value) and one rounding to ``output_dtype``. ``exact`` is the float64 value of
-    :func:`floatxq.w4a.w4a_fp8_linear_prepacked` before any rounding.
+    :func:`floatxq.w4a_fp8_linear_prepacked` before any rounding.
 
     Numerics: float64 on ``codes``' device.
     """
-    from floatxq.w4a import centered_weight
+    from floatxq.w4a.linear import centered_weight
 
     chunk = accumulation.chunk
     if 128 % chunk:
@@ -368,7 +368,7 @@ def w4a_nvfp4_linear_error_bound(
     The terms are ``t_k = a[m, k] · c[k, n] · group_scales[k // 128, n] · global_scale ·
     token_scale[m]`` in float64, ``a = e2m1(code) · block_scale`` the exact decoded activation
     without the global scale and ``c`` the centered weight; ``exact`` is the float64 value of
-    :func:`floatxq.w4a.w4a_nvfp4_linear_prepacked` before any rounding (the bias as the GEMM adds
+    :func:`floatxq.w4a_nvfp4_linear_prepacked` before any rounding (the bias as the GEMM adds
     it: FP32 of its stored value). The result bounds both routes, element by element the larger
     of their bounds:
 
@@ -397,7 +397,7 @@ def w4a_nvfp4_linear_error_bound(
     can exceed it). Products and sums away from FP32's subnormals (scales of ordinary size).
 
     Raises:
-      TypeError, ValueError: as :func:`floatxq.w4a.w4a_nvfp4_linear_prepacked`; an
+      TypeError, ValueError: as :func:`floatxq.w4a_nvfp4_linear_prepacked`; an
         ``accumulation`` that is not an :class:`Accumulation` or whose chunk does not divide
         128.
 
@@ -413,8 +413,8 @@ def w4a_nvfp4_linear_error_bound(
       >>> b.exact.tolist(), bool((b.statistical <= b.worst_case).all())
       ([[384.0, 384.0]], True)
     """
-    from floatxq.nvfp4_operand import nvfp4_decode_swizzled
-    from floatxq.w4a import _check_nvfp4_operands, _weight_planes
+    from floatxq.nvfp4.operand import nvfp4_decode_swizzled
+    from floatxq.w4a.linear import _check_nvfp4_operands, _weight_planes
 
     where = "w4a_nvfp4_linear_error_bound"
     if not isinstance(accumulation, Accumulation):

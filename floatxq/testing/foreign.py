@@ -7,7 +7,7 @@ and returns the dense FP32 decode of what it wrote: the oracle a loader's output
 
 The quantizers are a few lines each, written here from each producer's formula and sharing nothing
 with floatxq's readers; only the NVFP4 code and block-scale choice comes from
-:func:`floatxq.nvfp4.nvfp4_block_scales`, while nibble order, the 128x4 scale swizzle and the
+:func:`floatxq.nvfp4_block_scales`, while nibble order, the 128x4 scale swizzle and the
 global-scale direction are this module's own. Every ``*_proj`` linear of the decoder layers is
 quantized; embeddings, norms and ``lm_head`` stay bf16.
 
@@ -41,7 +41,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from floatxq._typing import Float, Float8e4m3fn, Float32, Tensor, UInt8
-from floatxq.nvfp4 import nvfp4_block_scales
+from floatxq.nvfp4.quantize import nvfp4_block_scales
 
 __all__ = [
     "ForeignCheckpoint",

@@ -46,8 +46,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from floatxq._typing import Float, Int32, Integer, Tensor, checked_record
-from floatxq.int4 import GPTQPacked
-from floatxq.nvfp4 import NVFP4Blocks
+from floatxq.gptq.int4 import GPTQPacked
+from floatxq.nvfp4.quantize import NVFP4Blocks
 
 F32 = np.finfo(np.float32)
 

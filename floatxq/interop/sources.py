@@ -21,8 +21,8 @@ import torch
 
 from floatxq._checks import require_tensor
 from floatxq._typing import Float, Shaped, Tensor
-from floatxq.e2m1 import e2m1_decode, unpack_e2m1
 from floatxq.fp8 import decode_e8m0
+from floatxq.nvfp4.e2m1 import e2m1_decode, unpack_e2m1
 
 __all__ = [
     "MODELOPT_ACTIVATION_REFUSAL",
@@ -122,7 +122,7 @@ def read_hf_quant_config(
     Raises:
       CheckpointError: with ``strict``, naming the file and the fault. Numerics: none.
     """
-    from floatxq.lifecycle.checkpoint import CheckpointError  # lazy: lifecycle is a layer above
+    from floatxq.interop.checkpoint import CheckpointError  # lazy: lifecycle is a layer above
 
     file = Path(path)
     file = file / HF_QUANT_CONFIG_FILE if file.is_dir() else file
@@ -703,7 +703,7 @@ def fp4_module_from_source(
     its FP32 reciprocal.
     """
     from floatxq.nn.fp4_linear import TorchFP4Linear
-    from floatxq.nvfp4_layouts import (
+    from floatxq.nvfp4.layouts import (
         nvfp4_from_comfy,
         nvfp4_from_compressed_tensors,
         nvfp4_from_modelopt,

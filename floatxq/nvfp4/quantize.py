@@ -1,7 +1,7 @@
 """NVFP4: the FP32 global scale, the E4M3 block-scale search, quantize / dequantize / qdq.
 
 An NVFP4 tensor is three things, each named by its direction (all multiply to decode):
-  * ``codes``: E2M1 codes (:mod:`floatxq.e2m1`), two per byte when packed;
+  * ``codes``: E2M1 codes (:mod:`floatxq.nvfp4.e2m1`), two per byte when packed;
   * ``block_scales``: one E4M3 scale per 16 consecutive values of the last axis;
   * ``global_scale``: one FP32 scale; ``x ≈ e2m1(code) * float(block_scale) * global_scale``.
 
@@ -14,8 +14,8 @@ least-squares refinements, a grid of neighbouring E4M3 codes, or every E4M3 scal
 agree bit for bit. All division is IEEE FP32 division by a tensor (never ``tensor /
 python_float``, which CUDA turns into a multiply by the rounded reciprocal).
 
-The tensor-core layout of the block scales is :mod:`floatxq.swizzle`, activation calibration
-:mod:`floatxq.headroom`, and the per-recipe quality report :mod:`floatxq.nvfp4_report`.
+The tensor-core layout of the block scales is :mod:`floatxq.nvfp4.swizzle`, activation calibration
+:mod:`floatxq.nvfp4.headroom`, and the per-recipe quality report :mod:`floatxq.nvfp4.report`.
 """
 
 import math
@@ -33,7 +33,6 @@ from floatxq._checks import (
     to_float32,
 )
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor, UInt8, checked_record
-from floatxq.e2m1 import _e2m1_index, _e2m1_table, e2m1_decode, pack_e2m1, unpack_e2m1
 from floatxq.formats import (
     FLOAT32_MAX,
     FP8_E4M3_MAX,
@@ -46,6 +45,7 @@ from floatxq.formats import (
     nvfp4_kernel_recipe,
     nvfp4_uses_headroom,
 )
+from floatxq.nvfp4.e2m1 import _e2m1_index, _e2m1_table, e2m1_decode, pack_e2m1, unpack_e2m1
 
 __all__ = [
     "NVFP4Blocks",

@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from floatxq.config import GPTQConfig
-from floatxq.lifecycle.checkpoint import (
+from floatxq.interop.checkpoint import (
     CONFIG_FILE,
     QUANTIZE_CONFIG_FILE,
     header_metadata,
     read_json,
     tensor_infos,
 )
-from floatxq.lifecycle.layouts import _ct_int_schemes, decide_layout, read_gptq_config
-from floatxq.lifecycle.payload import payload_format, payload_method
+from floatxq.interop.layouts import _ct_int_schemes, decide_layout, read_gptq_config
+from floatxq.interop.payload import payload_format, payload_method
 
 
 class CheckpointReport(NamedTuple):
@@ -36,7 +36,7 @@ class CheckpointReport(NamedTuple):
     """Declared quantization method (``quantization_config``), None for a plain model."""
     format: str | None
     layout: str
-    """Who wrote it: a key of :data:`~floatxq.lifecycle.layouts.READ_LAYOUTS`."""
+    """Who wrote it: a key of :data:`~floatxq.interop.layouts.READ_LAYOUTS`."""
     convention: str
     """A key of :data:`SCALE_CONVENTIONS`."""
     family: str | None
@@ -187,7 +187,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
     """Describe a local model directory from its ``config.json`` and safetensors headers.
 
     The layout and scale convention are decided exactly as :func:`floatxq.load` decides them
-    (:func:`floatxq.lifecycle.layouts.decide_layout`), so a directory ``load`` refuses is
+    (:func:`floatxq.interop.layouts.decide_layout`), so a directory ``load`` refuses is
     refused here with the same error.
 
     Raises:

@@ -18,7 +18,7 @@ import torch
 
 from floatxq._typing import Float, Float32, Int64, Tensor, checked_record
 from floatxq.formats import FP8_E4M3_MAX
-from floatxq.nvfp4 import _blocks_of
+from floatxq.nvfp4.quantize import _blocks_of
 
 __all__ = [
     "HeadroomConfig",

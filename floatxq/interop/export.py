@@ -63,7 +63,7 @@ from torch import nn
 
 from floatxq._typing import Float, Float32, Int32, Tensor
 from floatxq.config import FP8Config, GPTQConfig
-from floatxq.lifecycle.payload import fp8_config_to_payload, gptq_config_to_payload
+from floatxq.interop.payload import fp8_config_to_payload, gptq_config_to_payload
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
 __all__ = [
@@ -333,7 +333,7 @@ def _gptq_layouts(module: nn.Module, facts: _GptqFacts) -> list[str]:
 
 def _v2_zero_words(module: nn.Module) -> Int32[Tensor, "groups words"]:
     """The module's ``qzeros`` in the ``gptq_v2`` convention (the logical zero in every field)."""
-    from floatxq.int4 import convert_gptq_format
+    from floatxq.gptq.int4 import convert_gptq_format
 
     if module.format == "gptq_v2":
         return module.qzeros
@@ -362,7 +362,7 @@ def _gptq_module_tensors(
     name: str, module: nn.Module, resolved: GPTQConfig | None, fmt: str, heads: set[str]
 ) -> dict[str, Tensor]:
     """One module's tensors in the ``gptq`` layout, after checking the config describes them."""
-    from floatxq.int4 import convert_gptq_format
+    from floatxq.gptq.int4 import convert_gptq_format
 
     what = _describe_gptq(module)
     if resolved is None:
@@ -416,10 +416,18 @@ def _gptq_module_tensors(
     return tensors
 
 
+def output_embedding_names(model: nn.Module) -> set[str]:
+    """The names under which ``model`` holds its output embedding (``lm_head`` and aliases)."""
+    names = {"lm_head"}
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if head is not None:
+        names.update(n for n, m in model.named_modules() if m is head)
+    return names
+
+
 def _gptq_export(model: nn.Module, modules: _Modules, config: Any, layout: str) -> LayoutExport:
     """The ``gptq`` files (``gptqmodel`` writes the same for a GPTQ model)."""
-    from floatxq.lifecycle.fp8 import _output_embedding_names
-
     if not isinstance(config, GPTQConfig):
         raise TypeError(
             f"export: layout {layout!r} writes GPT-QModel's GPTQ payload from a GPTQConfig; got "
@@ -429,7 +437,7 @@ def _gptq_export(model: nn.Module, modules: _Modules, config: Any, layout: str) 
     for name, module in modules.fp8:
         raise _refuse(layout, name, _describe_fp8(module), why, _fp8_layouts(module))
     _check_no_nvfp4(layout, modules, why)
-    heads = _output_embedding_names(model)
+    heads = output_embedding_names(model)
     replaced: dict[str, dict[str, Tensor]] = {}
     for name, module in modules.gptq:
         resolved = config.resolve(name) if name not in heads or config.lm_head else None
@@ -701,7 +709,7 @@ def export_layout(
     ``nn.Linear`` modules) and returns new tensors and dicts; the model is not changed.
 
     * ``"gptqmodel"``: ``model.state_dict()`` as it is; ``quantize_config`` =
-      :func:`~floatxq.lifecycle.payload.fp8_config_to_payload`; ``quantization_config`` = that
+      :func:`~floatxq.interop.payload.fp8_config_to_payload`; ``quantization_config`` = that
       payload with ``activation_scheme`` = :data:`GPTQMODEL_REFUSAL_MARKER`. For a model with
       GPTQ modules, the ``"gptq"`` files.
     * ``"gptq"``: ``model.state_dict()`` with each ``GPTQLinear``'s ``qweight``, ``qzeros``,
@@ -710,7 +718,7 @@ def export_layout(
       other one; with an NVFP4 activation policy, each W4A-NVFP4 module's int32
       ``activation_global_scale_bits`` too (GPT-QModel's name and form). ``quantize_config``
       and ``quantization_config`` =
-      :func:`~floatxq.lifecycle.payload.gptq_config_to_payload` (``quant_method: "gptq"``,
+      :func:`~floatxq.interop.payload.gptq_config_to_payload` (``quant_method: "gptq"``,
       ``checkpoint_format`` = ``format``). The config must describe every module as readers will
       take it: the module's bits and group size, ``sym`` only when every zero point is
       ``2**(bits-1)``, ``desc_act`` when ``g_idx`` reorders the groups, and no zero point of 0

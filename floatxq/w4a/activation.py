@@ -21,7 +21,7 @@ NVFP4 decodes as ``((e2m1(code) · block_scale) · global_scale) · token_scale`
 ``token_scale`` lets a caller fold a per-token factor (a norm's ``1/rms``, a routing weight) into
 the activation without re-quantizing it: :meth:`W4AActivation.rescale_tokens` touches neither
 codes nor block scales. :func:`pack_activation` builds a carrier with the pure quantizers
-(:mod:`floatxq.fp8`, :mod:`floatxq.nvfp4`), or with the Triton FP8 pack where it runs (the same
+(:mod:`~floatxq.fp8`, :mod:`~floatxq.nvfp4.quantize`), or with the Triton FP8 pack where it runs (the same
 bytes).
 """
 
@@ -40,7 +40,6 @@ from floatxq._checks import (
     to_float32,
 )
 from floatxq._typing import Float, Float32, Shaped, Tensor
-from floatxq.e2m1 import pack_e2m1
 from floatxq.formats import (
     GPTQ_W4A_GROUP_SIZE,
     NVFP4_BLOCK,
@@ -51,8 +50,14 @@ from floatxq.formats import (
     normalize_nvfp4_recipe,
 )
 from floatxq.fp8 import fp8_token_quantize
-from floatxq.nvfp4 import _saturated, nvfp4_block_scales, nvfp4_dequantize, nvfp4_global_scale
-from floatxq.swizzle import swizzle_scales_per_group, unswizzle_scales_per_group
+from floatxq.nvfp4.e2m1 import pack_e2m1
+from floatxq.nvfp4.quantize import (
+    _saturated,
+    nvfp4_block_scales,
+    nvfp4_dequantize,
+    nvfp4_global_scale,
+)
+from floatxq.nvfp4.swizzle import swizzle_scales_per_group, unswizzle_scales_per_group
 
 __all__ = ["W4A_ACTIVATION_MODES", "W4AActivation", "W4AActivationMode", "pack_activation"]
 

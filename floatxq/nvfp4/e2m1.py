@@ -3,7 +3,7 @@
 A code is ``sign << 3 | index``, ``index`` pointing into :data:`~floatxq.formats.E2M1_VALUES`
 (``0, 0.5, 1, 1.5, 2, 3, 4, 6``); code 8 is ``-0.0``. Two codes share a byte, the even element
 (lower index along the last axis) in the low nibble. The block scales and the scale search that
-put real tensors on this grid live in :mod:`floatxq.nvfp4`; ``docs/numerics.md`` states the
+put real tensors on this grid live in :mod:`floatxq.nvfp4.quantize`; ``docs/numerics.md`` states the
 contract.
 """
 

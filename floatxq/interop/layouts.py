@@ -12,7 +12,7 @@ decided from metadata only, never from magnitudes:
    ``<module>.comfy_quant`` tensors.
 
 Anything left undecided, or metadata that contradicts itself, is refused with
-:class:`~floatxq.lifecycle.checkpoint.CheckpointError` naming the file and field. Reading then
+:class:`~floatxq.interop.checkpoint.CheckpointError` naming the file and field. Reading then
 turns each module's tensors into the module that runs them: FP8 sources become
 :class:`~floatxq.nn.fp8_linear.TorchFP8Linear` (codes untouched; multiplying scales turned into
 inverse ones with one FP32 reciprocal each, exact for powers of two), NVFP4 sources become
@@ -33,14 +33,14 @@ import torch
 from torch import nn
 
 from floatxq.config import GPTQConfig
-from floatxq.lifecycle.checkpoint import (
+from floatxq.interop.checkpoint import (
     CONFIG_FILE,
     QUANTIZE_CONFIG_FILE,
     CheckpointError,
     TensorInfo,
     read_json,
 )
-from floatxq.lifecycle.payload import gptq_config_from_payload, payload_method
+from floatxq.interop.payload import gptq_config_from_payload, payload_method
 
 SIDECAR_FILE = "hf_quant_config.json"
 GPTQMODEL_MARKER_PREFIX = "unsupported"
@@ -103,7 +103,7 @@ class LayoutDecision(NamedTuple):
     convention: str
     """A key of :data:`SCALE_CONVENTIONS`."""
     family: str | None
-    """The native family (:func:`floatxq.sources.native_floatx_source_format`), or None."""
+    """The native family (:func:`floatxq.native_floatx_source_format`), or None."""
     scheme: str | None
     """The declared scheme: a compressed-tensors format, a ModelOpt ``quant_algo``, an FP8 dtype."""
     evidence: str
@@ -139,7 +139,7 @@ def _is_gptqmodel_payload(payload: Mapping[str, Any]) -> bool:
 def _decide_fp8(
     root: Path, qconfig: Mapping[str, Any], quantize_config: Mapping[str, Any] | None
 ) -> LayoutDecision:
-    from floatxq.sources import is_mimo_mixed_source
+    from floatxq.interop.sources import is_mimo_mixed_source
 
     config_file = root / CONFIG_FILE
     if _lower(qconfig.get("store_dtype")) == "mxfp4" or is_mimo_mixed_source(
@@ -355,7 +355,7 @@ def decide_layout(
 
     Numerics: none; metadata only.
     """
-    from floatxq.sources import native_floatx_source_format, read_hf_quant_config
+    from floatxq.interop.sources import native_floatx_source_format, read_hf_quant_config
 
     base = Path(root)
     names = [info.name for info in infos]
@@ -517,8 +517,8 @@ def _fp8_module(
     dtype: torch.dtype,
     file: str,
 ) -> nn.Module:
-    """:func:`floatxq.sources.fp8_module_from_source`, its errors naming the tensor and file."""
-    from floatxq.sources import fp8_module_from_source
+    """:func:`floatxq.fp8_module_from_source`, its errors naming the tensor and file."""
+    from floatxq.interop.sources import fp8_module_from_source
 
     try:
         return fp8_module_from_source(
@@ -536,8 +536,8 @@ def _fp8_module(
 def _fp4_module(
     source: ModuleSource, layout: str, original: nn.Module, dtype: torch.dtype, file: str, **kw: Any
 ) -> nn.Module:
-    """:func:`floatxq.sources.fp4_module_from_source`, its errors naming the module and file."""
-    from floatxq.sources import fp4_module_from_source
+    """:func:`floatxq.fp4_module_from_source`, its errors naming the module and file."""
+    from floatxq.interop.sources import fp4_module_from_source
 
     shape = (original.out_features, original.in_features)
     try:
@@ -661,7 +661,7 @@ def read_module(
     if layout == "mimo":
         raise CheckpointError(
             f"load: {where}: MiMo mixed sources need the mimo_v2 architecture, which transformers "
-            f"does not have; decode their tensors with floatxq.sources.decode_mimo_weight"
+            f"does not have; decode their tensors with floatxq.interop.sources.decode_mimo_weight"
         )
     if layout == "comfy":
         if "comfy_quant" not in keys:
@@ -785,7 +785,7 @@ def _build_gptq(
     where: str,
 ) -> nn.Module:
     """:meth:`GPTQLinear.from_packed` on checked tensors, its errors naming the module."""
-    from floatxq.int4 import GPTQPacked
+    from floatxq.gptq.int4 import GPTQPacked
     from floatxq.nn.gptq_linear import GPTQLinear
 
     try:
@@ -1066,7 +1066,7 @@ def _mx_dense(
     source: ModuleSource, codes: torch.Tensor, element: str, dtype: torch.dtype, where: str
 ) -> nn.Module:
     """An MX module decoded to a dense ``nn.Linear`` (no MX runtime module exists)."""
-    from floatxq.sources import decode_mx_weight
+    from floatxq.interop.sources import decode_mx_weight
 
     try:
         dense = decode_mx_weight(

@@ -5,7 +5,7 @@ multiple of 128 and columns a multiple of 4, then cut into 128×4 tiles stored o
 (row tiles outer, column tiles inner); inside a tile the scale of row ``r`` and column ``c`` sits
 at ``(r % 32)·16 + ((r % 128) // 32)·4 + c % 4``. Activations are swizzled per 128-column group
 (8 block columns) so each group's scales are contiguous. Padding slots hold 0. The scales
-themselves come from :mod:`floatxq.nvfp4`; ``docs/numerics.md`` states the contract.
+themselves come from :mod:`floatxq.nvfp4.quantize`; ``docs/numerics.md`` states the contract.
 """
 
 import torch

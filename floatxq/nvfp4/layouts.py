@@ -1,6 +1,6 @@
 """NVFP4 weights as each producer stores them, converted to and from one canonical record.
 
-Every producer stores the same three things (:mod:`floatxq.nvfp4`): E2M1 codes two per byte, one
+Every producer stores the same three things (:mod:`~floatxq.nvfp4.quantize`): E2M1 codes two per byte, one
 E4M3 scale per 16 values of K, and one FP32 tensor scale. They differ in nibble order, in the
 layout of the block scales and in the direction of the tensor scale:
 
@@ -27,8 +27,8 @@ import torch
 from floatxq._checks import require_e4m3_scales, require_tensor
 from floatxq._typing import Float8e4m3fn, Float32, Shaped, Tensor, UInt8, checked_record
 from floatxq.formats import FLOAT32_TINY, NVFP4_BLOCK
-from floatxq.nvfp4 import nvfp4_dequantize
-from floatxq.swizzle import unswizzle_scales
+from floatxq.nvfp4.quantize import nvfp4_dequantize
+from floatxq.nvfp4.swizzle import unswizzle_scales
 
 __all__ = [
     "NVFP4Weight",
@@ -44,7 +44,7 @@ __all__ = [
 
 _E4M3 = torch.float8_e4m3fn
 _SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # widen to FP32 exactly
-_TILE_ROWS, _TILE_COLS = 128, 4  # the 128x4 swizzle tile of floatxq.swizzle
+_TILE_ROWS, _TILE_COLS = 128, 4  # the 128x4 swizzle tile of floatxq.nvfp4.swizzle
 
 
 @checked_record
@@ -52,7 +52,7 @@ class NVFP4Weight(NamedTuple):
     """An NVFP4 weight ``[out, in]`` in the canonical (ModelOpt) layout.
 
     Decode: ``e2m1(code) * float32(block_scale) * global_scale``, exactly
-    :func:`floatxq.nvfp4.nvfp4_dequantize`.
+    :func:`floatxq.nvfp4_dequantize`.
     """
 
     packed: UInt8[Tensor, "out half"]
@@ -470,9 +470,9 @@ def nvfp4_dequantize_weight(
     """Decode the record: ``(e2m1(code) * float32(block_scale)) * global_scale`` -> ``dtype``.
 
     Raises:
-      TypeError, ValueError: as :func:`floatxq.nvfp4.nvfp4_dequantize`.
+      TypeError, ValueError: as :func:`floatxq.nvfp4_dequantize`.
 
-    Numerics: exactly :func:`floatxq.nvfp4.nvfp4_dequantize` (the code-scale product is exact
+    Numerics: exactly :func:`floatxq.nvfp4_dequantize` (the code-scale product is exact
     in FP32, one rounding for the global scale, one into ``dtype``).
 
     Example:

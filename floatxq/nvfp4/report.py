@@ -1,6 +1,6 @@
 """How close each NVFP4 scale recipe gets to the exact optimum on a given tensor.
 
-:func:`recipes_report` runs the recipes of :mod:`floatxq.nvfp4` on one tensor and measures each
+:func:`recipes_report` runs the recipes of :mod:`~floatxq.nvfp4.quantize` on one tensor and measures each
 against ``exhaustive`` (the best of all 126 positive E4M3 block scales under the same global
 scale): its summed block SSE, the relative MSE of its decoded output and the share of blocks at
 the optimum. ``floatxq recipes`` and ``benchmarks/recipes.py`` print it.
@@ -14,7 +14,7 @@ import torch
 
 from floatxq._typing import Float, Tensor, checked_record
 from floatxq.formats import NVFP4_BLOCK, NVFP4Recipe, NVFP4RecipeName, normalize_nvfp4_recipe
-from floatxq.nvfp4 import (
+from floatxq.nvfp4.quantize import (
     _blocks_of,
     nvfp4_block_scales,
     nvfp4_block_sse,

@@ -3,24 +3,24 @@
 A ``(rows, K)`` activation (``K`` a multiple of 128) becomes
 
 * ``packed``: ``float4_e2m1fn_x2 (rows, K/2)``, two E2M1 codes per byte, element ``2j`` in the
-  low nibble (:func:`floatxq.e2m1.pack_e2m1`);
+  low nibble (:func:`floatxq.pack_e2m1`);
 * ``scales``: ``float8_e4m3fn (K/128, padded_rows·8)``, the E4M3 block scales of each 128-wide K
-  group laid out ``SWIZZLE_32_4_4`` on their own (:func:`floatxq.swizzle.swizzle_scales_per_group`),
+  group laid out ``SWIZZLE_32_4_4`` on their own (:func:`floatxq.swizzle_scales_per_group`),
   rows padded to a multiple of 128 with scale 0;
 
 with one FP32 global scale beside them. These are the pure references of the Triton kernels
 ``nvfp4_pack_and_swizzle`` and ``nvfp4_decode`` (:mod:`floatxq.kernels.nvfp4`), which must equal
-them bit for bit. The block-scale search is :func:`floatxq.nvfp4.nvfp4_block_scales`.
+them bit for bit. The block-scale search is :func:`floatxq.nvfp4_block_scales`.
 """
 
 import torch
 
 from floatxq._checks import require_data, require_floating, require_tensor
 from floatxq._typing import Float, Float8e4m3fn, Shaped, Tensor
-from floatxq.e2m1 import pack_e2m1
 from floatxq.formats import NVFP4_BLOCK, NVFP4RecipeName, normalize_nvfp4_recipe
-from floatxq.nvfp4 import _validated_global_scale, nvfp4_block_scales, nvfp4_dequantize
-from floatxq.swizzle import swizzle_scales_per_group, unswizzle_scales_per_group
+from floatxq.nvfp4.e2m1 import pack_e2m1
+from floatxq.nvfp4.quantize import _validated_global_scale, nvfp4_block_scales, nvfp4_dequantize
+from floatxq.nvfp4.swizzle import swizzle_scales_per_group, unswizzle_scales_per_group
 
 __all__ = ["NVFP4_OPERAND_GROUP", "nvfp4_decode_swizzled", "nvfp4_pack_swizzled", "padded_rows"]
 
@@ -68,7 +68,7 @@ def nvfp4_pack_swizzled(
     Args:
       x: ``(rows, K)`` floating activations, finite; ``K`` a positive multiple of 128.
       global_scale: one positive finite FP32 value (a number or a one-element tensor).
-      recipe: the block-scale recipe (:func:`floatxq.nvfp4.nvfp4_block_scales`; aliases
+      recipe: the block-scale recipe (:func:`floatxq.nvfp4_block_scales`; aliases
         accepted).
 
     Returns:
@@ -80,7 +80,7 @@ def nvfp4_pack_swizzled(
         a global scale that is not one positive finite value, an unknown recipe.
       TypeError: a non-floating ``x``, a global scale that is not a real number.
 
-    Numerics: exactly :func:`floatxq.nvfp4.nvfp4_block_scales` (codes with the input's sign
+    Numerics: exactly :func:`floatxq.nvfp4_block_scales` (codes with the input's sign
     bit, E4M3 scales), codes packed even-low, scales swizzled per 128-wide group with padding 0.
 
     Example:
@@ -163,7 +163,7 @@ def nvfp4_decode_swizzled(
       TypeError: codes that are not uint8 / ``float4_e2m1fn_x2``, scales that are not
         ``float8_e4m3fn``, another ``out_dtype``, tensors on different devices.
 
-    Numerics: as :func:`floatxq.nvfp4.nvfp4_dequantize`: the code-scale product is exact in
+    Numerics: as :func:`floatxq.nvfp4_dequantize`: the code-scale product is exact in
     FP32, one rounding for the global scale, one into ``out_dtype`` after clamping to its largest
     finite magnitude. Padding rows of the layout are not read.
 

@@ -7,7 +7,7 @@ same operands).
 
 W4A-FP8 (a symmetric 4-bit GPTQ weight with groups of 128 and ``desc_act=False``): ``x`` is
 quantized per token to E4M3 (:func:`floatxq.fp8_token_quantize`), the weight is the centered
-integer ``c = code - 8`` (exact in E4M3, :func:`floatxq.int4.int4_to_e4m3`), and
+integer ``c = code - 8`` (exact in E4M3, :func:`floatxq.int4_to_e4m3`), and
 
     out[m, n] = (Σ_g scales[g, n] · Σ_{k in group g} codes[m, k] · c[k, n]) · row_scale[m] + bias[n]
 
@@ -15,19 +15,19 @@ with each group's 128 products summed in FP32 (every product of an E4M3 code and
 magnitude ≤ 8 is exact), the groups added in ascending order, the token scale applied once at the
 end, then the bias, then one rounding to the output dtype.
 
-W4A-NVFP4 (the same GPTQ weight): ``x`` is an NVFP4 operand (:mod:`floatxq.nvfp4_operand`:
+W4A-NVFP4 (the same GPTQ weight): ``x`` is an NVFP4 operand (:mod:`floatxq.nvfp4.operand`:
 E2M1 codes, swizzled E4M3 block scales, one FP32 global scale ``gs``), and
 
     out[m, n] = (Σ_g scales[g, n] · Σ_{k in group g} a[m, k] · c[k, n]) · gs · token_scale[m]
                 + bias[n]
 
 with ``a = e2m1(code) · block_scale`` (exact in FP32, no global scale) and ``c = low + 4·high``
-multiplied as its two exact E2M1 planes (:func:`floatxq.int4.split_int4_planes`), as NVFP4
+multiplied as its two exact E2M1 planes (:func:`floatxq.split_int4_planes`), as NVFP4
 tensor cores do: per group the planes' FP32 sums are recombined, scaled and added in ascending
 order (:func:`w4a_nvfp4_accumulate_group`), then the global scale, the token scale, the bias and
 one rounding.
 
-W4A16: the weight decoded exactly as :func:`floatxq.int4.dequantize_gptq` does, rounded once to
+W4A16: the weight decoded exactly as :func:`floatxq.dequantize_gptq` does, rounded once to
 ``x``'s dtype, then ``F.linear`` (FP32 accumulation) and the bias in ``x``'s dtype: what
 :class:`floatxq.nn.GPTQLinear` computes.
 """
@@ -47,15 +47,15 @@ from floatxq._checks import (
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor
 from floatxq.formats import GPTQ_W4A_GROUP_SIZE, NVFP4RecipeName, normalize_nvfp4_recipe
 from floatxq.fp8 import fp8_token_quantize
-from floatxq.int4 import (
+from floatxq.gptq.int4 import (
     GPTQPacked,
     Int4Planes,
     _unpack_fields,
     dequantize_gptq,
     split_int4_planes,
 )
-from floatxq.nvfp4 import _validated_global_scale, nvfp4_global_scale
-from floatxq.nvfp4_operand import nvfp4_decode_swizzled, nvfp4_pack_swizzled, padded_rows
+from floatxq.nvfp4.operand import nvfp4_decode_swizzled, nvfp4_pack_swizzled, padded_rows
+from floatxq.nvfp4.quantize import _validated_global_scale, nvfp4_global_scale
 
 __all__ = [
     "W4A_OUTPUT_DTYPES",
@@ -278,7 +278,7 @@ def w4a16_linear(
 
     Args:
       x: ``(m, k)`` floating activations.
-      packed: a :class:`floatxq.int4.GPTQPacked` (any group layout, 2/4/8 bits).
+      packed: a :class:`floatxq.GPTQPacked` (any group layout, 2/4/8 bits).
       bias: ``(n,)`` floating or None (cast to ``x``'s dtype).
       bits: the code width of ``packed``.
       format: ``"gptq"`` (v1 zeros) or ``"gptq_v2"``.
@@ -287,13 +287,13 @@ def w4a16_linear(
       ``(m, n)`` in ``x.dtype``.
 
     Raises:
-      TypeError, ValueError: as :func:`floatxq.int4.dequantize_gptq`; ``x`` not ``(m, k)``.
+      TypeError, ValueError: as :func:`floatxq.dequantize_gptq`; ``x`` not ``(m, k)``.
 
     Numerics: ``W = round_x.dtype(float32(scale) · (code - zero))`` (exact product), then
     ``F.linear(x, W, bias)`` with FP32 accumulation.
 
     Example:
-      >>> from floatxq.int4 import pack_gptq_int4
+      >>> from floatxq.gptq.int4 import pack_gptq_int4
       >>> p = pack_gptq_int4(torch.full((128, 8), 9), torch.full((1, 8), 8),
       ...     torch.full((1, 8), 0.5), torch.zeros(128, dtype=torch.int32))
       >>> w4a16_linear(torch.ones(1, 128), p)[0, :2].tolist()
@@ -365,7 +365,7 @@ def w4a_nvfp4_accumulate_group(
     """One 128-row group of the W4A-NVFP4 GEMM folded into the running FP32 sum.
 
     The NVFP4 tensor cores multiply the activation by the two exact E2M1 planes of the INT4
-    weight (``c = low + 4·high``, :func:`floatxq.int4.split_int4_planes`) side by side, giving
+    weight (``c = low + 4·high``, :func:`floatxq.split_int4_planes`) side by side, giving
     ``both = [Σ a·low | Σ a·high]``; this step recombines them with the GPTQ group scale.
 
     Args:
@@ -546,7 +546,7 @@ def w4a_nvfp4_linear_prepacked(
       codes: ``(m, k/2)`` ``float4_e2m1fn_x2`` or ``uint8`` packed E2M1 codes (element ``2j``
         in the low nibble); ``k`` a positive multiple of 128.
       scales: ``float8_e4m3fn (k/128, padded_rows(m)·8)`` block scales, swizzled per 128-wide
-        group (:func:`floatxq.nvfp4_operand.nvfp4_pack_swizzled`).
+        group (:func:`floatxq.nvfp4_pack_swizzled`).
       global_scale: the activation's global scale: one positive finite value (read as FP32).
       weight: the centered weight as ``int32 (k/8, n)`` symmetric GPTQ words or a
         ``float8_e4m3fn (k, n)`` staged operand (see :func:`centered_weight`).
@@ -622,8 +622,8 @@ def w4a_nvfp4_linear(
       weight, group_scales, bias: as :func:`w4a_nvfp4_linear_prepacked`.
       global_scale: one positive finite value (read as FP32), or None for the dynamic one:
         :func:`floatxq.nvfp4_global_scale` of ``max|x|`` over the whole tensor on ``x.dtype``'s
-        grid (1 for no rows), as :func:`floatxq.w4a_activation.pack_activation` derives it.
-      recipe: the block-scale recipe (:func:`floatxq.nvfp4.nvfp4_block_scales`; aliases
+        grid (1 for no rows), as :func:`floatxq.pack_activation` derives it.
+      recipe: the block-scale recipe (:func:`floatxq.nvfp4_block_scales`; aliases
         accepted).
 
     Returns:
@@ -633,8 +633,8 @@ def w4a_nvfp4_linear(
       TypeError, ValueError: as :func:`w4a_nvfp4_linear_prepacked`; NaN or infinity in ``x``,
         an unknown recipe.
 
-    Numerics: :func:`floatxq.nvfp4_operand.nvfp4_pack_swizzled` with that global scale (the
-    bytes :func:`floatxq.w4a_activation.pack_activation` makes), then
+    Numerics: :func:`floatxq.nvfp4_pack_swizzled` with that global scale (the
+    bytes :func:`floatxq.pack_activation` makes), then
     :func:`w4a_nvfp4_linear_prepacked` with ``output_dtype = x.dtype``.
 
     Example:
