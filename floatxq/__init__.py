@@ -167,6 +167,7 @@ from floatxq.nvfp4.quantize import (
     nvfp4_block_scales,
     nvfp4_block_sse,
     nvfp4_dequantize,
+    nvfp4_dynamic_global_scale,
     nvfp4_global_scale,
     nvfp4_quantize,
 )
@@ -368,6 +369,7 @@ __all__ = [
     "nvfp4_from_compressed_tensors",
     "nvfp4_from_modelopt",
     "nvfp4_from_torchao",
+    "nvfp4_dynamic_global_scale",
     "nvfp4_global_scale",
     "nvfp4_kernel_recipe",
     "nvfp4_linear",

@@ -17,6 +17,7 @@ from floatxq.nvfp4.quantize import (
     nvfp4_block_scales,
     nvfp4_block_sse,
     nvfp4_dequantize,
+    nvfp4_dynamic_global_scale,
     nvfp4_global_scale,
     nvfp4_quantize,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "nvfp4_block_scales",
     "nvfp4_block_sse",
     "nvfp4_dequantize",
+    "nvfp4_dynamic_global_scale",
     "nvfp4_global_scale",
     "nvfp4_quantize",
     "pack_e2m1",

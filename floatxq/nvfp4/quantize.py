@@ -210,10 +210,38 @@ def _device_global_scale(
     return scale
 
 
+def nvfp4_dynamic_global_scale(
+    x: Float[Tensor, "*shape"], *, recipe: NVFP4RecipeName = "least_squares"
+) -> Float32[Tensor, ""]:
+    """The dynamic global scale of a whole activation tensor, computed where ``x`` lives.
+
+    :func:`nvfp4_global_scale` of ``max|x|`` over every element, rounded through ``x.dtype``'s
+    grid when it is float16, bfloat16 or float32; 1 for an empty ``x``. Every dynamic NVFP4
+    activation (the W4A modules, the activation stream, its replay) takes its scale from here.
+
+    Raises:
+      ValueError: an unknown recipe. No host read: a non-finite ``x`` gives a non-finite scale
+      (callers that must refuse it check ``x`` first).
+
+    Numerics: the maximum is exact; one IEEE FP32 division by ``448·6`` or ``448·4``; one
+    nearest-even rounding through ``x.dtype``'s grid (a result that rounds to 0 keeps its FP32
+    value). Equal to ``nvfp4_global_scale(x.abs().amax(), grid_dtype=x.dtype, recipe=recipe)``.
+
+    Example:
+      >>> nvfp4_dynamic_global_scale(torch.full((2, 16), 1792.0)).item()
+      1.0
+    """
+    if x.numel() == 0:
+        return torch.ones((), dtype=torch.float32, device=x.device)
+    amax = x.detach().abs().amax().to(torch.float32)
+    grid = x.dtype if x.dtype in _GRID_DTYPES else None
+    return _device_global_scale(amax, grid_dtype=grid, recipe=normalize_nvfp4_recipe(recipe))
+
+
 def _resolve_global_scale(
     x: Tensor, global_scale: Tensor | float | None, recipe: str, *, where: str
 ) -> Tensor:
-    if global_scale is None:
+    if global_scale is None:  # checked: an amax beyond FP32's range is refused, not inf
         amax = x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
         grid = x.dtype if x.dtype in _GRID_DTYPES else None
         return nvfp4_global_scale(amax, grid_dtype=grid, recipe=recipe)
