@@ -332,8 +332,8 @@ def _raw_anchors(x, weight, dense, r1, r128) -> dict:
 
 
 def forward() -> None:
+    from floatxq.dispatch import FP8RouteTuning
     from floatxq.nn import TorchFP8Linear
-    from floatxq.nn.route_policy import FP8RouteTuning
 
     small_m = FP8RouteTuning().small_m_rows
     print(f"== forward: N = K = {K}, x bfloat16, times in microseconds (median)")

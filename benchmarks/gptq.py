@@ -25,14 +25,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from floatxq.gptq.solve import (
-    GPTQSolveOptions,
-    gptq_solve,
-    hessian_finalize,
-    hessian_init,
-    hessian_update,
-    rtn_quantize,
-)
+from floatxq.gptq.hessian import hessian_finalize, hessian_init, hessian_update
+from floatxq.gptq.solve import GPTQSolveOptions, gptq_solve, rtn_quantize
 
 BITS, GROUP, BLOCK, DAMP = 4, 128, 128, 0.05
 

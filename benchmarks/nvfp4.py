@@ -33,7 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from w4a import _gptq, _option, copies_for, eager_us, graph_us
 
 import floatxq as fq
-from floatxq.gptq.int4 import centered_int4, int4_to_e4m3
+from floatxq.gptq.planes import centered_int4, int4_to_e4m3
 from floatxq.kernels import nvfp4 as nvfp4_kernels
 from floatxq.nvfp4.operand import nvfp4_pack_swizzled
 

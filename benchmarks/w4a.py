@@ -48,7 +48,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import floatxq as fq
-from floatxq.gptq.int4 import centered_int4, int4_to_e4m3, pack_gptq_int4
+from floatxq.gptq.int4 import pack_gptq
+from floatxq.gptq.planes import centered_int4, int4_to_e4m3
 from floatxq.kernels import w4a16 as w4a16_kernels
 from floatxq.kernels import w4a_fp8 as w4a_fp8_kernels
 
@@ -133,7 +134,7 @@ def _gptq(n: int, k: int, seed: int):
     zeros = torch.full((k // 128, n), 8, device="cuda")
     scales = torch.rand(k // 128, n, device="cuda", generator=g) * 0.01 + 0.001
     g_idx = torch.arange(k, dtype=torch.int32, device="cuda") // 128
-    return pack_gptq_int4(codes, zeros, scales, g_idx, format="gptq")
+    return pack_gptq(codes, zeros, scales, g_idx, format="gptq")
 
 
 def _tinygemm(n: int, k: int):
@@ -291,7 +292,7 @@ def _streamed(base, make, **stream):
 
 def _route(model, device: torch.device) -> str:
     """The route the model's W4A-NVFP4 modules take on ``device`` ('' for a model without)."""
-    from floatxq.nn.w4a_nvfp4_linear import w4a_nvfp4_route
+    from floatxq.dispatch import w4a_nvfp4_route
 
     layer = next((m for m in model.modules() if isinstance(m, fq.W4ANVFP4Linear)), None)
     if layer is None:

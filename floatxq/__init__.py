@@ -18,6 +18,16 @@ from floatxq.config import (
     GPTQConfig,
     backend_for_activation,
 )
+from floatxq.dispatch import (
+    ROUTES,
+    FP8RouteChoice,
+    FP8RouteFacts,
+    FP8RouteTuning,
+    RoutePreference,
+    pack_activation,
+    quantize_fp8_weight_auto,
+    select_fp8_route,
+)
 from floatxq.formats import (
     E2M1_VALUES,
     FLOAT32_MAX,
@@ -63,33 +73,25 @@ from floatxq.fp8 import (
     infer_scale_layout,
     quantize_fp8_weight,
 )
+from floatxq.gptq.hessian import HessianState, hessian_finalize, hessian_init, hessian_update
 from floatxq.gptq.int4 import (
-    E2M1Planes,
     GPTQPacked,
     GPTQUnpacked,
-    Int4Planes,
-    centered_int4,
     convert_gptq_format,
     dequantize_gptq,
+    pack_gptq,
+    unpack_gptq,
+)
+from floatxq.gptq.planes import (
+    E2M1Planes,
+    Int4Planes,
+    centered_int4,
     int4_planes_to_e2m1,
     int4_to_e4m3,
     merge_int4_planes,
-    pack_gptq,
-    pack_gptq_int4,
     split_int4_planes,
-    unpack_gptq,
-    unpack_gptq_int4,
 )
-from floatxq.gptq.solve import (
-    GPTQSolution,
-    GPTQSolveOptions,
-    HessianState,
-    gptq_solve,
-    hessian_finalize,
-    hessian_init,
-    hessian_update,
-    rtn_quantize,
-)
+from floatxq.gptq.solve import GPTQSolution, GPTQSolveOptions, gptq_solve, rtn_quantize
 from floatxq.interop.sources import (
     MODELOPT_ACTIVATION_REFUSAL,
     SOURCE_FAMILIES,
@@ -121,28 +123,21 @@ from floatxq.kernels import (
     nvfp4_linear,
     nvfp4_linear_prepacked,
     nvfp4_pack_and_swizzle,
-    quantize_fp8_weight_auto,
     quantize_fp8_weight_kernel,
     w4a16_linear_kernel,
 )
 from floatxq.nn import (
-    ROUTES,
     ConvGeometry,
-    FP8RouteChoice,
-    FP8RouteFacts,
-    FP8RouteTuning,
     GPTQLinear,
     TorchFP4Linear,
     TorchFP8Linear,
     W4AFP8Linear,
     W4ANVFP4Linear,
-    select_fp8_route,
 )
 from floatxq.nvfp4.e2m1 import e2m1_decode, e2m1_encode, e2m1_round, pack_e2m1, unpack_e2m1
 from floatxq.nvfp4.headroom import (
     HeadroomConfig,
     HeadroomState,
-    NVFP4ActivationHeadroom,
     headroom_amax,
     headroom_init,
     headroom_percentile,
@@ -187,7 +182,6 @@ from floatxq.w4a.activation import (
     W4A_ACTIVATION_MODES,
     W4AActivation,
     W4AActivationMode,
-    pack_activation,
 )
 from floatxq.w4a.linear import (
     W4A_OUTPUT_DTYPES,
@@ -211,9 +205,11 @@ _LAZY = {
     "evaluate_lm": "floatxq.lifecycle",
     "inspect_checkpoint": "floatxq.lifecycle",
     "install_w4a_llama_stream": "floatxq.lifecycle",
+    "install_w4a_stream": "floatxq.lifecycle.stream",
     "installed_w4a_stream": "floatxq.lifecycle",
     "load": "floatxq.lifecycle",
     "uninstall_w4a_llama_stream": "floatxq.lifecycle",
+    "uninstall_w4a_stream": "floatxq.lifecycle.stream",
 }
 
 
@@ -280,7 +276,6 @@ __all__ = [
     "HeadroomState",
     "HessianState",
     "Int4Planes",
-    "NVFP4ActivationHeadroom",
     "NVFP4Blocks",
     "NVFP4Packed",
     "NVFP4Recipe",
@@ -290,6 +285,7 @@ __all__ = [
     "QuantizedModel",
     "RecipeRow",
     "RecipesReport",
+    "RoutePreference",
     "ScaleDirection",
     "SourceFamily",
     "TorchFP4Linear",
@@ -341,6 +337,7 @@ __all__ = [
     "infer_scale_layout",
     "inspect_checkpoint",
     "install_w4a_llama_stream",
+    "install_w4a_stream",
     "installed_w4a_stream",
     "int4_planes_to_e2m1",
     "int4_to_e4m3",
@@ -365,11 +362,11 @@ __all__ = [
     "nvfp4_dequantize",
     "nvfp4_dequantize_kernel",
     "nvfp4_dequantize_weight",
+    "nvfp4_dynamic_global_scale",
     "nvfp4_from_comfy",
     "nvfp4_from_compressed_tensors",
     "nvfp4_from_modelopt",
     "nvfp4_from_torchao",
-    "nvfp4_dynamic_global_scale",
     "nvfp4_global_scale",
     "nvfp4_kernel_recipe",
     "nvfp4_linear",
@@ -383,7 +380,6 @@ __all__ = [
     "pack_activation",
     "pack_e2m1",
     "pack_gptq",
-    "pack_gptq_int4",
     "quantize_fp8_weight",
     "quantize_fp8_weight_auto",
     "quantize_fp8_weight_kernel",
@@ -397,9 +393,9 @@ __all__ = [
     "swizzle_scales",
     "swizzle_scales_per_group",
     "uninstall_w4a_llama_stream",
+    "uninstall_w4a_stream",
     "unpack_e2m1",
     "unpack_gptq",
-    "unpack_gptq_int4",
     "unswizzle_scales",
     "unswizzle_scales_per_group",
     "w4a16_linear",

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from floatxq.formats import FLOAT32_MAX, FP8_FORMATS
+
 
 def require_tensor(x: Any, *, name: str, where: str) -> None:
     """``TypeError`` unless ``x`` is a ``torch.Tensor``."""
@@ -67,15 +69,6 @@ def require_data(x: Tensor, *, name: str, where: str) -> None:
         )
 
 
-_FP8_DTYPE_NAMES = (
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-)
-
-
 def require_fp8(x: Any, *, name: str, where: str) -> None:
     """``TypeError`` unless ``x`` is a tensor of an FP8 dtype (E8M0 included).
 
@@ -83,7 +76,7 @@ def require_fp8(x: Any, *, name: str, where: str) -> None:
     bit patterns of FP8 codes unless they are viewed as such (``x.view(torch.float8_e4m3fn)``).
     """
     require_tensor(x, name=name, where=where)
-    accepted = [n for n in _FP8_DTYPE_NAMES if hasattr(torch, n)]
+    accepted = [n for n in FP8_FORMATS if hasattr(torch, n)]
     if str(x.dtype).removeprefix("torch.") not in accepted:
         hint = (
             "; integer values are not FP8 bit patterns: view the bytes with "
@@ -110,7 +103,7 @@ def to_float32(x: Tensor, *, name: str, where: str) -> Tensor:
         if bool(over.any()):
             raise ValueError(
                 f"{where}: {name} has {int(over.sum())} value(s) that exceed FP32's range "
-                f"(|x| <= {torch.finfo(torch.float32).max:.7g}), such as "
+                f"(|x| <= {FLOAT32_MAX:.7g}), such as "
                 f"{x[over][:4].tolist()}; floatxq computes in FP32"
             )
     return x32
@@ -171,7 +164,7 @@ def real_scalar(value: Any, *, name: str, where: str, device: torch.device) -> T
         except OverflowError:  # an int beyond float64
             raise ValueError(
                 f"{where}: {name} is an integer of {int(value).bit_length()} bits, which exceeds "
-                f"FP32's range (|x| <= {torch.finfo(torch.float32).max:.7g})"
+                f"FP32's range (|x| <= {FLOAT32_MAX:.7g})"
             ) from None
     else:
         raise TypeError(
@@ -179,3 +172,31 @@ def real_scalar(value: Any, *, name: str, where: str, device: torch.device) -> T
             f"tensor), got {type(value).__name__} {value!r:.40}"
         )
     return to_float32(scalar, name=name, where=where).to(device)
+
+
+def fp8_scale_shape(
+    rows: int, cols: int, method: str, block: tuple[int, int] | None, *, where: str
+) -> tuple[int, ...]:
+    """The stored shape of an ``(rows, cols)`` FP8 weight's inverse scales in one layout.
+
+    ``()`` for ``tensor``, ``(rows,)`` for ``row``, ``(rows // br, cols // bc)`` for ``block``
+    with ``block = (br, bc)`` (block rows index output rows). ``ValueError`` (named with
+    ``where``) when the block does not tile the weight: floatxq never pads.
+
+    Example:
+      >>> fp8_scale_shape(256, 512, "block", (128, 128), where="f")
+      (2, 4)
+    """
+    if method == "tensor":
+        return ()
+    if method == "row":
+        return (rows,)
+    if method != "block" or block is None:
+        raise ValueError(f"{where}: unknown scale layout {method!r} with block {block!r}")
+    br, bc = block
+    if br <= 0 or bc <= 0 or rows % br or cols % bc:
+        raise ValueError(
+            f"{where}: weight shape ({rows}, {cols}) is not divisible by weight_block_size "
+            f"{[br, bc]} (block rows index output rows); floatxq never pads"
+        )
+    return (rows // br, cols // bc)

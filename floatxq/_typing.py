@@ -31,6 +31,8 @@ from jaxtyping import (
 )
 from torch import Tensor
 
+from floatxq.formats import FP8_FORMATS
+
 _R = TypeVar("_R", bound=type)
 
 
@@ -111,13 +113,7 @@ class Float4e2m1fnx2(AbstractDtype):
 class FP8Dtype(AbstractDtype):
     """Any FP8 storage dtype floatxq handles (E8M0 included)."""
 
-    dtypes = [  # noqa: RUF012
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-    ]
+    dtypes = list(FP8_FORMATS)  # noqa: RUF012
 
 
 __all__ = [

@@ -441,7 +441,7 @@ def _recipe_input(source: str, tensor: str | None, size: int):
     if source == "outliers":
         x = torch.randn(size, size, generator=g)
         return torch.where(torch.rand(size, size, generator=g) < 1e-3, x * 50, x).bfloat16()
-    from floatxq.interop.checkpoint import iter_tensors
+    from floatxq.interop.shards import iter_tensors
 
     if tensor is None:
         raise ValueError("--tensor NAME is needed with a checkpoint --source")

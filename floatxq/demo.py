@@ -17,7 +17,7 @@ from torch import nn
 from floatxq.config import FP8Config, GPTQConfig
 from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
 from floatxq.lifecycle.evaluate import EvalReport, evaluate_lm, reference_logprobs
-from floatxq.lifecycle.model import load
+from floatxq.lifecycle.loading import load
 from floatxq.nvfp4.quantize import nvfp4_block_qdq
 
 FP8_PATHS: tuple[tuple[str, FP8Config], ...] = (
@@ -39,8 +39,8 @@ W4A_PATHS: tuple[tuple[str, dict[str, Any], int], ...] = (
 )
 """W4A GPTQ rows: name, activation policy (``GPTQConfig(activation=...)``), and the divisor of the
 calibration windows the row solves on. ``exhaustive`` takes a quarter of them: on the CPU its
-reference search costs about 16× ``least_squares`` per activation, in the solve's replay and in
-the evaluation alike, and the full set would make it most of the demo's time."""
+reference search (the windowed scan of ``docs/numerics.md``) still costs about 4× ``least_squares``
+per activation, in the solve's replay and in the evaluation alike."""
 
 
 class DemoRow(NamedTuple):

@@ -31,6 +31,12 @@ E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 NVFP4_BLOCK: int = 16
 """Elements per NVFP4 block (one E4M3 scale each), taken along the last (K) axis."""
 
+SWIZZLE_TILE_ROWS: int = 128
+"""Rows of one ``SWIZZLE_32_4_4`` tile of NVFP4 block scales (``rows x 4`` scales per tile)."""
+
+SWIZZLE_TILE_COLS: int = 4
+"""Scale columns (blocks of 16 along K) of one ``SWIZZLE_32_4_4`` tile."""
+
 NVFP4_E4M3_SEARCH_RADIUS: int = 8
 """Offsets ``-8..8`` around the least-squares scale code tried by ``least_squares_grid``."""
 
@@ -39,6 +45,12 @@ NVFP4_SCALE_MIN: float = 2.0**-9
 
 NVFP4_SCALE_MAX: float = FP8_E4M3_MAX
 """Upper clamp for NVFP4 block scales."""
+
+FP16_MAX: float = 65504.0
+"""Largest finite float16 value (``torch.finfo(torch.float16).max``)."""
+
+MODEL_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+"""The floating dtypes floatxq's layers read and write (activations, outputs, model weights)."""
 
 FLOAT32_TINY: float = float(torch.finfo(torch.float32).tiny)
 """Smallest positive normal float32 (``FLT_MIN``): the amax floor of FP8 weight scales."""
@@ -52,14 +64,23 @@ FLOAT32_SMALLEST_SUBNORMAL: float = 2.0**-149
 GPTQ_BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
 """Code widths the GPTQ solver and checkpoints accept."""
 
-GPTQ_W4A_GROUP_SIZE: int = 128
-"""Group size that every W4A (FP8/NVFP4 activation) GPTQ checkpoint uses."""
+K_GROUP: int = 128
+"""The 128-wide K group: the group size of every W4A (FP8/NVFP4 activation) GPTQ checkpoint, the K
+span of one FP8 blockwise scale (``(1, 128)`` activations, ``(128, 128)`` weights) and one staged
+NVFP4 operand group (eight blocks of 16)."""
 
 W4AActivationMode = Literal["w4afp8", "w4a_nvfp4"]
 """How a W4A layer quantizes its activations: per-token E4M3, or NVFP4 with swizzled scales."""
 
 W4A_ACTIVATION_MODES: tuple[W4AActivationMode, ...] = ("w4afp8", "w4a_nvfp4")
 """The W4A activation modes, FP8 first."""
+
+NVFP4_DEFAULT_RECIPE: Literal["least_squares"] = "least_squares"
+"""The NVFP4 block-scale recipe used when none is named (weights, activations, streams)."""
+
+ACTIVATION_SCALE_BITS: str = "activation_global_scale_bits"
+"""The buffer (and checkpoint leaf) name of a W4A-NVFP4 module's activation global scale: one
+int32, the bit pattern of an FP32 scale (0.0: derived per call), GPT-QModel's name and form."""
 
 # --------------------------------------------------------------------------------------------
 # FP8 format names
@@ -178,6 +199,19 @@ def normalize_fp8_format(value: object) -> FP8Format:
 FP8WeightFormat = Literal["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
 """An FP8 format that can hold weights and activations (every FP8 format but decode-only E8M0)."""
 
+FP8_WEIGHT_FORMATS: tuple[FP8WeightFormat, ...] = typing.get_args(FP8WeightFormat)
+"""Every :data:`FP8WeightFormat`: :data:`FP8_FORMATS` without the decode-only E8M0."""
+
+FP8_DTYPES: frozenset[torch.dtype] = frozenset(
+    getattr(torch, name) for name in FP8_FORMATS if hasattr(torch, name)
+)
+"""The FP8 ``torch.dtype`` objects of :data:`FP8_FORMATS` that the installed torch provides."""
+
+FP8_WEIGHT_DTYPES: frozenset[torch.dtype] = frozenset(
+    getattr(torch, name) for name in FP8_WEIGHT_FORMATS if hasattr(torch, name)
+)
+"""The FP8 ``torch.dtype`` objects that hold codes (:data:`FP8_DTYPES` without E8M0)."""
+
 
 def normalize_fp8_weight_format(value: object, *, where: str = "format") -> FP8WeightFormat:
     """:func:`normalize_fp8_format`, refusing the decode-only E8M0 (it holds MX scales, not values).
@@ -195,8 +229,7 @@ def normalize_fp8_weight_format(value: object, *, where: str = "format") -> FP8W
     if name in FP8_DECODE_ONLY_FORMATS:
         raise ValueError(
             f"{where}: {name} (from {value!r}) is decode-only (E8M0 holds power-of-two MX scales, "
-            f"not values); accepted: float8_e4m3fn, float8_e5m2, float8_e4m3fnuz, "
-            f"float8_e5m2fnuz or their aliases"
+            f"not values); accepted: {', '.join(FP8_WEIGHT_FORMATS)} or their aliases"
         )
     return name  # type: ignore[return-value]
 

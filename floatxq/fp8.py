@@ -15,6 +15,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from floatxq._checks import (
+    fp8_scale_shape,
     require_data,
     require_finite,
     require_floating,
@@ -29,6 +30,7 @@ from floatxq.formats import (
     FLOAT32_SMALLEST_SUBNORMAL,
     FLOAT32_TINY,
     FP8_E4M3_MAX,
+    K_GROUP,
     FP8Format,
     FP8ScaleMethod,
     fp8_max,
@@ -445,6 +447,20 @@ def _scale_layout(
     return None
 
 
+def fp32_reciprocal(scale: Float[Tensor, "*shape"]) -> Float32[Tensor, "*shape"]:
+    """``fl(1 / scale)`` in FP32: one IEEE division (never a reciprocal-multiply), exact for
+    powers of two; the turn between inverse and direct scales, both ways.
+
+    No checks: callers validate ``scale`` (0 gives inf, as IEEE division does).
+
+    Example:
+      >>> fp32_reciprocal(torch.tensor([4.0, 3.0])).tolist()
+      [0.25, 0.3333333432674408]
+    """
+    s = scale.to(torch.float32)
+    return torch.ones_like(s) / s
+
+
 def direct_to_inverse_scale(scale: Float[Tensor, "*shape"]) -> Float32[Tensor, "*shape"]:
     """Turn direct scales (multiply to decode) into inverse scales (divide to decode).
 
@@ -470,7 +486,7 @@ def direct_to_inverse_scale(scale: Float[Tensor, "*shape"]) -> Float32[Tensor, "
     require_finite(s, name="scale", where=where)
     if s.numel() and bool((s < 0).any()):
         raise ValueError("direct_to_inverse_scale: scale has negative entries; scales are >= 0")
-    inverse = torch.ones_like(s) / s
+    inverse = fp32_reciprocal(s)
     if s.numel() and bool(((s > 0) & torch.isinf(inverse)).any()):
         raise ValueError(
             "direct_to_inverse_scale: scale has positive entries below 1/FLT_MAX (~2.9e-39) whose "
@@ -642,7 +658,12 @@ tensor scales (``x`` per tensor, in the weight's format), row scales (``x`` per 
 _RECIPE_X: Mapping[str, tuple[FP8ScaleMethod, tuple[int, int] | None]] = {
     "tensorwise": ("tensor", None),
     "rowwise": ("row", None),
-    "blockwise": ("block", (1, 128)),
+    "blockwise": ("block", (1, K_GROUP)),
+}
+_RECIPE_W: Mapping[str, tuple[FP8ScaleMethod, tuple[int, int] | None]] = {
+    "tensorwise": ("tensor", None),
+    "rowwise": ("row", None),
+    "blockwise": ("block", (K_GROUP, K_GROUP)),
 }
 
 
@@ -657,34 +678,27 @@ def fp8_scaled_linear(
     """``x @ W.T + bias`` as the FP8 GEMM routes compute it: ``x`` quantized, both operands FP8.
 
     The pure reference of ``TorchFP8Linear``'s ``scaled_mm`` routes and of the Triton small-M
-    kernel. ``x`` is quantized with the weight formula (``scale_inv = fp8_max / max(amax,
-    FLT_MIN)``, :func:`quantize_fp8_weight`) per tensor in the weight's format (``tensorwise``),
-    per row in E4M3 (``rowwise``) or per 1×128 block in E4M3 (``blockwise``); then
-    ``out[m, n] = Σ_k code_x[m, k] · code_w[n, k] · sx · sw + bias[n]`` with direct scales
-    ``sx = 1 / scale_inv_x`` and ``sw = 1 / weight_scale_inv`` (FP32 IEEE quotients, as the GEMMs
-    are given them); for ``blockwise`` each 128-wide K block's partial sum takes its own
-    ``sx[m, kb] · sw[n // 128, kb]``.
+    kernel. ``x`` is quantized with the weight formula (:func:`quantize_fp8_weight`) per tensor
+    in the weight's format, per row in E4M3 or per 1×128 block in E4M3, as the recipe says; then
+    ``out[m, n] = Σ_k code_x · code_w · sx · sw + bias[n]`` with the direct scales
+    ``sx``, ``sw`` = :func:`fp32_reciprocal` of the inverse ones (blockwise: per 128-wide K block).
 
     Args:
       x: ``(m, k)`` floating activations (finite).
       weight: ``(n, k)`` FP8 codes (``float8_e4m3fn``; ``float8_e5m2`` for ``rowwise``).
-      weight_scale_inv: FP32 inverse scales: ``()`` (tensorwise), ``(n,)`` (rowwise) or
-        ``(n/128, k/128)`` (blockwise).
+      weight_scale_inv: FP32 inverse scales: ``()``, ``(n,)`` or ``(n/128, k/128)``.
       bias: ``(n,)`` or None; added after it is rounded to ``x.dtype`` (as the routes pass it).
       recipe: one of :data:`FP8_SCALED_RECIPES`.
 
-    Returns:
-      ``(m, n)`` in ``x.dtype``.
+    Returns ``(m, n)`` in ``x.dtype``.
 
     Raises:
       ValueError: an unknown recipe, mismatched shapes or scale layout, non-finite ``x``, a
         ``weight_scale_inv`` entry that is zero, negative, NaN or infinite.
-      TypeError: ``weight`` is not an FP8 tensor the recipe takes, ``x`` is not floating, meta
-        tensors.
+      TypeError: ``weight`` not an FP8 dtype the recipe takes, ``x`` not floating, meta tensors.
 
-    Numerics: products and sums in float64 (exact products, sums to ~2**-53), rounded to FP32
-    and then once to ``x.dtype``; a GEMM accumulating in FP32 differs from it only by its FP32
-    summation order and scale roundings (the kernels' tests bound that difference per element).
+    Numerics: float64 products and sums, rounded to FP32 then once to ``x.dtype``; a GEMM
+    accumulating in FP32 differs only by summation order (``docs/numerics.md``).
 
     Example:
       >>> q = quantize_fp8_weight(torch.eye(2) * 448, weight_scale_method="tensor")  # scale 1
@@ -700,8 +714,8 @@ def fp8_scaled_linear(
         require_data(t, name=name, where=where)
     require_positive_finite(weight_scale_inv, name="weight_scale_inv", where=where)
     xq = _quantize_x(x, weight, recipe)
-    sw = torch.ones_like(weight_scale_inv) / weight_scale_inv
-    out = _scaled_sum(xq.qweight, weight, torch.ones_like(xq.scale_inv) / xq.scale_inv, sw, recipe)
+    sw = fp32_reciprocal(weight_scale_inv)
+    out = _scaled_sum(xq.qweight, weight, fp32_reciprocal(xq.scale_inv), sw, recipe)
     if bias is not None:
         out = out + bias.to(x.dtype).double()
     return out.float().to(x.dtype)
@@ -732,9 +746,9 @@ def _scaled_linear_arguments(
             f"{where}: the {recipe} recipe takes {' or '.join(allowed)} codes, got {name}"
         )
     k, n = x.shape[1], weight.shape[0]
-    if recipe == "blockwise" and (n % 128 or k % 128):
-        raise ValueError(f"{where}: blockwise needs n and k divisible by 128, got ({n}, {k})")
-    expected = {"tensorwise": (), "rowwise": (n,), "blockwise": (n // 128, k // 128)}[recipe]
+    if recipe == "blockwise" and (n % K_GROUP or k % K_GROUP):
+        raise ValueError(f"{where}: blockwise needs n and k divisible by {K_GROUP}, got ({n}, {k})")
+    expected = fp8_scale_shape(n, k, *_RECIPE_W[recipe], where=where)
     if tuple(scale.shape) != expected or scale.dtype != torch.float32:
         raise ValueError(
             f"{where}: the {recipe} recipe takes float32 {scale_name} of shape {expected}, got "
@@ -767,9 +781,9 @@ def _scaled_sum(
         cx, cw, sx, sw = cx.abs(), cw.abs(), sx.abs(), sw.abs()
     if recipe == "blockwise":
         (m, k), n = cx.shape, cw.shape[0]
-        kb = k // 128
-        parts = torch.einsum("mbk,nbk->mnb", cx.reshape(m, kb, 128), cw.reshape(n, kb, 128))
-        return (parts * sx[:, None, :] * sw.repeat_interleave(128, dim=0)[None, :, :]).sum(-1)
+        kb, g = k // K_GROUP, K_GROUP
+        parts = torch.einsum("mbk,nbk->mnb", cx.reshape(m, kb, g), cw.reshape(n, kb, g))
+        return (parts * sx[:, None, :] * sw.repeat_interleave(g, dim=0)[None, :, :]).sum(-1)
     if recipe == "rowwise":
         return (cx @ cw.T) * sx[:, None] * sw[None, :]
     return (cx @ cw.T) * (sx * sw)

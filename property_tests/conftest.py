@@ -2,6 +2,10 @@
 
 ``ci`` (the default of ``make test``): derandomized, few examples, every test well under a second.
 ``nightly``: thousands of random examples; run with ``HYPOTHESIS_PROFILE=nightly make test``.
+A property that runs several searches per example takes a fraction of the profile's examples
+(``settings(max_examples=max(10, settings.default.max_examples // k))``), so it scales with the
+profile. Every public pure function in ``floatxq.__all__`` has at least one property here; none is
+exempt.
 floatxq is not imported here: the jaxtyping import hook must see it first.
 """
 

@@ -108,7 +108,7 @@ def test_fp8_cast_is_clamp_then_nearest_even(values, name):
 # ------------------------------------------------------------------------------------------------
 
 
-@given(fp8_weight_cases())
+@given(fp8_weight_cases(max_blocks=(2, 3), max_shape=(6, 8)))  # the oracle loops in Python
 @example(FP8WeightCase("float8_e4m3fn", "row", None, ZERO_ROW_TINY))
 @example(FP8WeightCase("float8_e4m3fn", "tensor", None, DENORMAL_ONLY))
 @example(FP8WeightCase("float8_e5m2", "block", (1, 4), torch.zeros(1, 4)))

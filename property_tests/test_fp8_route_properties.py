@@ -12,8 +12,8 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from floatxq.dispatch import FP8RouteFacts, FP8RouteTuning, select_fp8_route
 from floatxq.formats import FP8_FORMATS
-from floatxq.nn import FP8RouteFacts, FP8RouteTuning, select_fp8_route
 
 SWITCHABLE = (
     "fp8_small_m",

@@ -44,7 +44,9 @@ def records(
     dtype = draw(st.sampled_from([torch.uint8, torch.int16, torch.int32, torch.int64]))
     codes = draw(int_arrays((rows, out), 0, top, dtype=dtype))
     zeros = draw(int_arrays((groups, out), 0, top, dtype=dtype))
-    scales = torch.from_numpy(draw(hnp.arrays(np.float16, (groups, out), elements=FINITE16)))
+    scales = torch.from_numpy(
+        draw(hnp.arrays(np.float16, (groups, out), elements=FINITE16, fill=FINITE16))
+    )
     g_idx = draw(int_arrays((rows,), 0, groups - 1, dtype=torch.int32))
     return Record(bits, codes, zeros, scales, g_idx)
 
@@ -57,7 +59,9 @@ def packed_words(draw: Any) -> tuple[int, fq.GPTQPacked]:
     words = draw(st.integers(1, 3))
     out = per * draw(st.integers(1, 3))
     groups = draw(st.integers(1, min(per * words, 8)))
-    scales = torch.from_numpy(draw(hnp.arrays(np.float16, (groups, out), elements=FINITE16)))
+    scales = torch.from_numpy(
+        draw(hnp.arrays(np.float16, (groups, out), elements=FINITE16, fill=FINITE16))
+    )
     return bits, fq.GPTQPacked(
         draw(int32_words((words, out))),
         draw(int32_words((groups, out // per))),
@@ -165,14 +169,14 @@ def test_dequantize_rounds_once_and_ignores_the_format(record, format, dtype):
 
 
 @given(records(bits=4), FORMATS)
-def test_bits_4_is_the_int4_function(record, format):
+def test_bits_defaults_to_4(record, format):
     general = _pack(record, format)
-    int4 = fq.pack_gptq_int4(record.codes, record.zeros, record.scales, record.g_idx, format=format)
+    int4 = fq.pack_gptq(record.codes, record.zeros, record.scales, record.g_idx, format=format)
     for a, b in zip(general, int4, strict=True):
         assert_bitwise_equal(a, b)
     for a, b in zip(
         fq.unpack_gptq(general, bits=4, format=format),
-        fq.unpack_gptq_int4(general, format=format),
+        fq.unpack_gptq(general, format=format),
         strict=True,
     ):
         assert_bitwise_equal(a, b)

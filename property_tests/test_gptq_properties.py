@@ -16,14 +16,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from floatxq.gptq.solve import (
-    GPTQSolveOptions,
-    gptq_solve,
-    hessian_finalize,
-    hessian_init,
-    hessian_update,
-    rtn_quantize,
-)
+from floatxq.gptq.hessian import hessian_finalize, hessian_init, hessian_update
+from floatxq.gptq.solve import GPTQSolveOptions, gptq_solve, rtn_quantize
 from floatxq.testing import assert_bitwise_equal
 from floatxq.testing.strategies import f32_values, matrices
 
@@ -377,7 +371,7 @@ def indefinite_hessians(draw):
     j = draw(st.integers(1, 40))
     fraction = draw(st.sampled_from([0.25, 0.5, 0.75]))
     out = draw(st.integers(1, 4))
-    weight = torch.from_numpy(draw(hnp.arrays(np.float32, (out, k), elements=NORMAL)))
+    weight = torch.from_numpy(draw(hnp.arrays(np.float32, (out, k), elements=NORMAL, fill=NORMAL)))
     return weight, gram, opts, j, fraction
 
 

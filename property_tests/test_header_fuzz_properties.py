@@ -20,12 +20,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from floatxq.interop.checkpoint import (
-    CheckpointError,
-    header_metadata,
-    iter_tensors,
-    tensor_infos,
-)
+from floatxq.interop.checkpoint import CheckpointError
+from floatxq.interop.shards import header_metadata, iter_tensors, tensor_infos
 
 # The safetensors format's dtypes as torch reads them.
 _TORCH = {

@@ -11,7 +11,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import floatxq.gptq.int4 as fq
+import floatxq as fq
 from floatxq.formats import E2M1_VALUES
 from floatxq.testing import assert_bitwise_equal
 from floatxq.testing.strategies import (
@@ -58,11 +58,11 @@ def _i32(word: int) -> int:
 @given(gptq_records(), FORMATS)
 @example(ALL_FIFTEEN, "gptq")
 def test_pack_then_unpack_is_the_identity(record, format):
-    packed = fq.pack_gptq_int4(*record, format=format)
+    packed = fq.pack_gptq(*record, format=format)
     rows, out = record.codes.shape
     assert packed.qweight.shape == (rows // 8, out) and packed.qweight.dtype == torch.int32
     assert packed.qzeros.shape == (record.zeros.shape[0], out // 8)
-    back = fq.unpack_gptq_int4(packed, format=format)
+    back = fq.unpack_gptq(packed, format=format)
     assert torch.equal(back.codes.to(torch.int64), record.codes.to(torch.int64))
     assert torch.equal(back.zeros.to(torch.int64), record.zeros.to(torch.int64))
     assert_bitwise_equal(back.scales, record.scales)
@@ -73,7 +73,7 @@ def test_pack_then_unpack_is_the_identity(record, format):
 @example(V2_ZERO_WORDS, "gptq")
 def test_unpack_then_pack_is_the_identity_on_any_words(packed, format):
     """Every int32 word is some codes' packing: with the test above, packing is a bijection."""
-    again = fq.pack_gptq_int4(*fq.unpack_gptq_int4(packed, format=format), format=format)
+    again = fq.pack_gptq(*fq.unpack_gptq(packed, format=format), format=format)
     for got, want in zip(again, packed, strict=True):
         assert_bitwise_equal(got, want)
 
@@ -81,7 +81,7 @@ def test_unpack_then_pack_is_the_identity_on_any_words(packed, format):
 @given(gptq_packed(), st.data())
 def test_words_hold_the_codes_lowest_row_in_the_lowest_nibble(packed, data):
     """``code[k, n] = (qweight[k // 8, n] >> 4 * (k % 8)) & 15``, read with Python integers."""
-    u = fq.unpack_gptq_int4(packed, format="gptq_v2")
+    u = fq.unpack_gptq(packed, format="gptq_v2")
     k = data.draw(st.integers(0, u.codes.shape[0] - 1))
     n = data.draw(st.integers(0, u.codes.shape[1] - 1))
     assert int(u.codes[k, n]) == (_u32(int(packed.qweight[k // 8, n])) >> 4 * (k % 8)) & 15
@@ -103,8 +103,8 @@ def test_format_conversion_is_word_arithmetic_and_exact(packed, source, target):
     assert got.qzeros.tolist() == expected
     for name in ("qweight", "scales", "g_idx"):
         assert_bitwise_equal(getattr(got, name), getattr(packed, name))
-    before = fq.unpack_gptq_int4(packed, format=source)
-    after = fq.unpack_gptq_int4(got, format=target)
+    before = fq.unpack_gptq(packed, format=source)
+    after = fq.unpack_gptq(got, format=target)
     assert_bitwise_equal(after.zeros, before.zeros)
     back = fq.convert_gptq_format(got, source=target, target=source)
     for a, b in zip(back, packed, strict=True):
@@ -113,9 +113,9 @@ def test_format_conversion_is_word_arithmetic_and_exact(packed, source, target):
 
 @given(gptq_records(), FORMATS, FORMATS)
 def test_conversion_equals_packing_in_the_other_format(record, source, target):
-    src = fq.pack_gptq_int4(*record, format=source)
+    src = fq.pack_gptq(*record, format=source)
     got = fq.convert_gptq_format(src, source=source, target=target)
-    for a, b in zip(got, fq.pack_gptq_int4(*record, format=target), strict=True):
+    for a, b in zip(got, fq.pack_gptq(*record, format=target), strict=True):
         assert_bitwise_equal(a, b)
 
 
@@ -126,7 +126,7 @@ def test_pack_rejects_a_code_outside_0_15(record, data):
     n = data.draw(st.integers(0, codes.shape[1] - 1))
     codes[k, n] = data.draw(st.one_of(st.integers(-(2**40), -1), st.integers(16, 2**40)))
     try:
-        fq.pack_gptq_int4(codes, record.zeros, record.scales, record.g_idx)
+        fq.pack_gptq(codes, record.zeros, record.scales, record.g_idx)
     except ValueError as err:
         assert "codes must lie in [0, 15]" in str(err) and str(int(codes[k, n])) in str(err)
     else:
@@ -142,7 +142,7 @@ def test_pack_rejects_a_code_outside_0_15(record, data):
 def test_centered_of_a_symmetric_g128_checkpoint_is_code_minus_eight(groups, n, data, format):
     rows, out = 128 * groups, 8 * n
     codes = data.draw(int_arrays((rows, out), 0, 15))
-    packed = fq.pack_gptq_int4(
+    packed = fq.pack_gptq(
         codes,
         torch.full((groups, out), 8),
         torch.ones(groups, out),
@@ -157,7 +157,7 @@ def test_centered_of_a_symmetric_g128_checkpoint_is_code_minus_eight(groups, n, 
     zero = data.draw(st.sampled_from([z for z in range(16) if z != 8]))
     zeros = torch.full((groups, out), 8)
     zeros[g, col] = zero
-    bad = fq.pack_gptq_int4(codes, zeros, torch.ones(groups, out), packed.g_idx, format=format)
+    bad = fq.pack_gptq(codes, zeros, torch.ones(groups, out), packed.g_idx, format=format)
     try:
         fq.centered_int4(bad, format=format)
     except ValueError as err:

@@ -9,6 +9,7 @@ import itertools
 import math
 import warnings
 
+import ml_dtypes
 import numpy as np
 import torch
 from hypothesis import example, given, settings
@@ -17,6 +18,7 @@ from hypothesis.extra import numpy as hnp
 
 import floatxq as fq
 from floatxq.testing import assert_bitwise_equal
+from floatxq.testing.reference import ref_e2m1_round
 from floatxq.testing.strategies import (
     f32_values,
     matrices,
@@ -268,6 +270,17 @@ def test_e2m1_round_is_idempotent_odd_and_nearest(x):
     assert bool(((r.abs()[finite] - m).abs() == nearest).all())  # no E2M1 value is closer
 
 
+@given(matrices(max_blocks=(2, 8), elements=f32_values(max_magnitude=16.0)))
+def test_e2m1_round_is_the_literal_oracle_and_ml_dtypes_cast(x):
+    # moved from tests/test_nvfp4.py (a fixed random sample): ties go to the even code
+    flat = x.flatten()
+    expected = torch.tensor([ref_e2m1_round(float(v))[0] for v in flat], dtype=torch.float32)
+    assert_bitwise_equal(fq.e2m1_round(flat), expected)
+    in_range = flat.clamp(-6, 6).numpy()  # ml_dtypes' float4 cast is RNE too, inside the range
+    ml = in_range.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    assert_bitwise_equal(fq.e2m1_round(torch.from_numpy(in_range)), torch.from_numpy(ml))
+
+
 # -- swizzle --------------------------------------------------------------------------------------
 
 
@@ -309,6 +322,38 @@ def test_per_group_swizzle_is_the_swizzle_of_each_group(scales):
         assert_bitwise_equal(swizzled[j], fq.swizzle_scales(scales[:, 8 * j : 8 * j + 8]))
     _padding_is_zero_and_values_are_permuted(swizzled, scales)
     assert_bitwise_equal(fq.unswizzle_scales_per_group(swizzled, rows=rows, cols=cols), scales)
+
+
+def _tile_offsets(rows: int, cols: int, padded_cols: int) -> torch.Tensor:
+    """``offset(r, c) = ((r//128)·(Cp/4) + c//4)·512 + (r%32)·16 + ((r%128)//32)·4 + c%4``."""
+    r = torch.arange(rows)[:, None]
+    c = torch.arange(cols)[None, :]
+    return (
+        ((r // 128) * (padded_cols // 4) + c // 4) * 512
+        + (r % 32) * 16
+        + ((r % 128) // 32) * 4
+        + c % 4
+    )
+
+
+@given(tagged_scales())
+def test_swizzle_places_row_r_column_c_at_the_tile_offset(scales):
+    # moved from tests/test_nvfp4.py (20 fixed shapes): the layout itself, slot by slot
+    rows, cols = scales.shape
+    swizzled = fq.swizzle_scales(scales)
+    offsets = _tile_offsets(rows, cols, -(-cols // 4) * 4)
+    assert_bitwise_equal(swizzled[offsets.flatten()], scales.flatten())
+
+
+@given(tagged_scales(col_multiple=8, byte=True))
+def test_per_group_swizzle_places_each_group_at_its_tile_offsets(scales):
+    # moved from tests/test_nvfp4.py (4 fixed row counts): group j holds columns 8j..8j+7
+    rows, cols = scales.shape
+    swizzled = fq.swizzle_scales_per_group(scales).view(torch.uint8)
+    offsets = _tile_offsets(rows, 8, 8).flatten()
+    for j in range(cols // 8):
+        group = scales[:, 8 * j : 8 * j + 8].view(torch.uint8).flatten()
+        assert_bitwise_equal(swizzled[j][offsets], group)
 
 
 # -- headroom calibration ------------------------------------------------------------------------

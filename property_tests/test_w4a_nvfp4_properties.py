@@ -68,7 +68,7 @@ def _packed(case: dict[str, Any]) -> fq.GPTQPacked:
     codes, scales = case["codes"], case["scales"]
     g_idx = torch.arange(codes.shape[0], dtype=torch.int32) // 128
     zeros = torch.full(scales.shape, 8)
-    return fq.pack_gptq_int4(codes, zeros, scales, g_idx, format="gptq")
+    return fq.pack_gptq(codes, zeros, scales, g_idx, format="gptq")
 
 
 def _staged(case: dict[str, Any]) -> torch.Tensor:

@@ -57,7 +57,7 @@ def _packed(weight: Any) -> fq.GPTQPacked:
     k, groups = codes.shape[0], scales.shape[0]
     g_idx = torch.arange(k, dtype=torch.int32) // 128
     zeros = torch.full((groups, codes.shape[1]), 8)
-    return fq.pack_gptq_int4(codes, zeros, scales, g_idx, format="gptq")
+    return fq.pack_gptq(codes, zeros, scales, g_idx, format="gptq")
 
 
 def _staged(packed: fq.GPTQPacked) -> torch.Tensor:

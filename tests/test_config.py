@@ -15,10 +15,9 @@ from floatxq.config import (
     DynamicRule,
     DynamicRules,
     FP8Config,
-    FP8WeightFormat,
     GPTQConfig,
 )
-from floatxq.formats import FP8_DECODE_ONLY_FORMATS, FP8_FORMATS
+from floatxq.formats import FP8_DECODE_ONLY_FORMATS, FP8_FORMATS, FP8WeightFormat
 from floatxq.interop.payload import (
     fp8_config_from_payload,
     fp8_config_to_payload,

@@ -9,11 +9,22 @@ from floatxq.demo import W4A_PATHS, plot_demo, run_demo
 W4A16 = "int4 gptq g128 (GPTQLinear, W4A16)"
 
 
+# Every test that takes the ``report`` fixture is marked slow: the fixture runs the whole demo
+# (pytest applies no mark placed on a fixture, so the mark sits on each test that uses it).
+slow = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def report():
     # 4 calibration windows instead of the CLI's 32 keep the six GPTQ solves short (the
     # exhaustive row then solves on one)
     return run_demo(max_windows=4, calibration_windows=4)
+
+
+@pytest.fixture
+def matplotlib():
+    """The optional ``plot`` extra: the chart test skips without it, before the demo runs."""
+    return pytest.importorskip("matplotlib")
 
 
 def _w4a_rows(report):
@@ -26,6 +37,7 @@ def _w4a_rows(report):
     return rows
 
 
+@slow
 def test_every_path_is_measured(report):
     names = [r.path for r in report.rows]
     assert names[0] == "bf16 (reference)"
@@ -38,6 +50,7 @@ def test_every_path_is_measured(report):
     assert report.tokens == 4 * 255
 
 
+@slow
 def test_quality_ordering_on_a_trained_model(report):
     rows = {r.path: r for r in report.rows}
     e4m3, e5m2 = rows["fp8 e4m3 row"], rows["fp8 e5m2 row"]
@@ -54,6 +67,7 @@ def test_quality_ordering_on_a_trained_model(report):
     assert rows["fp8 e4m3 row"].bytes < 0.6 * report.rows[0].bytes
 
 
+@slow
 def test_w4a_rows_run_the_packed_weights_with_quantized_activations(report):
     w4a = _w4a_rows(report)
     gptq = next(r for r in report.rows if r.path == W4A16)
@@ -62,9 +76,10 @@ def test_w4a_rows_run_the_packed_weights_with_quantized_activations(report):
         assert math.isfinite(row.perplexity) and row.kl_divergence > 0.0, name
         assert 0.0 < row.top1_agreement < 1.0, name
         # the same packed INT4 weights as W4A16 (staged operands are caches, not stored); an
-        # NVFP4 module adds one int32 activation global scale
+        # NVFP4 row adds only int32 activation global scales (the modules' and the stream's
+        # calibrated producer scales, held as buffers): a few hundred bytes, whole int32s
         extra = row.bytes - gptq.bytes
-        assert 0 <= extra <= 4 * 7 * 8, (name, extra)
+        assert 0 <= extra <= 1024 and extra % 4 == 0, (name, extra)
         assert (extra == 0) == name.startswith("int4 gptq W4A-FP8"), (name, extra)
     fp8 = w4a["int4 gptq W4A-FP8 (W4AFP8Linear)"]
     lsq = w4a["int4 gptq W4A-NVFP4 least_squares"]
@@ -82,7 +97,8 @@ def test_calibration_windows_must_be_positive():
         run_demo(max_windows=1, calibration_windows=0)
 
 
-def test_chart_is_a_png(report, tmp_path):
+@slow
+def test_chart_is_a_png(matplotlib, report, tmp_path):
     out = tmp_path / "demo.png"
     plot_demo(report, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

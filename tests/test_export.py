@@ -294,15 +294,48 @@ def _ct_reference(model: nn.Module, scheme, fmt: str | None, tmp_path: Path):
     return payload, model.state_dict()
 
 
+_UNSET = (None, {}, [])
+"""Values of an optional field that says nothing: what a release writes for a key it added."""
+
+
+def _assert_agrees(ours, reference, read, where: str = "quantization_config") -> None:
+    """floatxq's payload ``ours`` against compressed-tensors' own ``reference`` on what the format
+    defines, whatever keys a release adds. A key both write must hold the same value (nested
+    dicts compared key by key). A key only floatxq writes must be unset (an optional field this
+    release does not know). A key only the reference writes must be what compressed-tensors
+    itself reads from floatxq's payload (``read``: its parse of ``ours``), or unset: a field a
+    newer release adds with its default passes; a defined value floatxq leaves out fails."""
+    if not (isinstance(ours, dict) and isinstance(reference, dict)):
+        assert ours == reference, (
+            f"{where}: floatxq writes {ours!r}, compressed-tensors {reference!r}"
+        )
+        return
+    read = read if isinstance(read, dict) else {}
+    for key in sorted(ours.keys() | reference.keys()):
+        here = f"{where}.{key}"
+        if key in ours and key in reference:
+            _assert_agrees(ours[key], reference[key], read.get(key), here)
+        elif key in ours:
+            assert ours[key] in _UNSET, (
+                f"{here}: floatxq writes {ours[key]!r}; the reference has no such key"
+            )
+        elif key in read:
+            assert read[key] == reference[key], (
+                f"{here}: compressed-tensors writes {reference[key]!r}, and reads "
+                f"{read[key]!r} from floatxq's payload, which leaves it out"
+            )
+        else:
+            assert reference[key] in _UNSET, f"{here}: floatxq leaves out {reference[key]!r}"
+
+
 def _assert_like_ct(exported, reference, tmp_path) -> None:
     payload, state = reference
-    payload = dict(payload)
-    payload.pop("version")  # the writer's compressed-tensors version: floatxq is not it
-    assert exported.quantization_config == payload
-    # a fixed point of compressed-tensors' own schema
-    parsed = ct.quantization.QuantizationConfig.model_validate(exported.quantization_config)
-    extras = {"sparsity_config": {}, "transform_config": {}}
-    assert {**parsed.model_dump(), **extras} == exported.quantization_config
+    payload = {k: v for k, v in payload.items() if k != "version"}  # the writer's version
+    ours = exported.quantization_config
+    # compressed-tensors' own schema reads it, and keeps every value floatxq writes
+    read = ct.quantization.QuantizationConfig.model_validate(ours).model_dump()
+    _assert_agrees(ours, read, read, "quantization_config (as compressed-tensors reads it)")
+    _assert_agrees(ours, payload, read)
     assert set(exported.state) == set(state)
     for key, tensor in state.items():
         ours = exported.state[key]

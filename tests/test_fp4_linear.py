@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from floatxq import dispatch
 from floatxq.kernels._triton import triton_unavailable_reason
 from floatxq.nn import fp4_linear
 from floatxq.nn.fp4_linear import TorchFP4Linear
@@ -272,20 +273,20 @@ def test_cuda_forward_says_why_it_decoded():
 
 def test_cuda_decode_route_takes_the_kernel_where_triton_runs(monkeypatch):
     cuda = torch.device("cuda")
-    monkeypatch.setattr(fp4_linear, "triton_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(dispatch, "triton_unavailable_reason", lambda device: None)
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        assert fp4_linear._decode_route(cuda, dtype) == ("triton_decode", None)
-    route, reason = fp4_linear._decode_route(cuda, torch.float64)
+        assert dispatch.fp4_decode_route(cuda, dtype) == ("triton_decode", None)
+    route, reason = dispatch.fp4_decode_route(cuda, torch.float64)
     assert route == "dequant_matmul" and "not torch.float64" in reason
-    monkeypatch.setattr(fp4_linear, "triton_unavailable_reason", lambda device: "no Triton here")
-    assert fp4_linear._decode_route(cuda, torch.bfloat16) == ("dequant_matmul", "no Triton here")
+    monkeypatch.setattr(dispatch, "triton_unavailable_reason", lambda device: "no Triton here")
+    assert dispatch.fp4_decode_route(cuda, torch.bfloat16) == ("dequant_matmul", "no Triton here")
 
 
 def test_cpu_forward_keeps_the_pure_decode_where_triton_runs(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the Triton decode was called on CPU")
 
-    monkeypatch.setattr(fp4_linear, "triton_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(dispatch, "triton_unavailable_reason", lambda device: None)
     monkeypatch.setattr(fp4_linear, "nvfp4_dequantize_kernel", refuse)
     layer = random_layer(seed=12)
     x = torch.randn(4, 64, generator=_gen(13)).bfloat16()
@@ -298,7 +299,7 @@ def test_cpu_forward_keeps_the_pure_decode_where_triton_runs(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [True, False])
 def test_cuda_triton_decode_is_bitwise_the_pure_decode(monkeypatch, dtype, bias):
-    monkeypatch.setattr(fp4_linear, "_torchao_missing", lambda: "torchao is not installed")
+    monkeypatch.setattr(dispatch, "torchao_missing", lambda: "torchao is not installed")
     for seed, (out_features, in_features, batch) in enumerate(
         [(24, 64, (3,)), (1, 16, (1,)), (300, 4096, (2, 5)), (4096, 1024, (7,))]
     ):
@@ -314,7 +315,7 @@ def test_cuda_triton_decode_is_bitwise_the_pure_decode(monkeypatch, dtype, bias)
 
 @pytest.mark.gpu
 def test_cuda_decode_falls_back_to_torch_and_says_why(monkeypatch):
-    monkeypatch.setattr(fp4_linear, "_torchao_missing", lambda: "torchao is not installed")
+    monkeypatch.setattr(dispatch, "torchao_missing", lambda: "torchao is not installed")
     layer = random_layer().cuda()
     x64 = torch.randn(3, 64, generator=_gen(14), dtype=torch.float64).cuda()
     out = layer(x64)
@@ -323,7 +324,7 @@ def test_cuda_decode_falls_back_to_torch_and_says_why(monkeypatch):
     assert "not torch.float64" in layer.last_fallback_reason
     expected = F.linear(x64, layer.dequantize_weight(torch.float64), layer.bias.double())
     assert_bitwise_equal(out, expected)
-    monkeypatch.setattr(fp4_linear, "triton_unavailable_reason", lambda device: "no Triton here")
+    monkeypatch.setattr(dispatch, "triton_unavailable_reason", lambda device: "no Triton here")
     x = x64.bfloat16()
     out = layer(x)
     assert layer.last_route == "dequant_matmul"

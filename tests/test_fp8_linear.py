@@ -531,7 +531,7 @@ def test_scaled_mm_routes_run_their_recipe(as_if_on_h100, method, recipe):
 
 
 def test_a_failing_small_m_kernel_falls_back_to_its_scaled_mm_route(as_if_on_h100, monkeypatch):
-    import floatxq.nn.fp8_routes as routes
+    import floatxq.kernels.fp8_routes as routes
 
     monkeypatch.setattr(routes, "small_m_launch", _broken("no such kernel"))
     layer = TorchFP8Linear.from_linear(_linear(), weight_scale_method="row")
@@ -766,8 +766,8 @@ def test_graph_capture_takes_the_faster_gpu_route(method, block, rows, captured)
 
 @pytest.mark.gpu
 def test_small_m_kernel_falls_back_to_scaled_mm(monkeypatch):
+    import floatxq.kernels.fp8_routes as routes
     import floatxq.nn.fp8_linear as module
-    import floatxq.nn.fp8_routes as routes
 
     _, layer = _route_layer("row", None)
     x = torch.randn(3, 512, device="cuda", dtype=torch.bfloat16)

@@ -14,8 +14,9 @@ from torch import nn
 
 import floatxq as fq
 import floatxq.kernels._triton as triton_env
+from floatxq.dispatch import FP8RouteFacts, FP8RouteTuning, select_fp8_route
 from floatxq.kernels import triton_unavailable_reason
-from floatxq.nn import FP8RouteFacts, FP8RouteTuning, TorchFP8Linear, select_fp8_route
+from floatxq.nn import TorchFP8Linear
 from floatxq.testing import unchecked
 
 H100_DECODE = FP8RouteFacts(

@@ -19,16 +19,8 @@ import torch
 import floatxq.gptq.solve
 from floatxq._typing import CHECKING
 from floatxq.config import GPTQConfig
-from floatxq.gptq.solve import (
-    GPTQSolution,
-    GPTQSolveOptions,
-    HessianState,
-    gptq_solve,
-    hessian_finalize,
-    hessian_init,
-    hessian_update,
-    rtn_quantize,
-)
+from floatxq.gptq.hessian import HessianState, hessian_finalize, hessian_init, hessian_update
+from floatxq.gptq.solve import GPTQSolution, GPTQSolveOptions, gptq_solve, rtn_quantize
 from floatxq.lifecycle import gptq_solve_options
 from floatxq.testing import assert_bitwise_equal, unchecked
 

@@ -21,13 +21,8 @@ from torch import nn
 
 import floatxq
 from floatxq.config import BACKEND, FP8Config, GPTQConfig
-from floatxq.gptq.solve import (
-    gptq_solve,
-    hessian_finalize,
-    hessian_init,
-    hessian_update,
-    rtn_quantize,
-)
+from floatxq.gptq.hessian import hessian_finalize, hessian_init, hessian_update
+from floatxq.gptq.solve import gptq_solve, rtn_quantize
 from floatxq.interop.export import export_layout
 from floatxq.lifecycle import inspect_checkpoint
 from floatxq.lifecycle.gptq import gptq_solve_options

@@ -16,14 +16,8 @@ from hypothesis import strategies as st
 
 import floatxq.gptq.solve
 from floatxq.config import GPTQConfig
-from floatxq.gptq.solve import (
-    GPTQ_MAX_DAMP_RETRIES,
-    GPTQSolveOptions,
-    gptq_solve,
-    hessian_finalize,
-    hessian_init,
-    hessian_update,
-)
+from floatxq.gptq.hessian import hessian_finalize, hessian_init, hessian_update
+from floatxq.gptq.solve import GPTQ_MAX_DAMP_RETRIES, GPTQSolveOptions, gptq_solve
 from floatxq.lifecycle import gptq_solve_options
 
 Opts = GPTQSolveOptions

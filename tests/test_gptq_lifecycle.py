@@ -11,7 +11,8 @@ from torch import nn
 
 import floatxq
 from floatxq import GPTQConfig
-from floatxq.gptq.solve import gptq_solve, hessian_finalize, hessian_init, hessian_update
+from floatxq.gptq.hessian import hessian_finalize, hessian_init, hessian_update
+from floatxq.gptq.solve import gptq_solve
 from floatxq.lifecycle.gptq import gptq_solve_options, plan_gptq
 from floatxq.nn.gptq_linear import GPTQLinear
 

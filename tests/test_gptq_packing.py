@@ -108,21 +108,6 @@ def test_v1_zero_of_zero_borrows_and_comes_back(bits, zeros, offset):
     assert fq.unpack_gptq(packed, bits=bits, format="gptq").zeros[0].tolist() == zeros
 
 
-def test_int4_functions_are_the_bits_4_case():
-    codes, zeros, scales, g_idx = _inputs(4, rows=16, out=16, groups=3)
-    for format in FORMATS:
-        general = fq.pack_gptq(codes, zeros, scales, g_idx, bits=4, format=format)
-        int4 = fq.pack_gptq_int4(codes, zeros, scales, g_idx, format=format)
-        for a, b in zip(general, int4, strict=True):
-            assert_bitwise_equal(a, b)
-        for a, b in zip(
-            fq.unpack_gptq(general, bits=4, format=format),
-            fq.unpack_gptq_int4(general, format=format),
-            strict=True,
-        ):
-            assert_bitwise_equal(a, b)
-
-
 # ------------------------------------------------------------------------------------------------
 # Round trips and shapes
 # ------------------------------------------------------------------------------------------------

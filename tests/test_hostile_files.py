@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import floatxq
-from floatxq.interop.checkpoint import (
+from floatxq.interop.shards import (
     header_metadata,
     iter_tensors,
     read_json,

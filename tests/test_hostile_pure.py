@@ -324,7 +324,7 @@ def _meta_calls() -> list[tuple[str, Callable[[], Any]]]:
     codes8 = _meta((4, 16), E4M3)
     q = fq.quantize_fp8_weight(torch.ones(4, 16))
     packed = fq.nvfp4_quantize(torch.ones(4, 16), 1.0)
-    gptq = fq.pack_gptq_int4(
+    gptq = fq.pack_gptq(
         torch.zeros(8, 8, dtype=torch.int32),
         torch.full((1, 8), 8),
         torch.ones(1, 8),
@@ -360,10 +360,10 @@ def _meta_calls() -> list[tuple[str, Callable[[], Any]]]:
         ("nvfp4_dequantize", lambda: fq.nvfp4_dequantize(packed.packed, _meta((4, 1), E4M3), 1.0)),
         ("nvfp4_global_scale", lambda: fq.nvfp4_global_scale(_meta(()))),
         (
-            "pack_gptq_int4",
-            lambda: fq.pack_gptq_int4(_meta((8, 8), torch.int32), *fq.unpack_gptq_int4(gptq)[1:]),
+            "pack_gptq",
+            lambda: fq.pack_gptq(_meta((8, 8), torch.int32), *fq.unpack_gptq(gptq)[1:]),
         ),
-        ("unpack_gptq_int4", lambda: fq.unpack_gptq_int4(gptq._replace(scales=_meta((1, 8))))),
+        ("unpack_gptq", lambda: fq.unpack_gptq(gptq._replace(scales=_meta((1, 8))))),
         (
             "convert_gptq_format",
             lambda: fq.convert_gptq_format(
@@ -392,7 +392,7 @@ def test_meta_tensors_are_refused_as_holding_no_data(where, call):
 
 
 def _gptq(rows: int = 16, groups: int = 2) -> fq.GPTQPacked:
-    return fq.pack_gptq_int4(
+    return fq.pack_gptq(
         (torch.arange(rows)[:, None] + torch.arange(8)[None, :]) % 16,
         torch.full((groups, 8), 8),
         torch.full((groups, 8), 0.5),
@@ -401,7 +401,7 @@ def _gptq(rows: int = 16, groups: int = 2) -> fq.GPTQPacked:
 
 
 GPTQ_READERS = [
-    ("unpack_gptq_int4", lambda p: fq.unpack_gptq_int4(p)),
+    ("unpack_gptq", lambda p: fq.unpack_gptq(p)),
     ("convert_gptq_format", lambda p: fq.convert_gptq_format(p, source="gptq", target="gptq_v2")),
 ]
 
@@ -438,7 +438,7 @@ def test_gptq_readers_refuse_nan_or_integer_scales(where, read):
 
 
 def test_centered_int4_refuses_nan_scales():
-    p = fq.pack_gptq_int4(
+    p = fq.pack_gptq(
         torch.full((128, 8), 3),
         torch.full((1, 8), 8),
         torch.ones(1, 8),
@@ -455,7 +455,7 @@ def test_centered_int4_refuses_nan_scales():
 def test_gptq_readers_refuse_rows_without_any_group():
     p = _gptq(rows=8, groups=1)
     empty = p._replace(qzeros=p.qzeros[:0], scales=p.scales[:0])
-    _raises(ValueError, "hold no group for 8 rows", fq.unpack_gptq_int4, empty)
+    _raises(ValueError, "hold no group for 8 rows", fq.unpack_gptq, empty)
 
 
 @pytest.mark.parametrize("bad", [2.0**-30, -(2.0**-26), 1e-12, 1e6, -1e6, 65520.0])
@@ -463,8 +463,8 @@ def test_pack_refuses_scales_that_float16_would_flush_or_overflow(bad):
     scales = torch.tensor([[0.5, bad, 0.25, bad, 1.0, 0.0, 2.0, 3.0]])
     _raises(
         ValueError,
-        r"pack_gptq_int4: 2 scale\(s\) do not survive the float16",
-        fq.pack_gptq_int4,
+        r"pack_gptq: 2 scale\(s\) do not survive the float16",
+        fq.pack_gptq,
         torch.zeros(8, 8, dtype=torch.int32),
         torch.full((1, 8), 8),
         scales,
@@ -474,7 +474,7 @@ def test_pack_refuses_scales_that_float16_would_flush_or_overflow(bad):
     _raises(
         ValueError,
         re.escape(f"such as [{bad!r}"),
-        fq.pack_gptq_int4,
+        fq.pack_gptq,
         torch.zeros(8, 8, dtype=torch.int32),
         torch.full((1, 8), 8),
         wide,
@@ -485,7 +485,7 @@ def test_pack_refuses_scales_that_float16_would_flush_or_overflow(bad):
 def test_pack_keeps_scales_that_float16_stores_and_rounds_the_rest_to_nearest():
     """Zero stays zero; the smallest subnormal (2**-24) and 65519 (rounds down to 65504) store."""
     scales = torch.tensor([[0.0, 2.0**-24, 65519.0, -FP16_MAX, 0.1, 1.0, 2.0**-25 * 1.5, 3.0]])
-    packed = fq.pack_gptq_int4(
+    packed = fq.pack_gptq(
         torch.zeros(8, 8, dtype=torch.int32),
         torch.full((1, 8), 8),
         scales,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import floatxq.gptq.int4 as fq
+import floatxq as fq
 from floatxq.formats import E2M1_VALUES
 from floatxq.testing import assert_bitwise_equal, unchecked
 
@@ -51,7 +51,7 @@ def _packed_inputs(rows: int = 128, out: int = 16, groups: int = 1):
 @pytest.mark.parametrize("format", FORMATS)
 def test_every_code_in_every_nibble_position_packs_like_python_ints(format):
     codes, zeros, scales, g_idx = _packed_inputs(rows=128, out=16, groups=16)
-    packed = fq.pack_gptq_int4(codes, zeros, scales, g_idx, format=format)
+    packed = fq.pack_gptq(codes, zeros, scales, g_idx, format=format)
     assert packed.qweight.dtype == torch.int32 and packed.qweight.shape == (16, 16)
     expected = [
         [_word([int(codes[8 * i + p, n]) for p in range(8)]) for n in range(16)] for i in range(16)
@@ -60,7 +60,7 @@ def test_every_code_in_every_nibble_position_packs_like_python_ints(format):
     # every (code, position) pair really occurs: the test is exhaustive
     pairs = {(int(codes[k, n]), k % 8) for k in range(128) for n in range(16)}
     assert len(pairs) == 16 * 8
-    unpacked = fq.unpack_gptq_int4(packed, format=format)
+    unpacked = fq.unpack_gptq(packed, format=format)
     assert unpacked.codes.dtype == torch.uint8
     assert torch.equal(unpacked.codes.to(torch.int32), codes)
 
@@ -68,14 +68,14 @@ def test_every_code_in_every_nibble_position_packs_like_python_ints(format):
 @pytest.mark.parametrize("format", FORMATS)
 def test_every_zero_in_every_nibble_position_round_trips(format):
     codes, zeros, scales, g_idx = _packed_inputs(rows=128, out=16, groups=16)
-    packed = fq.pack_gptq_int4(codes, zeros, scales, g_idx, format=format)
+    packed = fq.pack_gptq(codes, zeros, scales, g_idx, format=format)
     assert packed.qzeros.shape == (16, 2)
     v2 = [
         [_word([int(zeros[g, 8 * j + p]) for p in range(8)]) for j in range(2)] for g in range(16)
     ]
     offset = 0x11111111 if format == "gptq" else 0  # v1 stores the words minus 0x11111111
     assert packed.qzeros.tolist() == [[_signed(w - offset) for w in row] for row in v2]
-    unpacked = fq.unpack_gptq_int4(packed, format=format)
+    unpacked = fq.unpack_gptq(packed, format=format)
     assert torch.equal(unpacked.zeros.to(torch.int32), zeros)  # zero point 0 survives v1 too
 
 
@@ -86,19 +86,19 @@ def test_top_nibble_words_by_hand():
     codes[0, 2] = 15  # 0x0000000F
     codes[7, 3] = 8  # 0x80000000, the most negative int32
     codes[:, 4] = torch.arange(8)  # 0x76543210
-    packed = fq.pack_gptq_int4(
+    packed = fq.pack_gptq(
         codes, torch.full((1, 8), 8), torch.ones(1, 8), torch.zeros(8, dtype=torch.int32)
     )
     assert packed.qweight[0, :5].tolist() == [-268435456, -1, 15, -(2**31), 0x76543210]
-    assert torch.equal(fq.unpack_gptq_int4(packed).codes.to(torch.int32), codes)
+    assert torch.equal(fq.unpack_gptq(packed).codes.to(torch.int32), codes)
 
 
 def test_symmetric_zero_words_are_the_reference_words():
     # GPT-QModel: symmetric 4-bit is 0x88888888 in memory (v2) and 0x77777777 on disk (v1)
     args = (torch.zeros(8, 16, dtype=torch.int32), torch.full((1, 16), 8), torch.ones(1, 16))
     g_idx = torch.zeros(8, dtype=torch.int32)
-    v2 = fq.pack_gptq_int4(*args, g_idx, format="gptq_v2").qzeros
-    v1 = fq.pack_gptq_int4(*args, g_idx, format="gptq").qzeros
+    v2 = fq.pack_gptq(*args, g_idx, format="gptq_v2").qzeros
+    v1 = fq.pack_gptq(*args, g_idx, format="gptq").qzeros
     assert v2.tolist() == [[_signed(0x88888888)] * 2]
     assert v1.tolist() == [[0x77777777] * 2]
 
@@ -107,8 +107,8 @@ def test_symmetric_zero_words_are_the_reference_words():
 def test_convert_equals_packing_in_the_target_format(source, target):
     codes, zeros, scales, g_idx = _packed_inputs(rows=64, out=16, groups=16)
     g_idx = torch.arange(64, dtype=torch.int32) // 4
-    src = fq.pack_gptq_int4(codes, zeros, scales, g_idx, format=source)
-    dst = fq.pack_gptq_int4(codes, zeros, scales, g_idx, format=target)
+    src = fq.pack_gptq(codes, zeros, scales, g_idx, format=source)
+    dst = fq.pack_gptq(codes, zeros, scales, g_idx, format=target)
     got = fq.convert_gptq_format(src, source=source, target=target)
     for a, b in zip(got, dst, strict=True):
         assert_bitwise_equal(a, b)
@@ -123,9 +123,7 @@ def test_scales_are_stored_as_float16_rounded_to_nearest():
     # scales fp16 cannot hold (flushed to 0 or overflowing) are refused: tests/test_hostile_pure.py
     codes = torch.zeros(8, 8, dtype=torch.int32)
     scales = torch.tensor([[1e-3, 1.0, 3.0, 65504.0, 65519.0, -65519.0, 2.0**-24, 0.1]])
-    packed = fq.pack_gptq_int4(
-        codes, torch.full((1, 8), 8), scales, torch.zeros(8, dtype=torch.int32)
-    )
+    packed = fq.pack_gptq(codes, torch.full((1, 8), 8), scales, torch.zeros(8, dtype=torch.int32))
     assert packed.scales.dtype == torch.float16
     expected = np.array([1e-3, 1.0, 3.0, 65504.0, 65504.0, -65504.0, 2.0**-24, 0.1])
     assert packed.scales[0].tolist() == expected.astype(np.float16).astype(float).tolist()
@@ -136,7 +134,7 @@ def test_inputs_are_not_mutated_and_g_idx_dtype_is_kept_as_int32():
     codes, zeros, scales, g_idx = _packed_inputs(rows=16, out=8, groups=2)
     g_idx = g_idx.to(torch.int64)
     before = [t.clone() for t in (codes, zeros, scales, g_idx)]
-    packed = fq.pack_gptq_int4(codes, zeros, scales, g_idx)
+    packed = fq.pack_gptq(codes, zeros, scales, g_idx)
     for t, b in zip((codes, zeros, scales, g_idx), before, strict=True):
         assert_bitwise_equal(t, b)
     assert packed.g_idx.tolist() == [0] * 8 + [1] * 8
@@ -163,7 +161,7 @@ def test_pack_rejects_bad_arguments(change, error, match):
     codes, zeros, scales, g_idx = _packed_inputs(rows=16, out=8, groups=2)
     args = change(dict(codes=codes, zeros=zeros, scales=scales, g_idx=g_idx, format="gptq"))
     with pytest.raises(error, match=match):
-        unchecked(fq.pack_gptq_int4)(
+        unchecked(fq.pack_gptq)(
             args["codes"], args["zeros"], args["scales"], args["g_idx"], format=args["format"]
         )
 
@@ -171,7 +169,7 @@ def test_pack_rejects_bad_arguments(change, error, match):
 @pytest.mark.parametrize(("rows", "out"), [(12, 8), (16, 12)])
 def test_pack_needs_multiples_of_eight(rows, out):
     with pytest.raises(ValueError, match="multiples of 8"):
-        fq.pack_gptq_int4(
+        fq.pack_gptq(
             torch.zeros(rows, out, dtype=torch.int32),
             torch.full((1, out), 8),
             torch.ones(1, out),
@@ -181,15 +179,15 @@ def test_pack_needs_multiples_of_eight(rows, out):
 
 def test_unpack_rejects_inconsistent_records():
     codes, zeros, scales, g_idx = _packed_inputs(rows=16, out=8, groups=2)
-    packed = fq.pack_gptq_int4(codes, zeros, scales, g_idx)
+    packed = fq.pack_gptq(codes, zeros, scales, g_idx)
     with pytest.raises(ValueError, match="g_idx must have shape"):
-        fq.unpack_gptq_int4(packed._replace(g_idx=g_idx[:8]))
+        fq.unpack_gptq(packed._replace(g_idx=g_idx[:8]))
     with pytest.raises(TypeError, match="must be int32"):
-        fq.unpack_gptq_int4(packed._replace(qweight=packed.qweight.to(torch.int64)))
+        fq.unpack_gptq(packed._replace(qweight=packed.qweight.to(torch.int64)))
     with pytest.raises(TypeError, match="g_idx must be int32"):
-        unchecked(fq.unpack_gptq_int4)(packed._replace(g_idx=packed.g_idx.to(torch.int64)))
+        unchecked(fq.unpack_gptq)(packed._replace(g_idx=packed.g_idx.to(torch.int64)))
     with pytest.raises(TypeError, match="GPTQPacked"):
-        fq.unpack_gptq_int4((packed.qweight, packed.qzeros))
+        fq.unpack_gptq((packed.qweight, packed.qzeros))
     with pytest.raises(ValueError, match="source="):
         fq.convert_gptq_format(packed, source="v1", target="gptq")
 
@@ -205,7 +203,7 @@ def _symmetric_g128(rows: int = 256, out: int = 16, format: str = "gptq"):
     g_idx = torch.arange(rows, dtype=torch.int32) // 128
     zeros = torch.full((groups, out), 8)
     scales = torch.ones(groups, out)
-    return codes, fq.pack_gptq_int4(codes, zeros, scales, g_idx, format=format)
+    return codes, fq.pack_gptq(codes, zeros, scales, g_idx, format=format)
 
 
 @pytest.mark.parametrize("format", FORMATS)
@@ -222,7 +220,7 @@ def test_centered_rejects_desc_act_order_and_other_group_sizes():
     shuffled = packed._replace(g_idx=packed.g_idx.flip(0).contiguous())
     with pytest.raises(ValueError, match=r"arange\(in\) // 128"):
         fq.centered_int4(shuffled)
-    g64 = fq.pack_gptq_int4(
+    g64 = fq.pack_gptq(
         codes,
         torch.full((4, 16), 8),
         torch.ones(4, 16),
@@ -232,9 +230,7 @@ def test_centered_rejects_desc_act_order_and_other_group_sizes():
         fq.centered_int4(g64)
     with pytest.raises(ValueError, match="multiple of 128"):
         fq.centered_int4(
-            fq.pack_gptq_int4(
-                codes[:64], torch.full((1, 16), 8), torch.ones(1, 16), packed.g_idx[:64]
-            )
+            fq.pack_gptq(codes[:64], torch.full((1, 16), 8), torch.ones(1, 16), packed.g_idx[:64])
         )
 
 
@@ -243,7 +239,7 @@ def test_centered_rejects_asymmetric_zero_points(format):
     codes = _every_code_everywhere(128, 16)
     zeros = torch.full((1, 16), 8)
     zeros[0, 5] = 7
-    packed = fq.pack_gptq_int4(
+    packed = fq.pack_gptq(
         codes, zeros, torch.ones(1, 16), torch.zeros(128, dtype=torch.int32), format=format
     )
     with pytest.raises(ValueError, match="column 5 has zero point 7"):

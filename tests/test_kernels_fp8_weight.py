@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import floatxq as fq
+from floatxq.dispatch import quantize_fp8_weight_auto
 from floatxq.kernels import (
     FP8WeightTuning,
     quantize_fp8_input,
-    quantize_fp8_weight_auto,
     quantize_fp8_weight_kernel,
     triton_available,
     triton_unavailable_reason,

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import floatxq as fq
-from floatxq.gptq.int4 import centered_int4, int4_to_e4m3, pack_gptq_int4
+from floatxq.gptq.int4 import pack_gptq
+from floatxq.gptq.planes import centered_int4, int4_to_e4m3
 from floatxq.kernels.nvfp4 import (
     NVFP4Tuning,
     nvfp4_linear,
@@ -87,7 +88,7 @@ def _weight(seed, k, n, device):
     codes = torch.randint(0, 16, (k, n), generator=g)
     scales = torch.rand(k // 128, n, generator=g) * 0.02 + 0.001
     g_idx = torch.arange(k, dtype=torch.int32) // 128
-    packed = pack_gptq_int4(codes, torch.full((k // 128, n), 8), scales, g_idx, format="gptq")
+    packed = pack_gptq(codes, torch.full((k // 128, n), 8), scales, g_idx, format="gptq")
     return type(packed)(*(t.to(device) for t in packed))
 
 

@@ -20,13 +20,8 @@ import pytest
 import torch
 
 import floatxq as fq
-from floatxq.gptq.int4 import (
-    centered_int4,
-    dequantize_gptq,
-    int4_to_e4m3,
-    pack_gptq,
-    pack_gptq_int4,
-)
+from floatxq.gptq.int4 import dequantize_gptq, pack_gptq
+from floatxq.gptq.planes import centered_int4, int4_to_e4m3
 from floatxq.kernels import w4a16 as w4a16_kernels
 from floatxq.kernels.w4a16 import dequantize_gptq_kernel, w4a16_linear_kernel
 from floatxq.kernels.w4a_fp8 import (
@@ -74,7 +69,7 @@ def _weight(seed, k, n, device, *, scales_dtype=torch.float16):
     zeros = torch.full((k // 128, n), 8)
     scales = torch.rand(k // 128, n, generator=g) * 0.02 + 0.001
     g_idx = torch.arange(k, dtype=torch.int32) // 128
-    packed = pack_gptq_int4(codes, zeros, scales, g_idx, format="gptq")
+    packed = pack_gptq(codes, zeros, scales, g_idx, format="gptq")
     packed = packed._replace(scales=packed.scales.to(scales_dtype))
     return type(packed)(*(t.to(device) for t in packed))
 

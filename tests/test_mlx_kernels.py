@@ -380,7 +380,7 @@ def test_shapes_cover_partial_tiles() -> None:
 
 @pytest.fixture
 def apple(monkeypatch: pytest.MonkeyPatch) -> None:
-    import floatxq.kernels as fk
+    import floatxq.dispatch as fk
 
     monkeypatch.setattr(fk, "_apple_silicon", lambda: True)
     monkeypatch.setattr(fk, "MLX_ENCODER_MIN_ELEMENTS", 64)
@@ -401,7 +401,7 @@ def apple(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_auto_route_through_mlx_gives_torch_bytes(apple, fmt: str, kwargs: dict, dtype) -> None:
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(12, 48, generator=g) * torch.exp2(torch.randint(-8, 8, (12, 1)))).to(dtype)
-    got, route, reason = fq.kernels.quantize_fp8_weight_auto(w, format=fmt, **kwargs)
+    got, route, reason = fq.dispatch.quantize_fp8_weight_auto(w, format=fmt, **kwargs)
     assert (route, reason) == ("mlx", None)
     want = fq.quantize_fp8_weight(w, format=fmt, **kwargs)
     assert got.qweight.dtype == want.qweight.dtype and got.qweight.is_contiguous()
@@ -410,18 +410,18 @@ def test_auto_route_through_mlx_gives_torch_bytes(apple, fmt: str, kwargs: dict,
 
 
 def test_auto_route_keeps_small_weights_on_torch(apple) -> None:
-    got, route, reason = fq.kernels.quantize_fp8_weight_auto(torch.ones(4, 8))
+    got, route, reason = fq.dispatch.quantize_fp8_weight_auto(torch.ones(4, 8))
     assert route == "torch" and "CUDA" in reason
     assert torch.equal(got.scale_inv, torch.full((4,), 448.0))
 
 
 def test_auto_route_off_apple_is_torch() -> None:
-    _, route, _ = fq.kernels.quantize_fp8_weight_auto(torch.ones(8, 8))
+    _, route, _ = fq.dispatch.quantize_fp8_weight_auto(torch.ones(8, 8))
     assert route == "torch"
 
 
 def test_fp8_linear_from_linear_through_mlx_route(apple, monkeypatch) -> None:
-    import floatxq.kernels as fk
+    import floatxq.dispatch as fk
 
     torch.manual_seed(1)
     linear = torch.nn.Linear(64, 32)

@@ -14,7 +14,7 @@ import floatxq as fq
 from floatxq._typing import CHECKING
 from floatxq.formats import NVFP4_LEGACY_RECIPE_ALIASES
 from floatxq.testing import assert_bitwise_equal, unchecked
-from floatxq.testing.reference import ref_e2m1_round, ref_nvfp4_block
+from floatxq.testing.reference import ref_nvfp4_block
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 LOCAL_RECIPES = ["nvidia", "four_six", "least_squares", "least_squares_grid", "exhaustive"]
@@ -56,14 +56,7 @@ def test_e2m1_round_saturation_signed_zero_and_oracle():
     got = fq.e2m1_round(x)
     assert got.tolist() == [6.0, -6.0, 6.0, -6.0, -0.0, -0.0, 0.0, 0.0, 6.0]
     assert torch.signbit(got[4]) and torch.signbit(got[5]) and not torch.signbit(got[6])
-    g = torch.Generator().manual_seed(0)
-    sample = torch.randn(2000, generator=g) * 4
-    expected = torch.tensor([ref_e2m1_round(float(v))[0] for v in sample])
-    assert_bitwise_equal(fq.e2m1_round(sample), expected)
-    # ml_dtypes agrees in range (its float4 cast is RNE too)
-    in_range = sample.clamp(-6, 6).numpy()
-    ml = in_range.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
-    assert_bitwise_equal(fq.e2m1_round(torch.from_numpy(in_range)), torch.from_numpy(ml))
+    # the oracle and ml_dtypes on generated values: property_tests/test_nvfp4_properties.py
 
 
 def test_all_256_bytes_unpack_and_pack():
@@ -280,52 +273,7 @@ def test_reference_anchor_on_normal_data():
 # -- swizzle --------------------------------------------------------------------------------------
 
 
-def _offset(r: int, c: int, cp: int) -> int:
-    return ((r // 128) * (cp // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + (c % 4)
-
-
-@pytest.mark.parametrize("rows", [1, 7, 129, 300])
-@pytest.mark.parametrize("cols", [1, 4, 6, 8, 16])
-def test_swizzle_offsets_padding_and_round_trip(rows, cols):
-    scales = torch.arange(1, rows * cols + 1, dtype=torch.float32).reshape(rows, cols)
-    flat = fq.swizzle_scales(scales)
-    rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
-    assert flat.shape == (rp * cp,)
-    placed = torch.zeros(rp * cp)
-    for r in range(rows):
-        for c in range(cols):
-            placed[_offset(r, c, cp)] = scales[r, c]
-    assert_bitwise_equal(flat, placed)  # padding slots hold 0
-    assert_bitwise_equal(fq.unswizzle_scales(flat, rows=rows, cols=cols), scales)
-
-
-@pytest.mark.parametrize("rows", [1, 7, 129, 300])
-def test_per_group_activation_layout(rows):
-    groups = 3
-    scales = (
-        torch.arange(rows * 8 * groups, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
-    )
-    scales = scales.reshape(rows, 8 * groups)
-    got = fq.swizzle_scales_per_group(scales)
-    rp = -(-rows // 128) * 128
-    assert got.shape == (groups, rp * 8) and got.dtype == torch.float8_e4m3fn
-    bytes_ = got.view(torch.uint8)
-    for g in range(groups):
-        for r in range(rows):
-            for b in range(8):
-                off = (
-                    (r // 128) * 1024
-                    + (b // 4) * 512
-                    + (r % 32) * 16
-                    + ((r % 128) // 32) * 4
-                    + b % 4
-                )
-                assert bytes_[g, off] == scales[r, 8 * g + b].view(torch.uint8)
-    assert int(bytes_.sum()) == int(scales.view(torch.uint8).to(torch.int64).sum())  # pads are 0
-    back = fq.unswizzle_scales_per_group(got, rows=rows, cols=8 * groups)
-    assert_bitwise_equal(back, scales)
-    for g in range(groups):  # each group is the whole-matrix layout of its 8 columns
-        assert_bitwise_equal(got[g], fq.swizzle_scales(scales[:, 8 * g : 8 * g + 8]))
+# the slot-by-slot layout and the round trips: property_tests/test_nvfp4_properties.py
 
 
 def test_swizzle_errors():
@@ -363,8 +311,6 @@ def test_swizzle_empty_shapes():
 )
 def test_headroom_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        unchecked(fq.NVFP4ActivationHeadroom)(**kwargs)
-    with pytest.raises(ValueError, match=match):
         unchecked(fq.HeadroomConfig)(**kwargs)
 
 
@@ -399,10 +345,9 @@ def test_headroom_binning_and_amax_by_hand():
     assert amax.dtype == torch.float32 and amax.item() == float(np.float32(16384 * centre(bin_low)))
     # the floor hides the small blocks: P1 then is the big bin
     assert fq.headroom_percentile(state, 1.0, floor=1.0) == centre(bin_high)
-    h = fq.NVFP4ActivationHeadroom()
-    h.collect(x[:500])
-    h.collect(x[500:])
-    assert torch.equal(h.state.counts, state.counts) and h.compute_amax().item() == amax.item()
+    halves = fq.headroom_update(fq.headroom_update(fq.headroom_init(), x[:500]), x[500:])
+    assert torch.equal(halves.counts, state.counts)
+    assert fq.headroom_amax(halves).item() == amax.item()
 
 
 def test_headroom_warns_and_uses_upper_without_headroom():
@@ -492,3 +437,58 @@ def test_exhaustive_4096_square_stays_within_512_mib():
     extra_mib = float(out.stdout.strip().splitlines()[-1])
     # the codes (16 MiB) and block scales (1 MiB) are outputs; everything else is working memory
     assert extra_mib <= 512, extra_mib
+
+
+# -- the exhaustive window against the literal 126-code scan -------------------------------------
+
+
+def _exhaustive_both(x: torch.Tensor, g: float):
+    """(windowed, literal) scans of ``x``'s blocks after the seeds, as ``_Scored`` records."""
+    from floatxq.nvfp4 import quantize as q
+    from floatxq.nvfp4.e2m1 import _e2m1_table
+
+    blocks = x.reshape(-1, 16).float()
+    g32 = torch.tensor(g, dtype=torch.float32)
+    mag, table = blocks.abs(), _e2m1_table(blocks.device)
+    seeds = q._search_chunk(blocks, g32, "four_six")  # exhaustive's seeds: amax → 4, then 6
+    return q._exhaustive_scan(mag, seeds, g32, table), q._exhaustive_full_scan(
+        mag, seeds, g32, table
+    )
+
+
+def _grid_table(g: float) -> torch.Tensor:
+    """Blocks on and around every E4M3 scale: 12 code patterns × 126 scales × 4 offsets."""
+    gen = torch.Generator().manual_seed(126)
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    patterns = grid[torch.randint(0, 8, (12, 16), generator=gen)]
+    patterns[:, 0] = 6.0  # the amax lands on the top of E2M1
+    patterns *= torch.where(torch.rand(12, 16, generator=gen) < 0.5, -1.0, 1.0)
+    scales = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    offsets = torch.tensor([1.0, 1.0625, 0.97, 1.5])  # on a scale, between scales
+    x = patterns[:, None, None] * scales[None, :, None, None] * offsets[None, None, :, None]
+    noise = 1 + 0.02 * torch.randn(x.shape, generator=gen)
+    return torch.cat([x, x * noise], dim=2).reshape(-1, 16) * torch.tensor(g)
+
+
+@pytest.mark.parametrize("g", [1.0, 3.0e-3, 2.0**-110, 2.0**-111, 2.0**100, 2.0**101])
+def test_exhaustive_window_equals_the_literal_scan_on_every_scale(g):
+    # inside [2**-110, 2**100] the window is narrow; outside it every code is scanned
+    x = torch.cat([_grid_table(g), _hard_blocks(7, 256) * torch.tensor(g)])
+    windowed, literal = _exhaustive_both(x, g)
+    assert_bitwise_equal(windowed.scale, literal.scale)
+    assert_bitwise_equal(windowed.index, literal.index)
+    assert_bitwise_equal(windowed.err, literal.err)
+
+
+def test_exhaustive_window_is_narrow_where_its_arithmetic_is_safe():
+    from floatxq.nvfp4 import quantize as q
+
+    x = torch.randn(4096, 16, generator=torch.Generator().manual_seed(5))
+    g = fq.nvfp4_global_scale(x.abs().amax(), recipe="exhaustive")
+    seeds = q._search_chunk(x, g, "four_six")
+    first, last = q._exhaustive_window(x.abs().amax(dim=1), seeds.err, g)
+    width = (last - first).float()
+    # about 3.6 binades (12.5× between the bounds) of 8 codes, plus one code on each side
+    assert width.max() <= 32 and 8 <= width.mean() <= 30, (width.mean(), width.max())
+    first, last = q._exhaustive_window(x.abs().amax(dim=1), seeds.err, torch.tensor(2.0**-120))
+    assert (first == 1).all() and (last == 126).all()  # unsafe global scale: every code

@@ -10,7 +10,9 @@ import floatxq as fq
 import floatxq.config
 import floatxq.formats
 import floatxq.fp8
+import floatxq.gptq.hessian
 import floatxq.gptq.int4
+import floatxq.gptq.planes
 import floatxq.gptq.solve
 import floatxq.kernels
 import floatxq.nn
@@ -28,6 +30,8 @@ OWNERS = (
     floatxq.formats,
     floatxq.fp8,
     floatxq.gptq.solve,
+    floatxq.gptq.hessian,
+    floatxq.gptq.planes,
     floatxq.nvfp4.headroom,
     floatxq.gptq.int4,
     floatxq.nn,
@@ -78,7 +82,6 @@ def test_kernel_entry_points_are_reexported():
     # floatxq.kernels keeps its availability helpers to itself; the entry points are top-level
     for name in (
         "quantize_fp8_weight_kernel",
-        "quantize_fp8_weight_auto",
         "fp8_scaled_linear_kernel",
         "fp8_scaled_linear_kernel_with_codes",
         "FP8ScaledLinearTrace",
@@ -89,6 +92,7 @@ def test_kernel_entry_points_are_reexported():
         "w4a16_linear_kernel",
     ):
         assert getattr(fq, name) is getattr(floatxq.kernels, name)
+    assert fq.quantize_fp8_weight_auto is fq.dispatch.quantize_fp8_weight_auto  # a route choice
 
 
 def test_docstrings_are_google_style_with_numerics_line():

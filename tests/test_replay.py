@@ -19,7 +19,7 @@ from torch import nn
 import floatxq.lifecycle.gptq as gptq_lifecycle
 from floatxq.config import GPTQConfig
 from floatxq.fp8 import fp8_token_qdq
-from floatxq.gptq.solve import hessian_finalize, hessian_init, hessian_update
+from floatxq.gptq.hessian import hessian_finalize, hessian_init, hessian_update
 from floatxq.lifecycle.calibration import prepare_calibration
 from floatxq.lifecycle.gptq import quantize_gptq_model
 from floatxq.lifecycle.replay import (
@@ -177,8 +177,10 @@ def _streamed(kwargs: dict) -> tuple[nn.Module, dict]:
     return model, stream_layer_plans(policy, DEPTH, range(DEPTH))
 
 
-def _fp32_gemm(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+def _fp32_gemm(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
     x = args[0]
+    if isinstance(x, ReplayOperand):  # a replayed call: the replay multiplies in FP32 itself
+        return None
     x = x.decode(torch.float32) if isinstance(x, W4AActivation) else x.float()
     return F.linear(x, module.dequantize_weight(dtype=torch.float32)).to(out.dtype)
 
@@ -229,16 +231,25 @@ def test_the_replay_matches_the_runtime_stream_with_the_w4a_gemms():
 
 def test_a_replayed_layer_reads_a_tensor_an_operand_or_a_carrier():
     model, plans = _streamed(dict(mode="w4afp8"))
+    for module in model.modules():  # the runtime multiplies as the replay does
+        if isinstance(module, GPTQLinear):
+            module.register_forward_hook(_fp32_gemm)
     calls, hooks = _record(model)
     with torch.no_grad():
         model(_ids(), use_cache=False)
     for h in hooks:
         h.remove()
-    args, kw, _ = calls[1]
+    args, kw, runtime = calls[1]
+    assert isinstance(args[0], W4AActivation)  # layer 0 handed layer 1 a carrier
+    expected = runtime.exact(torch.float32)  # what the runtime stream's layer 1 computed
     from_carrier = replay_llama_layer(model.model.layers[1], args[0], plan=plans[1], **kw)
+    assert torch.equal(from_carrier.exact32(), expected)
     operand = ReplayOperand.from_carrier(args[0])
     from_operand = replay_llama_layer(model.model.layers[1], operand, plan=plans[1], **kw)
-    assert torch.equal(from_carrier.exact32(), from_operand.exact32())
+    assert torch.equal(from_operand.exact32(), expected)
+    # an FP32 tensor (the carrier's exact value) is packed at the layer's input in the same lane
+    from_tensor = replay_llama_layer(model.model.layers[1], args[0].exact(), plan=plans[1], **kw)
+    assert torch.equal(from_tensor.exact32(), expected)
     with pytest.raises(ValueError, match="position_embeddings"):
         replay_llama_layer(model.model.layers[1], operand, plan=plans[1])
 

@@ -214,7 +214,7 @@ def test_policies_refuse_what_no_stream_runs(kwargs, match, production_checks):
 
 def test_quantizers_check_their_scale():
     q = NVFP4BoundaryQuantizer("model.layers.0.output", layer=0, recipe="lsq")
-    assert (q.calibrated, q.scale, q.recipe) == (False, 1.0, "least_squares")
+    assert (q.calibrated, q.scale, q.recipe) == (False, 0.0, "least_squares")  # 0.0: dynamic
     q.set_scale(0.1)
     assert q.calibrated and q.scale == float(torch.tensor(0.1, dtype=torch.float32))
     assert q.scale_bits.dtype == torch.int32
@@ -225,7 +225,16 @@ def test_quantizers_check_their_scale():
         q.set_scale(True)
     assert q.scale == float(torch.tensor(0.1, dtype=torch.float32))  # refusals changed nothing
     q.reset()
-    assert (q.calibrated, q.scale) == (False, 1.0)
+    assert (q.calibrated, q.scale) == (False, 0.0)
+    assert q.scales.state_dict() == {"output": q.scale_bits}  # one buffer, in a module
+
+
+def test_a_quantizer_refuses_a_holder_without_its_buffer():
+    from floatxq.lifecycle.stream import StreamScales
+
+    holder = StreamScales({"output": "model.layers.0.output"})
+    with pytest.raises(ValueError, match="holds no buffer for 'model.layers.1.output'"):
+        NVFP4BoundaryQuantizer("model.layers.1.output", layer=1, recipe="lsq", scales=holder)
 
 
 def _unchecked():
@@ -376,9 +385,16 @@ def test_uninstall_restores_the_model_exactly():
     keys = stream_producer_keys(w4a_stream_policy("w4a_nvfp4"), DEPTH, range(DEPTH))
     policy = install_w4a_llama_stream(model, "w4a_nvfp4", global_scales=dict.fromkeys(keys, 0.02))
     assert installed_w4a_stream(model) == policy
-    # quantizers live outside the module tree: no submodule, no state-dict entry
-    assert [n for n, _ in model.named_modules()] == modules
-    assert model.state_dict().keys() == state.keys()
+    # the producer scales are one submodule per layer, with one state-dict entry per producer
+    added = [n for n, _ in model.named_modules() if n not in modules]
+    assert added == [f"model.layers.{i}.w4a_stream_scales" for i in range(DEPTH)]
+    scales = {k: v for k, v in model.state_dict().items() if k not in state}
+    assert len(scales) == len(keys)
+    for key in keys:
+        i, _, suffix = key.removeprefix("model.layers.").partition(".")
+        name = suffix.removeprefix("self_attn.").removeprefix("mlp.").replace(".", "_")
+        bits = scales[f"model.layers.{i}.w4a_stream_scales.{name}"]
+        assert bits.dtype == torch.int32 and bits.view(torch.float32) == torch.tensor(0.02)
     assert all("forward" in layer.__dict__ for layer in model.model.layers)
     assert "forward" in model.model.norm.__dict__  # the last layer is selected
     with torch.no_grad():
@@ -431,7 +447,7 @@ def test_set_stream_global_scales_calibrates_and_resets_every_producer():
         model, "w4a_nvfp4", attention_mode="w4afp8", global_scales=dict.fromkeys(keys, 0.5)
     )
     set_stream_global_scales(model, None)
-    assert all(not q.calibrated and q.scale == 1.0 for q in quantizers.values())
+    assert all(not q.calibrated and q.scale == 0.0 for q in quantizers.values())
     assert installed_w4a_stream(model).global_scales is None
     with pytest.raises(ValueError, match="no W4A stream is installed"):
         set_stream_global_scales(_model(), None)
@@ -624,7 +640,7 @@ def _same_carrier(a: W4AActivation, b: W4AActivation) -> bool:
     "recipe", [None, "nvidia", "least_squares", "four_six", "exhaustive", "nvidia_headroom"]
 )
 def test_cuda_packs_the_same_carriers_as_the_cpu(dtype, recipe):
-    from floatxq.lifecycle.stream import _RuntimeCodec
+    from floatxq.lifecycle.stream.codec import _RuntimeCodec
 
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(2, 33, 256, generator=gen) * torch.logspace(-2, 1, 256)).to(dtype)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import floatxq as fq
+from floatxq.dispatch import fp8_pack_reason
 from floatxq.testing import assert_bitwise_equal
 from floatxq.testing.interpreter import can_interpret, needs_interpreter, run_interpreted_tests
-from floatxq.w4a.activation import _fp8_pack_reason
 
 E4M3 = torch.float8_e4m3fn
 FP4X2 = torch.float4_e2m1fn_x2
@@ -58,9 +58,9 @@ def test_fp8_pack_is_fp8_token_quantize_and_decode_is_its_dequantize(dtype):
 
 
 def test_fp8_pack_on_cpu_takes_the_pure_quantizer():
-    reason = _fp8_pack_reason(torch.zeros(1, 128))
+    reason = fp8_pack_reason(torch.zeros(1, 128))
     assert reason is not None and "cpu" in reason
-    assert "float64" in _fp8_pack_reason(torch.zeros(1, 128, dtype=torch.float64))
+    assert "float64" in fp8_pack_reason(torch.zeros(1, 128, dtype=torch.float64))
 
 
 def test_fp8_zero_rows():
@@ -506,7 +506,7 @@ def test_interpreted_fp8_pack_takes_the_kernel_and_gives_the_pure_bytes():
     for dtype in (torch.float16, torch.float32):  # the interpreter truncates into bfloat16
         x = _randn(2, 3, 256, dtype=dtype, seed=9)
         x[0, 1] = 0
-        assert _fp8_pack_reason(x.reshape(6, 256)) is None
+        assert fp8_pack_reason(x.reshape(6, 256)) is None
         a = fq.pack_activation(x, "w4afp8")
         t = fq.fp8_token_quantize(x.reshape(6, 256))
         assert_bitwise_equal(a.codes, t.codes)
@@ -541,9 +541,9 @@ def test_cuda_fp8_pack_takes_the_kernel_on_hopper():
     from floatxq.kernels.w4a_fp8 import w4a_fp8_unavailable_reason
 
     x = torch.ones(2, 128, device="cuda")
-    assert _fp8_pack_reason(x) == w4a_fp8_unavailable_reason(x.device)
+    assert fp8_pack_reason(x) == w4a_fp8_unavailable_reason(x.device)
     if torch.cuda.get_device_capability() >= (8, 9):
-        assert _fp8_pack_reason(x) is None
+        assert fp8_pack_reason(x) is None
 
 
 @pytest.mark.gpu
@@ -573,3 +573,43 @@ def test_to_cuda_and_back_moves_bytes_exactly(mode):
         if old is not None:
             assert_bitwise_equal(_bytes(new.reshape(-1)), _bytes(old.reshape(-1)), msg=name)
     assert_bitwise_equal(there.decode().cpu(), a.decode())
+
+
+# ----------------------------------------------------------------------------------------------
+# The pure pack and the dispatched one; the trusted constructor
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["w4afp8", "w4a_nvfp4"])
+def test_pure_pack_equals_the_dispatched_pack_bytes(mode):
+    from floatxq.w4a.activation import pack_activation as pure_pack
+
+    x = _randn(3, 256, dtype=torch.bfloat16, seed=41)
+    pure, routed = pure_pack(x, mode), fq.pack_activation(x, mode)
+    assert fq.pack_activation is fq.dispatch.pack_activation
+    assert_bitwise_equal(_bytes(pure.codes), _bytes(routed.codes))
+    assert_bitwise_equal(pure.scales.view(torch.uint8), routed.scales.view(torch.uint8))
+    if mode == "w4a_nvfp4":
+        assert_bitwise_equal(pure.global_scale, routed.global_scale)
+
+
+def test_trusted_skips_value_checks_but_the_test_hook_checks_structure():
+    from floatxq._typing import CHECKING
+
+    good = fq.pack_activation(torch.ones(2, 128), "w4a_nvfp4")
+    fields = {f.name: getattr(good, f.name) for f in dataclasses.fields(good)}
+    nan = torch.tensor(float("nan"))
+    trusted = fq.W4AActivation.trusted(**{**fields, "global_scale": nan})  # no host read
+    assert trusted.global_scale is nan
+    with pytest.raises(ValueError, match="global_scale must be positive and finite"):
+        fq.W4AActivation(**{**fields, "global_scale": nan})
+    with pytest.raises(TypeError, match="field 'codes' is required"):
+        fq.W4AActivation.trusted(**{k: v for k, v in fields.items() if k != "codes"})
+    with pytest.raises(TypeError, match=r"unknown field\(s\) \['extra'\]"):
+        fq.W4AActivation.trusted(**fields, extra=1)
+    wrong = {**fields, "codes": good.codes.view(torch.uint8)}
+    if CHECKING:  # the test run: structure still checked (dtype, shape, device)
+        with pytest.raises(TypeError, match="codes"):
+            fq.W4AActivation.trusted(**wrong)
+    else:
+        assert fq.W4AActivation.trusted(**wrong).codes.dtype == torch.uint8

@@ -152,6 +152,41 @@ def test_without_a_policy_a_calibrated_scale_is_refused(tmp_path):
         qm.save(tmp_path / "x", layout="gptq")
 
 
+def test_stream_scales_are_module_buffers_that_the_files_leave_to_the_policy(tmp_path):
+    from floatxq.lifecycle.stream import set_stream_global_scales, stream_boundary_quantizers
+
+    qm = _w4a_model(NVFP4)
+    keys = list(stream_boundary_quantizers(qm.model))
+    scales = {key: 0.001 * (i + 1) for i, key in enumerate(keys)}
+    set_stream_global_scales(qm.model, scales)  # the stream only: the config has none
+    held = {k: v.clone() for k, v in qm.model.state_dict().items() if ".w4a_stream_scales." in k}
+    assert len(held) == len(keys) == 5 + 4 * 7  # layer 0's input, then four per layer
+    assert sorted(float(v.view(torch.float32)) for v in held.values()) == sorted(
+        float(torch.tensor(v, dtype=torch.float32)) for v in scales.values()
+    )
+    with pytest.raises(ValueError, match=r"activation global_scales give it None"):
+        qm.save(tmp_path / "x", layout="gptq")  # refused rather than dropped
+    assert not (tmp_path / "x").exists()
+
+    stored = {**NVFP4.to_dict(), "global_scales": scales}
+    qm.quantize_config = GPTQConfig(activation=ActivationConfig.from_dict(stored))
+    path = qm.save(tmp_path / "y")
+    assert not any("w4a_stream_scales" in k for k in load_file(path / "model.safetensors"))
+    loaded = floatxq.load(path)
+    theirs = loaded.model.state_dict()
+    assert all(torch.equal(theirs[k], v) for k, v in held.items())
+    assert torch.equal(_logits(loaded.model), _logits(qm.model))
+
+    fresh = _w4a_model(NVFP4)  # dynamic producers until the state dict arrives
+    assert not any(q.calibrated for q in stream_boundary_quantizers(fresh.model).values())
+    for name, holder in fresh.model.named_modules():  # the W4A modules' caches stay as they are
+        if name.endswith(".w4a_stream_scales"):
+            holder.load_state_dict({k[len(name) + 1 :]: v for k, v in held.items() if
+                                    k.startswith(name + ".")})  # fmt: skip
+    assert all(q.calibrated for q in stream_boundary_quantizers(fresh.model).values())
+    assert torch.equal(_logits(fresh.model), _logits(qm.model))
+
+
 def _rewrite(src: Path, dst: Path, *, tensors=None, config=None) -> Path:
     """A copy of checkpoint ``src`` at ``dst`` with its tensors / quantization payload edited."""
     import shutil

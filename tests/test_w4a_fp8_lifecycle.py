@@ -19,13 +19,8 @@ from torch import nn
 import floatxq
 from floatxq.config import BACKEND, FP8Config, GPTQConfig
 from floatxq.fp8 import fp8_token_qdq
-from floatxq.gptq.solve import (
-    gptq_solve,
-    hessian_finalize,
-    hessian_init,
-    hessian_update,
-    rtn_quantize,
-)
+from floatxq.gptq.hessian import hessian_finalize, hessian_init, hessian_update
+from floatxq.gptq.solve import gptq_solve, rtn_quantize
 from floatxq.lifecycle.gptq import gptq_solve_options
 from floatxq.lifecycle.model import QuantizedModel
 from floatxq.nn.gptq_linear import GPTQLinear

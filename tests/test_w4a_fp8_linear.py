@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import floatxq.kernels.w4a_fp8 as w4a_kernels
 from floatxq import BACKEND, GPTQLinear, W4AFP8Linear
 from floatxq.fp8 import fp8_token_qdq, fp8_token_quantize
-from floatxq.gptq.int4 import GPTQPacked, pack_gptq_int4
+from floatxq.gptq.int4 import GPTQPacked, pack_gptq
 from floatxq.gptq.solve import GPTQSolveOptions, gptq_solve, rtn_quantize
 from floatxq.nn.w4a_fp8_linear import w4a_fp8_ineligibility, w4a_fp8_route
 from floatxq.testing import FP32_ACCUMULATION, Accumulation, w4a_fp8_linear_error_bound
@@ -62,7 +62,7 @@ def _hand_packed(zero_at: tuple[int, int] | None = None) -> GPTQPacked:
         zeros[zero_at] = 9
     scales = torch.full((K // 128, N), 0.25)
     g_idx = (torch.arange(K) // 128).to(torch.int32)
-    return pack_gptq_int4(codes, zeros, scales, g_idx, format="gptq_v2")
+    return pack_gptq(codes, zeros, scales, g_idx, format="gptq_v2")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -729,7 +729,7 @@ def test_the_gemm_is_the_nvfp4_qdq_of_x_times_the_dequantized_weight(recipe):
     oracle) times the dequantized GPTQ weight: the activation the GEMM multiplies decodes to
     qdq(x) exactly, and the output lies within the GEMM's bound of that float64 product, plus
     one FP32 rounding per term for qdq's own product with the global scale."""
-    from floatxq.gptq.int4 import dequantize_gptq, pack_gptq_int4
+    from floatxq.gptq.int4 import dequantize_gptq, pack_gptq
     from floatxq.nvfp4.operand import nvfp4_decode_swizzled
     from floatxq.nvfp4.quantize import nvfp4_block_qdq
 
@@ -738,8 +738,8 @@ def test_the_gemm_is_the_nvfp4_qdq_of_x_times_the_dequantized_weight(recipe):
     x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-4, 4, (m, 1), generator=g))
     codes = torch.randint(0, 16, (k, n), generator=g)
     scales = torch.rand(k // 128, n, generator=g) * 0.02 + 0.001
-    packed = pack_gptq_int4(codes, torch.full((k // 128, n), 8), scales,
-                            torch.arange(k, dtype=torch.int32) // 128)  # fmt: skip
+    packed = pack_gptq(codes, torch.full((k // 128, n), 8), scales,
+                       torch.arange(k, dtype=torch.int32) // 128)  # fmt: skip
     gs = 0.0125
     qdq = nvfp4_block_qdq(x, gs, recipe)
     a_codes, a_scales = nvfp4_pack_swizzled(x, gs, recipe=recipe)

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import floatxq.dispatch as wmod
 import floatxq.kernels._triton as _triton
-import floatxq.nn.w4a_nvfp4_linear as wmod
 from floatxq.config import BACKEND
-from floatxq.gptq.int4 import GPTQPacked, pack_gptq_int4
+from floatxq.gptq.int4 import GPTQPacked, pack_gptq
 from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
 from floatxq.nn.gptq_linear import GPTQLinear
 from floatxq.nn.w4a_fp8_linear import W4AFP8Linear
@@ -84,7 +84,7 @@ def _hand_packed(k: int = K, n: int = N) -> GPTQPacked:
     zeros = torch.full((k // 128, n), 8)
     scales = torch.full((k // 128, n), 0.25)
     g_idx = (torch.arange(k) // 128).to(torch.int32)
-    return pack_gptq_int4(_hand_codes(k, n), zeros, scales, g_idx, format="gptq_v2")
+    return pack_gptq(_hand_codes(k, n), zeros, scales, g_idx, format="gptq_v2")
 
 
 def _decode_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -550,7 +550,7 @@ def test_carrier_refusals():
 
 
 def _no_emulation(monkeypatch) -> None:
-    monkeypatch.setattr(wmod, "_emulation_unavailable", lambda device: "no emulation here")
+    monkeypatch.setattr(wmod, "_nvfp4_emulation_unavailable", lambda device: "no emulation here")
 
 
 def test_routes_on_this_machine(monkeypatch):
@@ -576,7 +576,7 @@ def test_routes_on_this_machine(monkeypatch):
 
 def test_auto_prefers_native_then_emulation_then_reference(monkeypatch):
     monkeypatch.setattr(wmod, "w4a_nvfp4_native_unavailable_reason", lambda device: None)
-    monkeypatch.setattr(wmod, "_emulation_unavailable", lambda device: None)
+    monkeypatch.setattr(wmod, "_nvfp4_emulation_unavailable", lambda device: None)
     assert w4a_nvfp4_route("auto", CPU) == ("native", None)
     assert w4a_nvfp4_route("native", CPU) == ("native", None)
     route, reason = w4a_nvfp4_route("auto", CPU, planes_staged=False)
@@ -691,7 +691,7 @@ def test_interpreted_native_loop_with_the_accumulate_kernel(monkeypatch):
     calls: list = []
     monkeypatch.setattr(wmod, "w4a_nvfp4_native_unavailable_reason", lambda device: None)
     monkeypatch.setattr(F, "scaled_mm", _fake_scaled_mm(calls), raising=False)
-    assert wmod._accumulator(CPU) is nvfp4_accumulate_group
+    assert wmod.nvfp4_accumulator(CPU) is nvfp4_accumulate_group
     layer = W4ANVFP4Linear.from_gptq_linear(_gptq(21, bias=True))
     layer.activation_global_scale = 1.0
     x = _grid_activation(21, 9, K, dtype=torch.float16)
@@ -711,7 +711,7 @@ def test_interpreted_native_loop_with_the_accumulate_kernel(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_emulation_route_is_the_reference_within_its_bound(rows, dtype):
     device = torch.device("cuda")
-    why = wmod._emulation_unavailable(device)
+    why = wmod._nvfp4_emulation_unavailable(device)
     if why is not None:
         pytest.skip(why)
     layer = W4ANVFP4Linear.from_gptq_linear(_gptq(30 + rows, bias=True)).to(device)

@@ -1,18 +1,11 @@
-"""The GPTQ solve: Hessian fold, damped inverse Cholesky, the column solve with lazy block updates.
+"""The GPTQ solve: the damped inverse Cholesky and the column solve with lazy block updates.
 
-``hessian_init`` / ``hessian_update`` / ``hessian_finalize`` fold calibration inputs into
-``H = 2/N · Σ xᵀx`` (FP32). :func:`gptq_solve` quantizes a weight column by column, feeding each
-column's rounding error forward to the columns not yet solved through the upper Cholesky factor
-of ``H⁻¹``, and :func:`rtn_quantize` is the round-to-nearest baseline with the same record. Both
-take a :class:`GPTQSolveOptions` (the solver's settings, nothing about checkpoints); the results
-match GPT-QModel's solver (``docs/numerics.md`` states the contract and where the two differ).
-
-Quantizer (per output row of a group): ``xmin = min(0, min x)``, ``xmax = max(0, max x)``;
-symmetric widens to ``±max(|xmin|, xmax)`` when ``xmin < 0``; an all-zero row uses ``[-1, 1]``;
-``scale = (xmax - xmin) / maxq`` (IEEE division by a tensor, so CPU and CUDA agree),
-``zero = (maxq + 1) / 2`` (symmetric) or ``round(-xmin / scale)``;
-``code = clamp(round(x / scale) + zero, 0, maxq)`` and ``value = scale · (code - zero)``, with
-torch's round-half-to-even.
+:func:`gptq_solve` quantizes a weight column by column, feeding each column's rounding error
+forward to the columns not yet solved through the upper Cholesky factor of ``H⁻¹`` (``H`` from
+:mod:`floatxq.gptq.hessian`), and :func:`rtn_quantize` is the round-to-nearest baseline with the
+same record. Both take a :class:`GPTQSolveOptions` (the solver's settings, nothing about
+checkpoints) and round with the quantizer of :mod:`floatxq.gptq.quantizer`; the results match
+GPT-QModel's solver (``docs/numerics.md`` states the contract and where the two differ).
 
 Speed: the solve is one pure-torch function per 128-column block (:func:`_solve_block`) working on
 fixed buffers. On CUDA each distinct block pattern is captured once as a CUDA graph and replayed
@@ -35,36 +28,15 @@ from typing import Any, NamedTuple
 import torch
 
 from floatxq._checks import require_finite, require_floating, require_shape
-from floatxq._typing import (
-    Bool,
-    Float,
-    Float32,
-    Float64,
-    Int32,
-    Int64,
-    Tensor,
-    UInt8,
-    checked_record,
-)
+from floatxq._typing import Float, Float64, Int32, Int64, Tensor, UInt8, checked_record
 from floatxq.formats import GPTQ_BITS
+from floatxq.gptq.quantizer import _fake_quant, _group_params, _quant_spec, _QuantSpec
 
-__all__ = [
-    "GPTQSolution",
-    "GPTQSolveOptions",
-    "HessianState",
-    "gptq_solve",
-    "hessian_finalize",
-    "hessian_init",
-    "hessian_update",
-    "rtn_quantize",
-]
+__all__ = ["GPTQSolution", "GPTQSolveOptions", "gptq_solve", "rtn_quantize"]
 
 GPTQ_BLOCK_SIZE = 128
 """Columns per lazy block update (GPT-QModel's ``blocksize``)."""
 
-_MSE_GRID = 100
-_MSE_MAX_SHRINK = 0.8
-_MSE_CHUNK = 8  # shrink candidates evaluated at once (fixed so reductions see fixed shapes)
 _FLOOR_ATTEMPTS = 6
 _FLOOR_RELATIVE = 1e-6
 
@@ -161,20 +133,10 @@ class GPTQSolveOptions:
 
 
 @checked_record
-class HessianState(NamedTuple):
-    """A running Hessian fold: ``Σ xᵀx`` over the rows seen so far and their count."""
-
-    xtx: Float32[Tensor, "k k"]
-    """FP32 ``(k, k)``: the sum of ``xᵀx`` over every folded (unmasked) row."""
-    rows: Int64[Tensor, ""]
-    """int64 0-d: how many rows were folded in."""
-
-
-@checked_record
 class GPTQSolution(NamedTuple):
     """A solved (or round-to-nearest) weight, in the weight's ``(out, in)`` orientation.
 
-    Pack it with ``pack_gptq_int4(codes.T, zeros.T, scales.T, g_idx)`` (the checkpoint stores
+    Pack it with ``pack_gptq(codes.T, zeros.T, scales.T, g_idx, bits=bits)`` (the checkpoint stores
     input rows first).
     """
 
@@ -194,240 +156,6 @@ class GPTQSolution(NamedTuple):
     the calibration row count); summed in float64 so large weights cannot overflow it."""
     damp: float
     """The ``damp_percent`` that made the Hessian invertible (0.0 for RTN)."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Hessian fold
-# ----------------------------------------------------------------------------------------------
-
-
-def hessian_init(k: int, *, device: torch.device | str | None = None) -> HessianState:
-    """An empty Hessian fold for inputs with ``k`` features.
-
-    Args:
-      k: the input width (``in_features`` of the layer), ≥ 1.
-      device: where the FP32 ``(k, k)`` accumulator lives.
-
-    Returns:
-      ``HessianState(xtx=zeros (k, k) FP32, rows=0)``.
-
-    Numerics: exact zeros.
-
-    Example:
-      >>> hessian_init(3).xtx.shape
-      torch.Size([3, 3])
-    """
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"hessian_init: k must be an int, got {type(k).__name__} {k!r}")
-    if k < 1:
-        raise ValueError(f"hessian_init: k must be >= 1, got {k}")
-    xtx = torch.zeros((k, k), dtype=torch.float32, device=device)
-    return HessianState(xtx, torch.zeros((), dtype=torch.int64, device=xtx.device))
-
-
-def hessian_update(
-    state: HessianState,
-    x: Float[Tensor, "*batch k"],
-    mask: Bool[Tensor, "*batch"] | None = None,
-) -> HessianState:
-    """Fold a batch of layer inputs into a Hessian: ``xtx += xᵀx``, ``rows += N``.
-
-    Args:
-      state: the fold so far (from :func:`hessian_init` or a previous update); never mutated.
-      x: ``(*batch, k)`` inputs; every leading axis counts as rows (tokens).
-      mask: optional ``(*batch)`` bool keep-mask; rows where it is False (padding) are removed
-        before the product, so they reach neither the sum nor the count (bit for bit: appending
-        masked rows never changes the result).
-
-    Returns:
-      A new :class:`HessianState`.
-
-    Raises:
-      ValueError: ``x``'s last axis is not the state's ``k``, or the mask's shape is not
-        ``x.shape[:-1]``. TypeError: a non-floating ``x``, a non-bool mask, or another device.
-
-    Numerics: FP32 (inputs are converted first, exact for bf16/fp16); the result does not depend
-    on how rows are split into batches except through FP32 summation order.
-
-    Example:
-      >>> s = hessian_update(hessian_init(2), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
-      >>> s.xtx.tolist(), int(s.rows)
-      ([[10.0, 14.0], [14.0, 20.0]], 2)
-    """
-    where = "hessian_update"
-    xtx, rows = _check_state(state, where=where)
-    require_floating(x, name="x", where=where)
-    k = xtx.shape[0]
-    if x.ndim < 1 or x.shape[-1] != k:
-        raise ValueError(f"{where}: x must have shape (*batch, {k}), got {tuple(x.shape)}")
-    if x.device != xtx.device:
-        raise TypeError(f"{where}: x is on {x.device} but the Hessian state on {xtx.device}")
-    flat = x.detach().reshape(-1, k).to(torch.float32)
-    if mask is None:
-        count = torch.full((), flat.shape[0], dtype=torch.int64, device=xtx.device)
-    else:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise TypeError(f"{where}: mask must be a bool tensor, got {_kind(mask)}")
-        if tuple(mask.shape) != tuple(x.shape[:-1]):
-            raise ValueError(
-                f"{where}: mask must have x's leading shape {tuple(x.shape[:-1])}, got "
-                f"{tuple(mask.shape)}"
-            )
-        # Padding rows are removed, not zeroed: the product then sums exactly the rows an
-        # unpadded call sums, in the same order, so padding cannot change a single bit.
-        flat = flat[mask.reshape(-1).to(xtx.device)]
-        count = torch.full((), flat.shape[0], dtype=torch.int64, device=xtx.device)
-    return HessianState(xtx + flat.T @ flat, rows + count)
-
-
-def hessian_finalize(state: HessianState) -> Float32[Tensor, "k k"]:
-    """The Hessian ``H = (2 / N) · Σ xᵀx`` of a fold, in FP32.
-
-    Raises:
-      ValueError: no rows were folded in, or the result is not finite (inputs with inf/NaN).
-
-    Numerics: ``xtx * fp32(2 / N)``: one FP32 rounding of the factor (computed in double) and
-    one of the product, the same on every device.
-
-    Example:
-      >>> s = hessian_update(hessian_init(2), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
-      >>> hessian_finalize(s).tolist()
-      [[10.0, 14.0], [14.0, 20.0]]
-    """
-    where = "hessian_finalize"
-    xtx, rows = _check_state(state, where=where)
-    n = int(rows)
-    if n <= 0:
-        raise ValueError(f"{where}: no rows were folded in (rows={n}); call hessian_update first")
-    factor = torch.tensor(2.0 / n, dtype=torch.float32, device=xtx.device)
-    hessian = xtx * factor
-    if not bool(torch.isfinite(hessian).all()):
-        raise ValueError(f"{where}: the Hessian is not finite; the inputs contained inf or NaN")
-    return hessian
-
-
-def _check_state(state: Any, *, where: str) -> tuple[Tensor, Tensor]:
-    if not isinstance(state, tuple) or len(state) != 2:
-        raise TypeError(f"{where}: state must be a HessianState, got {type(state).__name__}")
-    xtx, rows = state
-    if (
-        not isinstance(xtx, torch.Tensor)
-        or xtx.dtype != torch.float32
-        or xtx.ndim != 2
-        or xtx.shape[0] != xtx.shape[1]
-    ):
-        raise TypeError(f"{where}: state.xtx must be a square FP32 tensor, got {_kind(xtx)}")
-    if not isinstance(rows, torch.Tensor) or rows.ndim != 0:
-        raise TypeError(f"{where}: state.rows must be a 0-d tensor, got {_kind(rows)}")
-    return xtx, rows
-
-
-def _kind(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"tensor of dtype {x.dtype} and shape {tuple(x.shape)}"
-    return f"{type(x).__name__} {x!r}"
-
-
-# ----------------------------------------------------------------------------------------------
-# Quantizer
-# ----------------------------------------------------------------------------------------------
-
-
-@checked_record
-class _QuantSpec(NamedTuple):
-    bits: int
-    maxq: int
-    sym: bool
-    norm: float  # the MSE search exponent; 0 = no search
-    shrink: Float[Tensor, " candidates"] | None  # fp(1 - i/100), i < 80; built outside graphs
-
-
-def _quant_spec(
-    options: GPTQSolveOptions, *, dtype: torch.dtype, device: torch.device
-) -> _QuantSpec:
-    shrink = None
-    if options.mse > 0:
-        count = int(_MSE_MAX_SHRINK * _MSE_GRID)
-        shrink = torch.tensor([1 - i / _MSE_GRID for i in range(count)], dtype=dtype, device=device)
-    return _QuantSpec(options.bits, 2**options.bits - 1, options.sym, options.mse, shrink)
-
-
-def _fake_quant(x: Tensor, scale: Tensor, zero: Tensor, maxq: int) -> tuple[Tensor, Tensor]:
-    """``code = clamp(round(x / scale) + zero, 0, maxq)`` and ``value = scale · (code - zero)``."""
-    code = torch.clamp(torch.round(x / scale) + zero, 0, maxq)
-    return code, scale * (code - zero)
-
-
-def _group_params(x: Tensor, spec: _QuantSpec) -> tuple[Tensor, Tensor]:
-    """Per-column ``(scale, zero)`` of a ``(group, rows)`` slice (rows = output rows of W)."""
-    xmin = torch.clamp(x.amin(dim=0), max=0)
-    xmax = torch.clamp(x.amax(dim=0), min=0)
-    if spec.sym:
-        xmax = torch.maximum(xmin.abs(), xmax)
-        xmin = torch.where(xmin < 0, -xmax, xmin)
-    both_zero = (xmin == 0) & (xmax == 0)
-    xmin = torch.where(both_zero, -1.0, xmin)
-    xmax = torch.where(both_zero, 1.0, xmax)
-    maxq = torch.full_like(xmax, spec.maxq)
-    scale = _nonzero_scale((xmax - xmin) / maxq)
-    if spec.sym:
-        zero = torch.full_like(scale, (spec.maxq + 1) / 2)
-    else:
-        zero = torch.round(-xmin / scale)
-    if spec.shrink is not None:
-        scale, zero = _mse_search(x, xmin, xmax, scale, zero, maxq, spec)
-    return scale, zero
-
-
-def _nonzero_scale(scale: Tensor) -> Tensor:
-    """A scale that underflowed to 0 (subnormal-only rows) becomes the dtype's tiny value."""
-    return torch.where(scale == 0, torch.finfo(scale.dtype).tiny, scale)
-
-
-def _mse_search(
-    x: Tensor,
-    xmin: Tensor,
-    xmax: Tensor,
-    scale: Tensor,
-    zero: Tensor,
-    maxq: Tensor,
-    spec: _QuantSpec,
-) -> tuple[Tensor, Tensor]:
-    """The shrink search: the first candidate with the least ``Σ |q - x|^norm`` wins.
-
-    Candidates in order: ``p = 1 - i/100`` for ``i = 0..79`` (``p = 1`` is the min/max scale),
-    ``scale = (p·xmax - p·xmin) / maxq``; symmetric keeps the zero point, asymmetric uses
-    ``round(-p·xmin / scale)``, and 2-bit asymmetric also tries the integer on the other side of
-    the unrounded zero point (clamped to ``0..maxq``; floatxq's reading of GPT-QModel's
-    "adjacent zero point"). Keeping the first of equal errors equals walking the candidates in
-    order and replacing the best only on a strictly smaller error, as GPT-QModel does.
-    """
-    shrink = spec.shrink if spec.shrink is not None else xmin.new_ones((1,))
-    errors, scales, zeros = [], [], []
-    for start in range(0, shrink.shape[0], _MSE_CHUNK):
-        p = shrink[start : start + _MSE_CHUNK, None]
-        xmin1, xmax1 = p * xmin, p * xmax
-        scale1 = _nonzero_scale((xmax1 - xmin1) / maxq)
-        if spec.sym:
-            zero1 = zero.expand_as(scale1)[:, None]
-        else:
-            exact = -xmin1 / scale1
-            rounded = torch.round(exact)
-            zero1 = rounded[:, None]
-            if spec.bits == 2:
-                other = torch.where(rounded > exact, rounded - 1, rounded + 1)
-                zero1 = torch.stack([rounded, other.clamp(0, spec.maxq)], dim=1)
-        scale1 = scale1[:, None].expand_as(zero1)
-        _, value = _fake_quant(x[None, None], scale1[:, :, None], zero1[:, :, None], spec.maxq)
-        err = (value - x).abs().pow(spec.norm).sum(dim=2)
-        errors.append(err.flatten(0, 1))
-        scales.append(scale1.flatten(0, 1))
-        zeros.append(zero1.flatten(0, 1))
-    best = torch.cat(errors).argmin(dim=0, keepdim=True)
-    return (
-        torch.cat(scales).gather(0, best)[0],
-        torch.cat(zeros).gather(0, best)[0],
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -808,38 +536,27 @@ def gptq_solve(
 ) -> GPTQSolution:
     """Quantize a weight with GPTQ: per column, round and push the error onto later columns.
 
-    Steps: dead columns (``H[i,i] == 0``) get ``H[i,i] = 1`` and a zero weight column;
-    ``static_groups`` takes every natural group's parameters up front from that weight;
-    ``desc_act`` sorts columns by ``diag(H)`` (descending, stable), ``act_group_aware`` sorts
-    inside each group and then whole groups by their largest ``diag(H)``; the damped Hessian
-    ``H + damp·mean(diag H)·I`` is inverted through Cholesky with ``damp`` retried upward by
-    ``damp_auto_increment`` (at most :data:`GPTQ_MAX_DAMP_RETRIES` times) and, failing that,
-    six diagonal floors (not for a negative diagonal entry: an error); then columns are solved in
-    blocks of ``blocksize``, each group's parameters taken at its first column from the fully
-    error-updated weights, and each block's errors applied to the rest with one GEMM.
+    Columns are reordered by ``diag(H)`` (``desc_act`` / ``act_group_aware``), ``H`` is damped and
+    inverted through Cholesky, and columns are solved in blocks, each group's parameters taken at
+    its first column from the error-updated weights (every step: ``docs/numerics.md`` §10.3).
 
     Args:
-      weight: ``(out, in)`` floating weight, finite; any device. Computation is FP32 (FP64 for a
-        float64 weight).
-      hessian: ``(in, in)`` Hessian on the weight's device (:func:`hessian_finalize`).
+      weight: ``(out, in)`` floating weight, finite; any device.
+      hessian: ``(in, in)`` Hessian on the weight's device (``hessian_finalize``).
       options: the solver settings (:class:`GPTQSolveOptions`).
       blocksize: columns per lazy block (results are independent of it up to rounding).
-      cuda_graph: replay each block pattern as a CUDA graph on CUDA tensors (same bytes as the
-        eager path); no effect on CPU.
+      cuda_graph: replay repeated block patterns as CUDA graphs (same bytes); no effect on CPU.
 
     Returns:
-      :class:`GPTQSolution`; ``g_idx`` is ``arange(in) // group_size`` except with ``desc_act``
-      and no ``static_groups``, where it follows the sorted order.
+      :class:`GPTQSolution` (``g_idx`` as ``docs/numerics.md`` §10.3 step 6 says).
 
     Raises:
-      ValueError: non-finite inputs, weights above half the largest finite value (a group's
-        range would overflow), mismatched shapes, ``blocksize < 1``, a Hessian with a negative
-        diagonal entry that no damp repairs (not positive semidefinite, so not ``2/N·Σxᵀx``), or
-        one that no damping or floor makes positive definite. TypeError: wrong kinds or devices.
+      ValueError: non-finite inputs, weights above half the largest finite value, mismatched
+        shapes, ``blocksize < 1``, a Hessian with a negative diagonal no damp repairs, or one no
+        damping or floor makes positive definite. TypeError: wrong kinds or devices.
 
-    Numerics: the quantizer above (IEEE division, round-half-even, clamp to ``0..maxq``); FP32
-    linear algebra, so CPU and CUDA results agree up to summation order in the Cholesky and GEMM.
-    Inputs are never mutated.
+    Numerics: :mod:`floatxq.gptq.quantizer`'s rounding; FP32 linear algebra (FP64 for a float64
+    weight): CPU and CUDA agree up to summation order. Inputs are never mutated.
 
     Example:
       >>> w = torch.tensor([[0.1, -0.7, 0.3, 0.2]])
@@ -872,7 +589,9 @@ def _solve(
 ) -> GPTQSolution:
     out, k = weight.shape
     dtype, device = _compute_dtype(weight), weight.device
-    spec = _quant_spec(options, dtype=dtype, device=device)
+    spec = _quant_spec(
+        bits=options.bits, sym=options.sym, mse=options.mse, dtype=dtype, device=device
+    )
     h = hessian.to(dtype=dtype, copy=True)
     diag = h.diagonal()
     dead = diag == 0
@@ -993,7 +712,9 @@ def rtn_quantize(
 def _round_to_nearest(weight: Tensor, options: GPTQSolveOptions) -> GPTQSolution:
     out, k = weight.shape
     dtype, device = _compute_dtype(weight), weight.device
-    spec = _quant_spec(options, dtype=dtype, device=device)
+    spec = _quant_spec(
+        bits=options.bits, sym=options.sym, mse=options.mse, dtype=dtype, device=device
+    )
     gs = k if options.group_size == -1 else options.group_size
     count = -(-k // gs)
     wt = weight.to(dtype).T.clone(memory_format=torch.contiguous_format)

@@ -1,56 +1,30 @@
-"""Checkpoint layouts: the tensors and payloads a save writes for each reader of FP8 / NVFP4 / GPTQ
-files.
+"""Checkpoint layouts written: the tensors and payloads a save writes for each reader.
 
 floatxq keeps FP8 weights with INVERSE scales (``weight_scale_inv``: decode divides). Other
 readers multiply, and transformers reads ``quant_method: "fp8"`` with a ``weight_scale_inv`` as
-its own fine-grained FP8, where that tensor multiplies: GPT-QModel's files loaded there decode
-silently wrong. So a save picks a layout, and each layout writes what its reader expects:
+its own fine-grained FP8, where that tensor multiplies. So a save picks a layout
+(:data:`CHECKPOINT_LAYOUTS`), and each writes what its reader expects:
 
-* ``compressed-tensors`` (default): E4M3 weights with tensor, row or block scales
-  (``float-quantized``) and NVFP4 modules (``nvfp4-pack-quantized``), both at once as
-  ``mixed-precision``. Read by transformers (with the compressed-tensors package), vLLM, SGLang.
-* ``hf``: transformers' / DeepSeek's fine-grained FP8: E4M3 weights with tensor scales, or with
-  block scales of one block size for the whole model. Read by transformers (vLLM reads the block
-  form; it takes per-tensor ``fp8`` scales under another name, ``weight_scale``).
-* ``gptqmodel``: every FP8 module floatxq holds, byte for byte (inverse scales). Read by floatxq
-  and GPT-QModel. For a GPTQ model it writes the ``gptq`` files.
-* ``gptq``: GPTQ modules (``GPTQLinear``) byte for byte in GPT-QModel's layout (``qweight``,
-  ``qzeros``, float16 ``scales``, ``g_idx``), ``quant_method: "gptq"`` with ``checkpoint_format``
-  the config's format. Read by GPT-QModel, transformers (through GPT-QModel), vLLM and floatxq.
+* ``compressed-tensors`` (default): ``float-quantized`` FP8, ``nvfp4-pack-quantized`` NVFP4 and
+  ``pack-quantized`` GPTQ (:mod:`floatxq.interop.export_gptq`), ``mixed-precision`` when mixed.
+* ``hf``: transformers' / DeepSeek's fine-grained FP8 (tensor scales, or one block size).
+* ``gptqmodel``: every FP8 module byte for byte (inverse scales), with ``activation_scheme`` =
+  :data:`GPTQMODEL_REFUSAL_MARKER` so transformers and vLLM refuse the files; for a GPTQ model the
+  ``gptq`` files.
+* ``gptq``: GPTQ modules byte for byte in GPT-QModel's layout.
 
-``gptqmodel`` writes the model's own tensors and GPT-QModel's payload; its ``config.json``
-``quantization_config`` also carries ``activation_scheme`` = :data:`GPTQMODEL_REFUSAL_MARKER`,
-a value transformers and vLLM reject (``Activation scheme ... not supported``) before they read a
-weight, so neither loads those files wrong. floatxq and GPT-QModel read ``quantize_config.json``
-first. A model that a layout cannot hold is refused with a ``ValueError`` naming the module and
-the layouts that hold it, never written approximately.
+A model a layout cannot hold is refused with a ``ValueError`` naming the module and the layouts
+that hold it, never written approximately. ``docs/interop.md`` has the table of tensors, payloads
+and readers. Biases: ``hf`` and ``compressed-tensors`` write FP8 / NVFP4 biases in the model's
+dtype (the floating dtype of most parameters, what transformers loads a dense bias into);
+``gptqmodel`` keeps the stored float16 bias; GPTQ modules keep theirs in every layout.
 
-GPTQ modules in ``compressed-tensors`` are ``pack-quantized`` INT weights: ``weight_packed`` is
-``qweight`` transposed (the same words: compressed-tensors packs ``32/bits`` consecutive input
-values per int32, lowest first, as ``q + 2**(bits-1)``, which is the GPTQ code), ``weight_scale``
-is ``scales`` transposed, ``weight_zero_point`` the v2 ``qzeros`` transposed (asymmetric modules
-only; a symmetric module's zero points are all ``2**(bits-1)`` and are not written), and
-``weight_shape`` the ``(out, in)`` shape. compressed-tensors has no ``g_idx`` any more (its
-``actorder="group"`` was removed) and needs ``in`` divisible by the group size, so ``desc_act``
-modules and ragged groups are refused there. Mixed FP8 / NVFP4 / GPTQ models are written as
-``mixed-precision`` (one config group per scheme); ``gptq`` and ``hf`` refuse them. The
-``docs/interop.md`` GPTQ section says why v1 zero points of 0 are refused.
-
-Bias: ``TorchFP8Linear`` stores its bias in float16 and casts it to the input's dtype per call;
-``hf`` and ``compressed-tensors`` write every quantized module's bias in the model's dtype (the
-floating dtype holding most of the model's parameters, which is what transformers loads a dense
-bias into), so a loaded model adds the bias floatxq adds when it runs in that dtype. ``gptqmodel``
-keeps the stored float16 bias. GPTQ modules keep their stored bias in every layout (a reader casts
-it to the model dtype when it loads it, as ``GPTQLinear`` does on every call).
-
-Numerics: codes and NVFP4 bytes are written unchanged. Scales that multiply are the FP32
-reciprocal ``fl(1/s)`` of floatxq's inverse scale ``s`` (FP8), and CT's dividing
-``weight_global_scale`` is ``fl(1/g)`` of the multiplying NVFP4 tensor scale ``g``. One IEEE
-division: exact when the scale is a power of two, otherwise ``|fl(1/s) - 1/s| <= 2**-24 * |1/s|``,
-so a multiplying reader's FP32 decode ``fl(code * fl(1/s))`` lies within ``3 * 2**-24``
-relative (about 1.5 FP32 ulp) of floatxq's ``fl(code / s)`` before both are rounded into the
-model dtype: the decoded weights agree, except that an element whose exact value lies that close
-to a rounding boundary of the model dtype may round one ulp apart.
+Numerics: codes and NVFP4 bytes are written unchanged. Multiplying FP8 scales are the FP32
+reciprocal ``fl(1/s)`` of floatxq's inverse scale ``s``, and compressed-tensors' dividing
+``weight_global_scale`` is ``fl(1/g)`` of the NVFP4 tensor scale ``g``: exact for powers of two,
+else ``|fl(1/s) - 1/s| <= 2**-24 * |1/s|``, so a multiplying reader's decode lies within
+``3 * 2**-24`` relative of floatxq's before rounding into the model dtype (``docs/interop.md``,
+"Reciprocals").
 """
 
 import typing
@@ -61,8 +35,23 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import nn
 
-from floatxq._typing import Float, Float32, Int32, Tensor
+from floatxq._typing import Float, Float32, Tensor
 from floatxq.config import FP8Config, GPTQConfig
+from floatxq.formats import ACTIVATION_SCALE_BITS
+from floatxq.fp8 import fp32_reciprocal
+from floatxq.interop.export_gptq import (
+    _check_dynamic_activation_scale,
+    _check_no_activation_policy,
+    _ct_int_weights,
+    _describe_gptq,
+    _gptq_ct_tensors,
+    _gptq_facts,
+    _gptq_layouts,
+    _gptq_state,
+    _GptqFacts,
+    _refuse,
+    stream_scale_entry,
+)
 from floatxq.interop.payload import fp8_config_to_payload, gptq_config_to_payload
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
@@ -229,14 +218,6 @@ def _fp8_layouts(module: TorchFP8Linear) -> list[str]:
     return held
 
 
-def _refuse(layout: str, name: str, what: str, why: str, held: list[str]) -> ValueError:
-    where = ", ".join(repr(n) for n in held)
-    return ValueError(
-        f"export: layout {layout!r} cannot hold module {name!r} ({what}): {why}; layouts that "
-        f"hold it: {where}"
-    )
-
-
 def _check_fp8(layout: str, modules: _Modules, why: str) -> None:
     for name, module in modules.fp8:
         held = _fp8_layouts(module)
@@ -280,152 +261,6 @@ def _model_dtype(model: nn.Module) -> torch.dtype | None:
 # --------------------------------------------------------------------------------------------
 
 
-class _GptqFacts(NamedTuple):
-    """What a GPTQ module's tensors hold beyond its bits and group size (read from its buffers)."""
-
-    symmetric: bool
-    """Every zero point is ``2**(bits-1)``."""
-    contiguous: bool
-    """``g_idx`` is ``arange(in) // group_size`` (all 0 for ``group_size=-1``): no ``desc_act``
-    reordering of the groups."""
-    zero_at: tuple[int, int] | None
-    """``(group, output column)`` of the first logical zero point equal to 0, or None."""
-
-
-def _gptq_facts(module: nn.Module) -> _GptqFacts:
-    zeros = module.unpacked().zeros
-    symmetric = bool((zeros == (1 << (module.bits - 1))).all())
-    rows = torch.arange(module.in_features, device=module.g_idx.device, dtype=torch.int64)
-    expected = rows * 0 if module.group_size == -1 else rows // module.group_size
-    contiguous = torch.equal(module.g_idx.to(torch.int64), expected)
-    found = (zeros == 0).nonzero()
-    zero_at = (int(found[0, 0]), int(found[0, 1])) if found.numel() else None
-    return _GptqFacts(symmetric, contiguous, zero_at)
-
-
-def _describe_gptq(module: nn.Module) -> str:
-    groups = "one group per row" if module.group_size == -1 else f"groups of {module.group_size}"
-    return f"GPTQ {module.bits}-bit weights, {groups}"
-
-
-def _ct_holds_gptq(module: nn.Module, facts: _GptqFacts) -> str | None:
-    """Why compressed-tensors' ``pack-quantized`` cannot hold a GPTQ module, or None."""
-    if not facts.contiguous:
-        return (
-            "its g_idx reorders the groups (desc_act), and compressed-tensors stores no g_idx "
-            "(its actorder='group' was removed)"
-        )
-    if module.group_size != -1 and module.in_features % module.group_size:
-        return (
-            f"in_features={module.in_features} is not a multiple of group_size="
-            f"{module.group_size}, and compressed-tensors' group strategy needs whole groups"
-        )
-    return None
-
-
-def _gptq_layouts(module: nn.Module, facts: _GptqFacts) -> list[str]:
-    """The layouts that hold a GPTQ module."""
-    held = ["gptq", "gptqmodel"]
-    if _ct_holds_gptq(module, facts) is None:
-        held.append("compressed-tensors")
-    return held
-
-
-def _v2_zero_words(module: nn.Module) -> Int32[Tensor, "groups words"]:
-    """The module's ``qzeros`` in the ``gptq_v2`` convention (the logical zero in every field)."""
-    from floatxq.gptq.int4 import convert_gptq_format
-
-    if module.format == "gptq_v2":
-        return module.qzeros
-    packed = convert_gptq_format(
-        module.packed(), source=module.format, target="gptq_v2", bits=module.bits
-    )
-    return packed.qzeros
-
-
-def _float16_scales(name: str, scales: Float[Tensor, "groups out"]) -> Tensor:
-    """``scales`` as float16 when that conversion is exact, else a ValueError naming the module."""
-    if scales.dtype == torch.float16:
-        return scales
-    half = scales.to(torch.float16)
-    if not torch.equal(half.to(scales.dtype), scales):
-        lost = half.to(scales.dtype) != scales
-        raise ValueError(
-            f"export: layout 'gptq' stores float16 scales, and module {name!r} holds "
-            f"{scales.dtype} scales that float16 cannot hold exactly (such as "
-            f"{scales[lost][:3].tolist()}); layouts that keep them: 'compressed-tensors'"
-        )
-    return half
-
-
-def _gptq_module_tensors(
-    name: str, module: nn.Module, resolved: GPTQConfig | None, fmt: str, heads: set[str]
-) -> dict[str, Tensor]:
-    """One module's tensors in the ``gptq`` layout, after checking the config describes them."""
-    from floatxq.gptq.int4 import convert_gptq_format
-
-    what = _describe_gptq(module)
-    if resolved is None:
-        why = "lm_head=False" if name in heads else "a '-:' dynamic rule"
-        raise ValueError(
-            f"export: module {name!r} holds {what}, but the quantize_config excludes it ({why}); "
-            f"a reader would build it unquantized"
-        )
-    if (module.bits, module.group_size) != (resolved.bits, resolved.group_size):
-        raise ValueError(
-            f"export: module {name!r} holds {what}, but the quantize_config gives it "
-            f"bits={resolved.bits}, group_size={resolved.group_size}; the saved config would "
-            f"misdescribe it (add a dynamic rule for it)"
-        )
-    facts = _gptq_facts(module)
-    mid = 1 << (module.bits - 1)
-    if resolved.sym and not facts.symmetric:
-        raise ValueError(
-            f"export: module {name!r} has zero points other than {mid}, but the quantize_config "
-            f"declares sym=True, which readers take as every zero point being {mid} (vLLM's "
-            f"Marlin kernels then ignore qzeros); set sym=False for it"
-        )
-    if not resolved.desc_act and not facts.contiguous:
-        raise ValueError(
-            f"export: module {name!r} has a g_idx that reorders its groups, but the "
-            f"quantize_config declares desc_act=False, which readers take as contiguous groups "
-            f"(they ignore g_idx then); set desc_act=True for it"
-        )
-    if fmt == "gptq" and facts.zero_at is not None:
-        group, column = facts.zero_at
-        raise ValueError(
-            f"export: module {name!r} has a zero point of 0 (group {group}, output column "
-            f"{column}), which the v1 'gptq' format cannot store: its field would hold -1 and "
-            f"borrow from the next one, which readers that add 1 per field (vLLM) misread; save "
-            f"with format 'gptq_v2' (dataclasses.replace(model.quantize_config, "
-            f"format='gptq_v2')) or layout 'compressed-tensors'"
-        )
-    qzeros = module.qzeros
-    if module.format != fmt:
-        qzeros = convert_gptq_format(
-            module.packed(), source=module.format, target=fmt, bits=module.bits
-        ).qzeros
-    tensors = {
-        "qweight": module.qweight,
-        "qzeros": qzeros,
-        "scales": _float16_scales(name, module.scales),
-        "g_idx": module.g_idx,
-    }
-    if module.bias is not None:
-        tensors["bias"] = module.bias
-    return tensors
-
-
-def output_embedding_names(model: nn.Module) -> set[str]:
-    """The names under which ``model`` holds its output embedding (``lm_head`` and aliases)."""
-    names = {"lm_head"}
-    getter = getattr(model, "get_output_embeddings", None)
-    head = getter() if callable(getter) else None
-    if head is not None:
-        names.update(n for n, m in model.named_modules() if m is head)
-    return names
-
-
 def _gptq_export(model: nn.Module, modules: _Modules, config: Any, layout: str) -> LayoutExport:
     """The ``gptq`` files (``gptqmodel`` writes the same for a GPTQ model)."""
     if not isinstance(config, GPTQConfig):
@@ -437,82 +272,8 @@ def _gptq_export(model: nn.Module, modules: _Modules, config: Any, layout: str) 
     for name, module in modules.fp8:
         raise _refuse(layout, name, _describe_fp8(module), why, _fp8_layouts(module))
     _check_no_nvfp4(layout, modules, why)
-    heads = output_embedding_names(model)
-    replaced: dict[str, dict[str, Tensor]] = {}
-    for name, module in modules.gptq:
-        resolved = config.resolve(name) if name not in heads or config.lm_head else None
-        replaced[name] = _gptq_module_tensors(name, module, resolved, config.format, heads)
-    keeps_scales = config.activation is not None and config.activation.mode == "w4a_nvfp4"
-    state: dict[str, Tensor] = {}
-    for key, tensor in model.state_dict().items():
-        prefix, _, leaf = key.rpartition(".")
-        if leaf == _ACTIVATION_SCALE_BITS:  # a W4A-NVFP4 module's activation global scale
-            if not keeps_scales:
-                _check_dynamic_activation_scale(layout, prefix, tensor)
-                continue
-        state[key] = replaced.get(prefix, {}).get(leaf, tensor)
+    state = _gptq_state(model, modules.gptq, config, layout)
     return LayoutExport(state, gptq_config_to_payload(config), gptq_config_to_payload(config))
-
-
-_ACTIVATION_SCALE_BITS = "activation_global_scale_bits"
-
-
-def _check_dynamic_activation_scale(layout: str, name: str, bits: Tensor) -> None:
-    """Without an NVFP4 activation policy in the config, a W4A-NVFP4 module's activation scale is
-    not written: the checkpoint is ordinary GPTQ. That loses nothing while the scale is 0.0
-    (derived per call); a calibrated one is refused rather than dropped."""
-    if int(bits) != 0:
-        value = float(bits.view(torch.float32))
-        raise ValueError(
-            f"export: layout {layout!r} writes ordinary GPTQ tensors here; {name} holds a "
-            f"calibrated activation global scale ({value!r}) but the config has no NVFP4 "
-            f"activation policy to save it with. Give the config one (GPTQConfig.activation, "
-            f"mode 'w4a_nvfp4') or set activation_global_scale_bits to 0 (dynamic)"
-        )
-
-
-def _check_no_activation_policy(layout: str, config: Any) -> None:
-    """Only GPT-QModel's GPTQ files carry a W4A activation policy; other layouts would drop it."""
-    activation = getattr(config, "activation", None)
-    if isinstance(config, GPTQConfig) and activation is not None:
-        raise ValueError(
-            f"export: layout {layout!r} holds weight-only GPTQ; this model's config has a W4A "
-            f"activation policy (mode {activation.mode!r}) that it would drop; save with layout "
-            f"'gptq' (GPT-QModel's files carry the policy and its scales)"
-        )
-
-
-def _gptq_ct_tensors(name: str, module: nn.Module, facts: _GptqFacts) -> dict[str, Tensor]:
-    """One GPTQ module as compressed-tensors ``pack-quantized`` tensors."""
-    why = _ct_holds_gptq(module, facts)
-    if why is not None:
-        raise _refuse(
-            "compressed-tensors", name, _describe_gptq(module), why, _gptq_layouts(module, facts)
-        )
-    tensors = {
-        "weight_packed": module.qweight.T.contiguous(),
-        "weight_scale": module.scales.T.contiguous(),
-        "weight_shape": torch.tensor([module.out_features, module.in_features], dtype=torch.int64),
-    }
-    if not facts.symmetric:
-        tensors["weight_zero_point"] = _v2_zero_words(module).T.contiguous()
-    if module.bias is not None:
-        tensors["bias"] = module.bias
-    return tensors
-
-
-def _ct_int_weights(bits: int, group_size: int, symmetric: bool) -> dict[str, Any]:
-    weights: dict[str, Any] = {
-        "num_bits": bits,
-        "type": "int",
-        "symmetric": symmetric,
-        "group_size": None if group_size == -1 else group_size,
-        "strategy": "channel" if group_size == -1 else "group",
-        "dynamic": False,
-    }
-    if not symmetric:
-        weights["zp_dtype"] = "torch.int8"
-    return weights
 
 
 # --------------------------------------------------------------------------------------------
@@ -520,14 +281,9 @@ def _ct_int_weights(bits: int, group_size: int, symmetric: bool) -> dict[str, An
 # --------------------------------------------------------------------------------------------
 
 
-def _reciprocal(scale: Float32[Tensor, "*s"]) -> Float32[Tensor, "*s"]:
-    """``fl(1 / scale)`` in FP32: one IEEE division, exact for powers of two."""
-    return torch.ones_like(scale, dtype=torch.float32) / scale.to(torch.float32)
-
-
 def _multiplying_fp8_scale(module: TorchFP8Linear, layout: str) -> Float32[Tensor, "*s"]:
     """The module's scales as a multiplying reader of ``layout`` shapes them."""
-    direct = _reciprocal(module.weight_scale_inv)
+    direct = fp32_reciprocal(module.weight_scale_inv)
     method = module.weight_scale_method
     if layout == "hf":
         return direct.reshape(()) if method == "tensor" else direct
@@ -570,7 +326,7 @@ def _converted_state(
             "weight_scale": ("weight_scale", module.weight_scale),
             "weight_scale_2": (
                 "weight_global_scale",
-                _reciprocal(module.weight_scale_2).reshape(1),
+                fp32_reciprocal(module.weight_scale_2).reshape(1),
             ),
         }
         if module.bias is not None:
@@ -578,8 +334,10 @@ def _converted_state(
         renamed[name] = entries
     state: dict[str, Tensor] = {}
     for key, tensor in model.state_dict().items():
+        if stream_scale_entry(model, key, tensor, None, layout):  # refused when calibrated
+            continue
         prefix, _, leaf = key.rpartition(".")
-        if leaf == _ACTIVATION_SCALE_BITS:  # a W4A-NVFP4 module's activation global scale
+        if leaf == ACTIVATION_SCALE_BITS:  # a W4A-NVFP4 module's activation global scale
             _check_dynamic_activation_scale(layout, prefix, tensor)
             continue
         if prefix in gptq:
@@ -705,66 +463,27 @@ def export_layout(
 ) -> LayoutExport:
     """The tensors and payloads that save ``model`` in a checkpoint ``layout``.
 
-    Reads the model (``TorchFP8Linear`` / ``TorchFP4Linear`` / ``GPTQLinear`` modules, dense
-    ``nn.Linear`` modules) and returns new tensors and dicts; the model is not changed.
-
-    * ``"gptqmodel"``: ``model.state_dict()`` as it is; ``quantize_config`` =
-      :func:`~floatxq.interop.payload.fp8_config_to_payload`; ``quantization_config`` = that
-      payload with ``activation_scheme`` = :data:`GPTQMODEL_REFUSAL_MARKER`. For a model with
-      GPTQ modules, the ``"gptq"`` files.
-    * ``"gptq"``: ``model.state_dict()`` with each ``GPTQLinear``'s ``qweight``, ``qzeros``,
-      ``scales`` (float16: converted when exact, else refused), ``g_idx`` and ``bias`` (as
-      stored); ``qzeros`` converted exactly to the config's ``format`` when the module holds the
-      other one; with an NVFP4 activation policy, each W4A-NVFP4 module's int32
-      ``activation_global_scale_bits`` too (GPT-QModel's name and form). ``quantize_config``
-      and ``quantization_config`` =
-      :func:`~floatxq.interop.payload.gptq_config_to_payload` (``quant_method: "gptq"``,
-      ``checkpoint_format`` = ``format``). The config must describe every module as readers will
-      take it: the module's bits and group size, ``sym`` only when every zero point is
-      ``2**(bits-1)``, ``desc_act`` when ``g_idx`` reorders the groups, and no zero point of 0
-      in the v1 ``"gptq"`` format (its field would borrow from the next).
-    * ``"hf"``: ``<m>.weight`` (E4M3 codes) and ``<m>.weight_scale_inv`` (FP32 scale that
-      MULTIPLIES: ``()`` for tensor scales, the ``(out/br, in/bc)`` grid for block scales);
-      payload ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-      "weight_block_size", "modules_to_not_convert"}`` (the dense ``nn.Linear`` names).
-    * ``"compressed-tensors"``: FP8 modules as ``float-quantized`` (``<m>.weight``, FP32
-      multiplying ``<m>.weight_scale``: ``(1,)`` tensor, ``(out, 1)`` channel, block grid);
-      NVFP4 modules as ``nvfp4-pack-quantized`` (``<m>.weight_packed``, ``<m>.weight_scale``
-      E4M3, FP32 ``<m>.weight_global_scale`` ``(1,)`` that DIVIDES); GPTQ modules as
-      ``pack-quantized`` INT (``<m>.weight_packed`` int32 ``(out, in*bits/32)``,
-      ``<m>.weight_scale`` ``(out, groups)`` as stored, ``<m>.weight_shape``, and
-      ``<m>.weight_zero_point`` int32 ``(out*bits/32, groups)`` when a zero point is not
-      ``2**(bits-1)``); ``mixed-precision`` when formats mix. One config group per distinct
-      scheme, targeting ``"Linear"`` when there is one scheme, else the exact module names;
-      ``ignore`` lists the dense ``nn.Linear`` modules; no activation quantization (the files are
-      weight-only).
-
-    ``hf`` and ``compressed-tensors`` write FP8 and NVFP4 modules' biases in the model's dtype;
-    GPTQ modules keep their stored bias.
+    Reads the model's ``TorchFP8Linear`` / ``TorchFP4Linear`` / ``GPTQLinear`` and dense
+    ``nn.Linear`` modules and returns new tensors and dicts; the model is not changed. What each
+    layout writes (tensor names, shapes, payload keys) is the table in ``docs/interop.md``. For
+    ``gptq`` the config must describe every module as readers take it: its bits and group size,
+    ``sym`` only when every zero point is ``2**(bits-1)``, ``desc_act`` when ``g_idx`` reorders
+    the groups, no zero point of 0 in v1 ``gptq``; an NVFP4 activation policy keeps each
+    W4A-NVFP4 module's ``activation_global_scale_bits``.
 
     Args:
       model: the quantized model.
-      quantize_config: its config: an ``FP8Config`` for ``"gptqmodel"`` FP8 files, a
-        ``GPTQConfig`` for ``"gptq"`` (and ``"gptqmodel"`` with GPTQ modules); unused by the
-        others.
+      quantize_config: an ``FP8Config`` for ``gptqmodel`` FP8 files, a ``GPTQConfig`` for ``gptq``
+        (and ``gptqmodel`` with GPTQ modules); unused by the others.
       layout: a name :func:`normalize_layout` accepts.
 
     Raises:
       ValueError: an unknown layout; a module the layout cannot hold (named, with the layouts
-        that hold it): ``hf`` takes E4M3 with tensor or block scales and one block size for the
-        model, ``compressed-tensors`` E4M3, NVFP4 and GPTQ modules with contiguous whole groups,
-        ``gptqmodel`` FP8 only or GPTQ only, ``gptq`` GPTQ only; convolutions go to
-        ``gptqmodel`` only; a W4A activation policy to any layout but ``gptq`` /
-        ``gptqmodel``; a GPTQ config that misdescribes a module (see ``"gptq"`` above) or
-        scales float16 cannot hold; a layout other than ``gptqmodel`` for a model with no
-        quantized module.
-      TypeError: ``"gptqmodel"`` without an ``FP8Config`` (FP8 model) or ``GPTQConfig`` (GPTQ
-        model); ``"gptq"`` without a ``GPTQConfig``.
+        that hold it); a W4A activation policy outside ``gptq`` / ``gptqmodel``; a GPTQ config
+        that misdescribes a module, or scales float16 cannot hold; no quantized module.
+      TypeError: ``gptqmodel`` or ``gptq`` without the config its payload is written from.
 
-    Numerics: codes, NVFP4 bytes, GPTQ words and ``gptqmodel`` tensors unchanged (GPTQ zero words
-    converted between v1 and v2 by exact integer arithmetic); multiplying FP8 scales are one
-    FP32 reciprocal of floatxq's (bound in the module docstring); FP8/NVFP4 biases rounded once
-    into the model dtype.
+    Numerics: as the module docstring; FP8 / NVFP4 biases are rounded once into the model dtype.
 
     Example:
       >>> model = nn.Sequential(TorchFP8Linear.from_linear(nn.Linear(64, 32)), nn.Linear(32, 8))

@@ -16,15 +16,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from floatxq.config import GPTQConfig
-from floatxq.interop.checkpoint import (
-    CONFIG_FILE,
-    QUANTIZE_CONFIG_FILE,
-    header_metadata,
-    read_json,
-    tensor_infos,
-)
-from floatxq.interop.layouts import _ct_int_schemes, decide_layout, read_gptq_config
+from floatxq.formats import ACTIVATION_SCALE_BITS
+from floatxq.interop.checkpoint import CONFIG_FILE, QUANTIZE_CONFIG_FILE
+from floatxq.interop.layouts import decide_layout, read_gptq_config
 from floatxq.interop.payload import payload_format, payload_method
+from floatxq.interop.readers import _ct_int_schemes
+from floatxq.interop.shards import header_metadata, read_json, tensor_infos
 
 
 class CheckpointReport(NamedTuple):
@@ -241,5 +238,5 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
         tensors=len(infos),
         quantize_config_file=(root / QUANTIZE_CONFIG_FILE).is_file(),
         activation=None if gptq is None or gptq.activation is None else gptq.activation.to_dict(),
-        activation_scales=sum(n.endswith(".activation_global_scale_bits") for n in by_name),
+        activation_scales=sum(n.endswith(f".{ACTIVATION_SCALE_BITS}") for n in by_name),
     )

@@ -21,7 +21,9 @@ import torch
 
 from floatxq._checks import require_tensor
 from floatxq._typing import Float, Shaped, Tensor
+from floatxq.formats import FP8_WEIGHT_DTYPES, MODEL_DTYPES
 from floatxq.fp8 import decode_e8m0
+from floatxq.interop.checkpoint import CheckpointError
 from floatxq.nvfp4.e2m1 import e2m1_decode, unpack_e2m1
 
 __all__ = [
@@ -50,7 +52,6 @@ SOURCE_FAMILIES: tuple[SourceFamily, ...] = typing.get_args(SourceFamily)
 
 HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
 _MX_BLOCK = 32  # OCP MX: one E8M0 scale per 32 consecutive values along K
-_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MX_ELEMENTS = ("e2m1", "float8_e4m3fn", "float8_e5m2")
 _MIMO_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight")
 _MIMO_ENCODED_NAME = re.compile(r"(?!model\.mtp\.).*\.weight")  # MTP predictors stay as stored
@@ -122,8 +123,6 @@ def read_hf_quant_config(
     Raises:
       CheckpointError: with ``strict``, naming the file and the fault. Numerics: none.
     """
-    from floatxq.interop.checkpoint import CheckpointError  # lazy: lifecycle is a layer above
-
     file = Path(path)
     file = file / HF_QUANT_CONFIG_FILE if file.is_dir() else file
     if not file.is_file():
@@ -312,7 +311,7 @@ def modelopt_activation_quantization(qconfig: object, tensor_names: Iterable[str
 
 
 def _check_out_dtype(dtype: torch.dtype, *, where: str) -> None:
-    if dtype not in _OUT_DTYPES:
+    if dtype not in MODEL_DTYPES:
         raise ValueError(f"{where}: dtype must be float16, bfloat16 or float32, got {dtype}")
 
 
@@ -448,7 +447,7 @@ def decode_fp8_block_grid(
     require_tensor(scale, name="scale", where=where)
     if weight.element_size() != 1 or not weight.is_floating_point() or _is_e8m0(weight):
         raise TypeError(f"{where}: {name} must hold FP8 codes, got {weight.dtype}")
-    if not (_is_e8m0(scale) or scale.dtype in _OUT_DTYPES) or scale.device != weight.device:
+    if not (_is_e8m0(scale) or scale.dtype in MODEL_DTYPES) or scale.device != weight.device:
         raise TypeError(
             f"{where}: the scale of {name} must be float32/bfloat16/float16 or E8M0 bytes on "
             f"{weight.device}, got {scale.dtype} on {scale.device}"
@@ -550,14 +549,6 @@ NVFP4SourceLayout = Literal["modelopt", "compressed-tensors", "torchao", "comfy"
 """Producers whose NVFP4 weight tensors :func:`fp4_module_from_source` reads."""
 
 
-_FP8_CODE_DTYPES = tuple(
-    getattr(torch, n)
-    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-    if hasattr(torch, n)
-)
-_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _block_or_none(block: object) -> tuple[int, int] | None:
     return None if block is None else _block_pair(block, where="fp8_module_from_source: block")
 
@@ -575,16 +566,14 @@ def fp8_module_from_source(
 
     The layout follows the scale's shape: one element → tensor; ``[out]`` or ``[out, 1]`` (no
     ``block``) → row; a ``[out/br, in/bc]`` grid → block. A *ragged* grid ``[ceil(out/br),
-    ceil(in/bc)]`` (``out`` or ``in`` not a multiple of the block) fits no
-    :class:`~floatxq.nn.fp8_linear.TorchFP8Linear` layout and is decoded instead
+    ceil(in/bc)]`` fits no ``TorchFP8Linear`` layout and is decoded instead
     (:func:`decode_fp8_block_grid`) into a dense ``nn.Linear`` of ``dtype``.
 
     Args:
       weight: FP8 codes ``[out, in]``.
       scale: FP32 / bf16 / fp16 scales, or E8M0 bytes (``ue8m0``: powers of two).
       bias: kept as the module stores biases (FP16 for TorchFP8Linear, ``dtype`` for Linear).
-      direction: ``"inverse"`` or ``"multiply"`` — from the checkpoint's metadata, never from
-        the scale's magnitudes.
+      direction: ``"inverse"`` or ``"multiply"``, from the checkpoint's metadata only.
       block: the declared block ``(br, bc)``, needed for ragged grids and for 2-D grids.
       dtype: the dense dtype of a decoded module.
 
@@ -594,9 +583,8 @@ def fp8_module_from_source(
       TypeError: non-FP8 codes; an inverse scale that is not FP32, a multiplying one that is
         not FP32/bf16/fp16 or E8M0 bytes (an FP8- or integer-typed scale is a damaged file).
 
-    Numerics: codes untouched; a multiplying scale ``s`` becomes the inverse ``fl(1/s)``
-    (exact for powers of two, else within 2**-24 relative); a decoded module is
-    ``fl(code * s)`` rounded once to ``dtype``.
+    Numerics: codes untouched; a multiplying scale ``s`` becomes the inverse ``fl(1/s)`` (exact
+    for powers of two, else within 2**-24 relative); decoded: ``fl(code * s)`` in ``dtype``.
 
     Example:
       >>> w = torch.tensor([[2.0, -4.0]]).to(torch.float8_e4m3fn)
@@ -616,9 +604,9 @@ def fp8_module_from_source(
         raise ValueError(f"{where}: weight must be 2-D [out, in], got {tuple(weight.shape)}")
     pair = _block_or_none(block)
     rows, cols = weight.shape
-    if weight.dtype not in _FP8_CODE_DTYPES:
+    if weight.dtype not in FP8_WEIGHT_DTYPES:
         raise TypeError(f"{where}: weight must hold FP8 codes, got {weight.dtype}")
-    allowed = (torch.float32,) if direction == "inverse" else _SCALE_DTYPES
+    allowed = (torch.float32,) if direction == "inverse" else MODEL_DTYPES
     if not (scale.dtype in allowed or (direction == "multiply" and _is_e8m0(scale))):
         raise TypeError(
             f"{where}: {direction} FP8 weight scales must be "

@@ -2,36 +2,20 @@
 
 Twin of :func:`floatxq.fp8_scaled_linear` (the pure reference) for ``M`` up to a few dozen
 rows, where ``quantize x`` + ``torch._scaled_mm`` costs two launches and their host time
-(:class:`floatxq.nn.TorchFP8Linear` routes ``M <= 16`` here on CUDA). A program owns
-``BLOCK_N`` output columns of every row:
+(:func:`floatxq.dispatch.select_fp8_route` sends ``M <= 16`` here on CUDA). A program owns
+``BLOCK_N`` output columns of every row: it takes ``x``'s amax (per tensor, row or 1×128
+block), quantizes each ``x`` tile with the weight formula and encoder of
+:func:`floatxq.quantize_fp8_weight`, multiplies on the tensor cores and applies the scales and
+the bias in the epilogue; K may be split over programs (deterministic). How, step by step, and
+the bound it meets: ``docs/numerics.md``, "Kernels: the fused small-M FP8 GEMM and the FP8
+weight encoder". Tiles, splits and the amax pass come from a frozen :class:`FP8SmallMTuning`
+(defaults measured, ``benchmarks/RESULTS.md``); the Triton sources
+(:mod:`floatxq.kernels._fp8_small_m_jit`) are imported on the first launch.
 
-1. ``tensorwise``/``rowwise``: x's amax (per tensor or per row). From ``coop_min_rows`` rows
-   on, when the grid fits one program per SM, the programs reduce it together: each reads a
-   slice of ``x``, folds its maximum into a per-stream word with an atomic and waits at a grid
-   barrier (a cooperative launch, so every program is resident). Otherwise (one row, or a grid
-   too large) every program reads all of ``x``, many loads in flight at once. ``blockwise``
-   takes each 1×128 block's amax where the main loop reads it;
-2. the K loop quantizes its ``x`` tile with the weight formula and the same encoder as
-   :func:`floatxq.kernels.quantize_fp8_weight_kernel` (so the codes are exactly those of
-   :func:`floatxq.quantize_fp8_weight`) and multiplies the codes on the tensor cores with the
-   weight tile as the tall operand (``out.T = W · xq.T``): E4M3 × E4M3 as an FP8 MMA whose sums
-   are promoted to FP32 every 32 products, E5M2 weights through exact FP16 decodes; products
-   are exact;
-3. the epilogue multiplies by the direct scales ``sx · sw`` (per 128-wide K block inside the
-   loop for ``blockwise``), adds the bias and rounds once to the output dtype.
-
-Optionally K is split over several programs per output tile, the last to finish summing the
-FP32 partials in a fixed order (deterministic; per-stream workspaces). The result equals the
-reference up to summation order and the FP32 rounding of the scale products (bounded per element
-in the tests: 24 bits for FP32 sums, 22 for Hopper's FP8 MMA). Tiles, splits and the amax
-pass's shape come from a frozen :class:`FP8SmallMTuning` record (defaults measured, see
-benchmarks/RESULTS.md). The Triton sources live in :mod:`floatxq.kernels._fp8_small_m_jit`,
-imported on the first launch.
-
-The output alone cannot show every ``x`` code: one code off by a step moves a large-K sum by less
-than its accumulation error can. :func:`fp8_scaled_linear_kernel_with_codes` runs the same
-kernel with a compile-time switch that also stores the codes and inverse scales it quantized
-``x`` to, so tests compare them with :func:`floatxq.quantize_fp8_weight`'s bit for bit.
+:func:`fp8_scaled_linear_kernel_with_codes` runs the same kernel with a compile-time switch that
+also stores the ``x`` codes and inverse scales, so tests compare them with
+:func:`floatxq.quantize_fp8_weight`'s bit for bit (the output alone cannot show a code one step
+off at large K).
 """
 
 import dataclasses
@@ -41,7 +25,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from floatxq._typing import Float, Float8e4m3fn, Float32, FP8Dtype, Tensor, checked_record
-from floatxq.formats import FLOAT32_MAX, fp8_max
+from floatxq.formats import FLOAT32_MAX, K_GROUP, MODEL_DTYPES, fp8_max
 from floatxq.fp8 import _scaled_linear_arguments
 from floatxq.kernels import fp8_weight
 from floatxq.kernels._triton import (
@@ -62,7 +46,6 @@ __all__ = [
 
 _X_TENSOR, _X_ROW, _X_BLOCK = 0, 1, 2
 _RECIPE_MODE = {"tensorwise": _X_TENSOR, "rowwise": _X_ROW, "blockwise": _X_BLOCK}
-_BLOCK_K_GROUP = 128
 _BLOCK_M = 16
 """Rows per program for inputs of two rows or more (the MMA's N; ``out.T = W · xq.T``)."""
 _COOP_BANK = 64
@@ -290,7 +273,7 @@ def fp8_scaled_linear_kernel_with_codes(
         x, weight, weight_scale, bias, recipe, where="fp8_scaled_linear_kernel_with_codes"
     )
     m, k = x.shape
-    scale_shape = {"tensorwise": (), "rowwise": (m,), "blockwise": (m, k // _BLOCK_K_GROUP)}
+    scale_shape = {"tensorwise": (), "rowwise": (m,), "blockwise": (m, k // K_GROUP)}
     codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale_inv = torch.empty(scale_shape[recipe], dtype=torch.float32, device=x.device)
     out = _launch(
@@ -313,7 +296,7 @@ def _check_arguments(
     for label, t in (("x", x), ("weight", weight), ("weight_scale", weight_scale)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {label} must be a tensor, got {type(t).__name__}")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if x.dtype not in MODEL_DTYPES:
         raise TypeError(f"{where}: x must be float16/bfloat16/float32, got {x.dtype}")
     _scaled_linear_arguments(
         x, weight, weight_scale, bias, recipe=recipe, scale_name="weight_scale", where=where
@@ -369,7 +352,7 @@ def _plan(
     tiles = tuning.tiles(recipe, m)
     block_n, block_k = tiles.block_n, tiles.block_k
     if mode == _X_BLOCK:
-        block_k = _BLOCK_K_GROUP
+        block_k = K_GROUP
         block_n = min(block_n, 128)
     steps = -(-k // block_k)
     block_m = tuning.block_m_one_row if m == 1 else _BLOCK_M

@@ -2,37 +2,16 @@
 
 ``quantize_fp8_weight_kernel`` returns exactly what ``quantize_fp8_weight`` returns (codes and
 FP32 inverse scales, bit for bit, with the same validation errors) for CUDA tensors. Each program
-owns whole scale regions, so the two passes of the contract (amax per region, then
-scale + clamp + convert) run inside one program and the second pass reads from registers or L2:
+owns whole scale regions, so both passes of the contract (amax per region, then scale + clamp +
+convert) run in one program; a non-finite region sets a flag and the pure function's
+``ValueError`` is raised after the launch (one read of the flag). How programs are shaped is a
+frozen :class:`FP8WeightTuning` record (defaults measured, ``benchmarks/RESULTS.md``).
 
-* ``row`` and ``(1, bc)`` blocks: a program takes a few rows of one column group; per-row amax.
-* ``(br, bc)`` blocks with ``br > 1``: a program takes one block.
-* ``tensor``: one program for small inputs; otherwise two launches: a few programs per SM each
-  take the amax of strided row tiles, then one program per row tile takes the max of those
-  partial maxima itself and quantizes, last tile first (the rows the first pass read last may
-  still be in L2). Max is exact in any order, so the bytes never depend on the split.
-
-The quantizing pass also checks finiteness: a region whose amax is NaN or ±inf sets a flag, and
-``quantize_fp8_weight_kernel`` raises the pure function's ``ValueError`` after the launch (one
-read of that flag, no second pass over the weight). How programs are shaped is a frozen
-:class:`FP8WeightTuning` record (defaults measured, see benchmarks/RESULTS.md).
-
-Numerics, mirroring :mod:`floatxq.fp8` without re-deriving it:
-
-* amax compares IEEE bit patterns (``bits & 0x7FFFFFFF``), so subnormals count exactly;
-* ``scale_inv = fp8_max / max(amax, FLT_MIN)`` with ``tl.math.div_rn`` (IEEE division, never a
-  reciprocal multiply), then capped at ``FLT_MAX``; an all-zero region gets 1;
-* codes: ``w * scale_inv`` in FP32, clamped to ±fp8_max (NaN kept), then converted with one
-  round-to-nearest-even step: the PTX ``cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32`` instruction on
-  SM 8.9+ for ``float8_e4m3fn``/``float8_e5m2``, or an integer RNE encoder for every other case
-  (the ``fnuz`` formats, older GPUs, and ``TRITON_INTERPRET=1``, whose own float8 cast is not
-  nearest-even for small values). Neither goes through FP16, so there is no double rounding.
-
-Under ``TRITON_INTERPRET=1`` (CPU tensors, for tests) bf16/fp16 inputs are widened to FP32 by
-torch first, because the interpreter's own widening flushes subnormals.
-
-The Triton sources live in :mod:`floatxq.kernels._fp8_weight_jit`, imported on the first launch:
-importing this module needs neither Triton nor CUDA.
+Numerics mirror :mod:`floatxq.fp8` (amax on IEEE bit patterns, ``scale_inv`` by IEEE
+division, one round-to-nearest-even conversion, never through FP16); the per-layout program
+shapes and the encoders used on each GPU: ``docs/numerics.md``, "Kernels: the fused small-M FP8
+GEMM and the FP8 weight encoder". The Triton sources (:mod:`floatxq.kernels._fp8_weight_jit`)
+are imported on the first launch: importing this module needs neither Triton nor CUDA.
 """
 
 import dataclasses
@@ -57,6 +36,7 @@ from floatxq.fp8 import (
     _inverse_scale,
     _saturating_cast,
     _weight_arguments,
+    fp32_reciprocal,
 )
 from floatxq.kernels._triton import (
     CachedLauncher,
@@ -488,7 +468,7 @@ def quantize_fp8_weight_kernel(
     if w.device.type != "cuda" and not triton_interpret_enabled():
         raise TypeError(
             f"{where}: weight is on {w.device}; the kernel needs a CUDA tensor (use "
-            f"floatxq.quantize_fp8_weight or floatxq.kernels.quantize_fp8_weight_auto instead)"
+            f"floatxq.quantize_fp8_weight or floatxq.quantize_fp8_weight_auto instead)"
         )
     # The flag lives in pinned host memory: the kernel writes it over the bus only when it
     # finds a non-finite value, so reading it needs no copy launch, only the end of the kernel.
@@ -519,7 +499,7 @@ def _quantize_direct_torch(
         blocks = x32.reshape(rows // br, br, cols // bc, bc)
         inv = _inverse_scale(_amax(blocks, (1, 3)), fmax)
         codes = _saturating_cast(blocks * inv[:, None, :, None], dtype, fmax).reshape(rows, cols)
-    return codes, torch.ones_like(inv) / inv
+    return codes, fp32_reciprocal(inv)
 
 
 def quantize_fp8_input(

@@ -20,13 +20,22 @@ come from a frozen :class:`NVFP4Tuning` (defaults measured on an H200, ``benchma
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 
 from floatxq._checks import real_scalar, require_floating
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor
-from floatxq.formats import NVFP4RecipeName, normalize_nvfp4_recipe, nvfp4_kernel_recipe
+from floatxq.formats import (
+    K_GROUP,
+    MODEL_DTYPES,
+    NVFP4_DEFAULT_RECIPE,
+    NVFP4RecipeName,
+    normalize_nvfp4_recipe,
+    nvfp4_kernel_recipe,
+)
 from floatxq.gptq.int4 import _unpack_fields
 from floatxq.kernels import fp8_small_m
 from floatxq.kernels._triton import (
@@ -38,7 +47,7 @@ from floatxq.kernels._triton import (
     triton_interpret_enabled,
     triton_unavailable_reason,
 )
-from floatxq.nvfp4.operand import NVFP4_OPERAND_GROUP, padded_rows
+from floatxq.nvfp4.operand import padded_rows
 from floatxq.w4a.linear import _check_nvfp4_shapes, _check_nvfp4_weight_side
 
 __all__ = [
@@ -46,6 +55,7 @@ __all__ = [
     "NVFP4Tuning",
     "nvfp4_linear",
     "nvfp4_linear_prepacked",
+    "nvfp4_native_gemm",
     "nvfp4_pack_and_swizzle",
     "nvfp4_unavailable_reason",
 ]
@@ -53,7 +63,6 @@ __all__ = [
 _MIN_CAPABILITY = (8, 9)
 """Triton's E4M3 conversions (the staged weight and the block scales are E4M3): Ada and newer."""
 _LOCAL = {"nvidia": 0, "four_six": 1, "least_squares": 2, "least_squares_grid": 3, "exhaustive": 4}
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP4X2 = torch.float4_e2m1fn_x2
 _E4M3 = torch.float8_e4m3fn
 
@@ -173,25 +182,21 @@ def nvfp4_pack_and_swizzle(
     x: Float[Tensor, "rows k"],
     global_scale: Float[Tensor, "*one"] | float,
     *,
-    recipe: NVFP4RecipeName = "least_squares",
+    recipe: NVFP4RecipeName = NVFP4_DEFAULT_RECIPE,
     tuning: NVFP4Tuning = DEFAULT_NVFP4_TUNING,
 ) -> tuple[Shaped[Tensor, "rows k//2"], Float8e4m3fn[Tensor, "k//128 padded"]]:
     """NVFP4 codes and swizzled block scales of ``x`` in one launch.
 
     Args:
-      x: ``(rows, K)`` float16/bfloat16/float32 CUDA tensor (any strides); ``K`` a positive
+      x: ``(rows, K)`` float16/bfloat16/float32 CUDA tensor (any strides), ``K`` a positive
         multiple of 128.
-      global_scale: the FP32 global scale: a positive finite number, or a one-element tensor
-        (on the GPU it is not read on the host).
-      recipe: every NVFP4 recipe (``nvidia``, ``nvidia_headroom``, ``four_six``,
-        ``least_squares``, ``least_squares_headroom``, ``least_squares_grid``, ``exhaustive``)
-        or a legacy alias.
+      global_scale: a positive finite number, or a one-element FP32 tensor (not read on the host).
+      recipe: any NVFP4 recipe or legacy alias (:data:`floatxq.NVFP4_RECIPES`).
       tuning: launch shape (:class:`NVFP4Tuning`).
 
     Returns:
       ``(packed, scales)``: ``float4_e2m1fn_x2 (rows, K/2)`` and ``float8_e4m3fn (K/128,
-      padded_rows·8)`` (rows padded to 128, padding scales 0). No rows: ``(0, K/2)`` and
-      ``(K/128, 0)`` without a launch.
+      padded_rows·8)`` (padding scales 0). No rows: empty tensors without a launch.
 
     Raises:
       TypeError: a CPU tensor (without ``TRITON_INTERPRET=1``), another dtype, not 2-D.
@@ -199,27 +204,24 @@ def nvfp4_pack_and_swizzle(
         that is not positive and finite.
       RuntimeError: Triton missing, or a GPU below SM 8.9.
 
-    Numerics: bit for bit :func:`floatxq.nvfp4_pack_swizzled` on finite input. No
-    finiteness check on the host (no synchronization): a block holding NaN or infinity gets the
-    NaN scale byte 0x7F, so it decodes to NaN rather than to a finite wrong value.
+    Numerics: bit for bit :func:`floatxq.nvfp4_pack_swizzled` on finite input; no host check: a
+    block holding NaN or infinity gets the NaN scale byte 0x7F (it decodes to NaN).
 
     Example:
       >>> packed, scales = nvfp4_pack_and_swizzle(
       ...     torch.randn(4, 256, device="cuda"), 0.01)  # doctest: +SKIP
     """
     where = "nvfp4_pack_and_swizzle"
-    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in _DTYPES:
+    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in MODEL_DTYPES:
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{where}: x must be a 2-D float16/bfloat16/float32 tensor, got {got}")
     rows, k = x.shape
-    if k == 0 or k % NVFP4_OPERAND_GROUP:
-        raise ValueError(
-            f"{where}: K must be a positive multiple of {NVFP4_OPERAND_GROUP}, got K={k}"
-        )
+    if k == 0 or k % K_GROUP:
+        raise ValueError(f"{where}: K must be a positive multiple of {K_GROUP}, got K={k}")
     local = nvfp4_kernel_recipe(normalize_nvfp4_recipe(recipe))
     device = require_kernel_device((x,), where=where, reason=nvfp4_unavailable_reason)
     g = _global_scale(global_scale, device, where=where)
-    groups = k // NVFP4_OPERAND_GROUP
+    groups = k // K_GROUP
     packed = torch.empty((rows, k // 2), dtype=torch.uint8, device=device)
     scales = torch.empty((groups, padded_rows(rows) * 8), dtype=torch.uint8, device=device)
     if rows == 0:
@@ -313,7 +315,7 @@ def nvfp4_linear(
     bias: Float[Tensor, "n"] | None = None,  # noqa: F821
     *,
     global_scale: Float[Tensor, "*one"] | float,
-    recipe: NVFP4RecipeName = "least_squares",
+    recipe: NVFP4RecipeName = NVFP4_DEFAULT_RECIPE,
     tuning: NVFP4Tuning = DEFAULT_NVFP4_TUNING,
 ) -> Float[Tensor, "m n"]:
     """The W4A-NVFP4 linear on the GPU: :func:`nvfp4_pack_and_swizzle`, then the emulated GEMM.
@@ -335,7 +337,7 @@ def nvfp4_linear(
     summation order.
     """
     where = "nvfp4_linear"
-    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in _DTYPES:
+    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in MODEL_DTYPES:
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{where}: x must be a 2-D float16/bfloat16/float32 tensor, got {got}")
     _check_nvfp4_weight_side(x.shape[1], x.device, weight, group_scales, bias, where=where)
@@ -432,3 +434,49 @@ def _gemm(
         aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:10])
         _launchers(interpret)[1]((key, aligned), grid, args, options, index)
     return out
+
+
+def nvfp4_native_gemm(
+    codes: Shaped[Tensor, "rows half_k"],
+    scales: Float8e4m3fn[Tensor, "groups padded"],
+    global_scale: Float32[Tensor, "*one"],
+    both: Shaped[Tensor, "half_k two_n"],
+    unit_scales: Float8e4m3fn[Tensor, " unit"],
+    group_scales: Float[Tensor, "groups n"],
+    bias: Float[Tensor, " n"] | None,
+    token_scale: Float32[Tensor, " rows"] | None,
+    output_dtype: torch.dtype,
+    *,
+    accumulate: Callable[..., Tensor],
+) -> Float[Tensor, "rows n"]:
+    """The W4A-NVFP4 GEMM on FP4 tensor cores (cuBLAS through ``F.scaled_mm``), operands
+    already checked (at least one row; ``both`` / ``unit_scales`` from
+    :func:`floatxq.w4a.weight.w4a_nvfp4_weight_planes`).
+
+    Per 128-wide K group ``g``: ``F.scaled_mm`` of the codes ``[:, 64g : 64g+64]`` (block
+    scales ``scales[g]``) by the planes ``both[64g : 64g+64]`` (unit scales), both scale grids
+    ``SWIZZLE_32_4_4``, FP32 out: ``[Σ a·low | Σ a·high]`` with exact products; then
+    ``accumulate`` (:func:`floatxq.w4a_nvfp4_accumulate_group` or its Triton twin) adds
+    ``(low + 4·high) · group_scale`` to the FP32 sum, and the last group applies the global
+    scale, the token scale and the bias and rounds once.
+
+    Numerics: equal to :func:`floatxq.w4a_nvfp4_linear_prepacked` up to FP32 summation order.
+    """
+    kind, swizzle = F.ScalingType.BlockWise1x16, F.SwizzleType.SWIZZLE_32_4_4
+    half = K_GROUP // 2
+
+    def planes(g: int) -> Tensor:
+        cols = slice(half * g, half * (g + 1))
+        return F.scaled_mm(
+            codes[:, cols], both[cols], scales[g], kind, unit_scales, kind,
+            swizzle_a=swizzle, swizzle_b=swizzle, output_dtype=torch.float32,
+        )  # fmt: skip
+
+    last = scales.shape[0] - 1
+    acc: Tensor | None = None
+    for g in range(last):  # ascending groups, FP32 running sum
+        acc = accumulate(planes(g), group_scales[g], acc)
+    return accumulate(
+        planes(last), group_scales[last], acc, last=True, global_scale=global_scale,
+        token_scale=token_scale, bias=bias, output_dtype=output_dtype,
+    )  # fmt: skip

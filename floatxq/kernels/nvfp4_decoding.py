@@ -26,7 +26,7 @@ import torch
 
 from floatxq._checks import real_scalar, require_data, require_tensor
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor
-from floatxq.formats import FLOAT32_MAX, NVFP4_BLOCK
+from floatxq.formats import FLOAT32_MAX, MODEL_DTYPES, NVFP4_BLOCK
 from floatxq.kernels._triton import (
     CachedLauncher,
     import_kernel_sources,
@@ -48,7 +48,6 @@ __all__ = [
 
 _FP4X2 = getattr(torch, "float4_e2m1fn_x2", None)
 _E4M3 = torch.float8_e4m3fn
-_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CPU = torch.device("cpu")
 
 
@@ -175,32 +174,24 @@ def nvfp4_decode(
     """:func:`floatxq.nvfp4_decode_swizzled` in one launch.
 
     Args:
-      codes: ``(rows, width/2)`` ``float4_e2m1fn_x2`` or ``uint8`` packed codes (any strides).
-      scales: ``float8_e4m3fn (width/128, padded_rows(rows)·8)`` block scales swizzled per
-        128-wide group.
+      codes, scales, width, out_dtype: as the pure function (codes uint8 or ``float4_e2m1fn_x2``,
+        any strides).
       global_scale: a one-element FP32 tensor on the codes' device (not read on the host), or a
-        positive finite Python number.
-      width: ``K``, a positive multiple of 128.
-      out_dtype: float16, bfloat16 or float32.
+        positive finite number.
       tuning: launch shapes.
 
     Returns:
-      ``(rows, width)`` in ``out_dtype``, contiguous; no rows gives an empty tensor without a
-      launch.
+      ``(rows, width)`` in ``out_dtype``, contiguous (no rows: empty, without a launch).
 
     Raises:
-      ValueError: ``width`` not a positive multiple of 128, shapes that do not fit it, a
-        global-scale tensor of several values, a global-scale number that is not positive and
-        finite.
-      TypeError: codes that are not uint8 / ``float4_e2m1fn_x2``, scales that are not
-        ``float8_e4m3fn``, a global-scale tensor that is not float32, another ``out_dtype``,
-        tensors on different devices or on CPU (without ``TRITON_INTERPRET=1``).
+      ValueError, TypeError: as the pure function; a global-scale tensor of several values or not
+        float32; tensors on different devices or on CPU (without ``TRITON_INTERPRET=1``).
       RuntimeError: Triton missing.
 
-    Numerics: bit for bit the pure decode on the scales it accepts: the code-scale product exact
-    in FP32, one FP32 rounding for the global scale, a clamp to ``out_dtype``'s largest finite
-    magnitude, one nearest-even rounding. Unchecked on the device: a NaN scale byte (0x7F,
-    0xFF) or global scale decodes to NaN, a negative one to values of the opposite sign.
+    Numerics: bit for bit the pure decode on the scales it accepts (exact code-scale product, one
+    FP32 rounding for the global scale, a clamp to ``out_dtype``'s range, one nearest-even
+    rounding). Unchecked on the device: a NaN scale byte (0x7F, 0xFF) or global scale decodes to
+    NaN, a negative one to values of the opposite sign.
 
     Example:
       >>> codes = torch.full((1, 64), 0x55, dtype=torch.uint8, device="cuda")  # doctest: +SKIP
@@ -234,11 +225,10 @@ def nvfp4_dequantize_kernel(
     """:func:`floatxq.nvfp4_dequantize` in one launch (the ModelOpt weight layout).
 
     Args:
-      packed: ``(*b, k/2)`` uint8 or ``float4_e2m1fn_x2``, two E2M1 codes per byte, the even
-        element in the low nibble.
-      block_scales: ``float8_e4m3fn (*b, k/16)``, one scale per 16 consecutive values of a row.
+      packed: ``(*b, k/2)`` uint8 or ``float4_e2m1fn_x2`` (even element in the low nibble).
+      block_scales: ``float8_e4m3fn (*b, k/16)``.
       global_scale: a one-element FP32 tensor on the codes' device (not read on the host), or a
-        positive finite Python number.
+        positive finite number.
       dtype: float16, bfloat16 or float32.
       tuning: launch shapes.
 
@@ -246,17 +236,12 @@ def nvfp4_dequantize_kernel(
       ``(*b, k)`` in ``dtype``, contiguous.
 
     Raises:
-      ValueError: a 0-d ``packed``; ``block_scales`` not ``(*b, k/16)``; a global-scale tensor
-        of several values, a global-scale number that is not positive and finite.
-      TypeError: ``packed`` that is not uint8 / ``float4_e2m1fn_x2``, ``block_scales`` that are
-        not ``float8_e4m3fn``, meta tensors, a global-scale tensor that is not float32, another
-        ``dtype``, tensors on different devices or on CPU (without ``TRITON_INTERPRET=1``).
+      ValueError, TypeError: a 0-d ``packed``, mismatched shapes or dtypes, meta tensors, a
+        global scale of several values, not float32, or not positive and finite; tensors on
+        different devices or on CPU (without ``TRITON_INTERPRET=1``).
       RuntimeError: Triton missing.
 
-    Numerics: bit for bit the pure decode on the scales it accepts (exact code-scale product,
-    one FP32 rounding for the global scale, clamp to ``dtype``'s largest finite magnitude, one
-    nearest-even rounding). Unchecked on the device: a NaN block-scale byte (0x7F, 0xFF) or
-    global scale decodes to NaN, a negative one to values of the opposite sign.
+    Numerics: bit for bit the pure decode, unchecked on the device as :func:`nvfp4_decode`.
 
     Example:
       >>> packed = torch.full((2, 8), 0x21, dtype=torch.uint8, device="cuda")  # doctest: +SKIP
@@ -282,7 +267,7 @@ def nvfp4_dequantize_kernel(
             f"{where}: block_scales shape {tuple(block_scales.shape)} does not match "
             f"codes of shape {(*batch, k)} (expected (*b, k/16))"
         )
-    if dtype not in _OUT_DTYPES:
+    if dtype not in MODEL_DTYPES:
         raise TypeError(f"{where}: dtype must be float16, bfloat16 or float32, got {dtype!r}")
     gs, gs_value = _scalar_or_tensor(global_scale, where=where, checked=True)
     extra = () if gs is None else (gs,)
@@ -311,34 +296,22 @@ def nvfp4_accumulate_group(
     """:func:`floatxq.w4a_nvfp4_accumulate_group` in one launch.
 
     Args:
-      both: ``(m, 2n)`` FP32 (any strides): the low plane's sums, then the high plane's.
-      group_scale: ``(n,)`` this group's GPTQ scales (any floating dtype, read as FP32).
-      acc: ``(m, n)`` FP32 sum of the earlier groups, or None for the first group (not
-        modified: the result is a new tensor).
-      last: apply the global scale, the token scale and the bias, and round to
-        ``output_dtype``.
-      global_scale: (``last`` only, then required) a one-element FP32 tensor on the device
-        (not read on the host) or a Python number.
-      token_scale: ``(m,)`` FP32 per-row factor, or None (``last`` only).
-      bias: ``(n,)`` floating, or None (``last`` only).
-      output_dtype: float16, bfloat16 or float32 (FP32 unless ``last``).
+      both, group_scale, acc, last, token_scale, bias, output_dtype: as the pure function (``both``
+        any strides; ``acc`` is not modified).
+      global_scale: (``last`` only, then required) a one-element FP32 tensor on the device (not
+        read on the host) or a number.
       tuning: launch shapes.
 
     Returns:
-      ``(m, n)``, contiguous: the FP32 running sum, or the output in ``output_dtype`` when
-      ``last``.
+      ``(m, n)``, contiguous: the FP32 running sum, or the output in ``output_dtype`` when ``last``.
 
     Raises:
-      ValueError: as the pure function (shapes, options given without ``last``, a missing
-        global scale); a global-scale tensor of several values.
-      TypeError: as the pure function; a global-scale tensor that is not float32; tensors on
-        CPU (without ``TRITON_INTERPRET=1``).
+      ValueError, TypeError: as the pure function; a global-scale tensor of several values or not
+        float32; tensors on CPU (without ``TRITON_INTERPRET=1``).
       RuntimeError: Triton missing.
 
-    Numerics: bit for bit the pure function: FP32 in its order, ``t = (acc or +0) + (low +
-    4·high) · float32(group_scale)``, then ``· global_scale``, ``· token_scale[row]``, ``+
-    float32(bias)``, one nearest-even rounding (overflow gives ±inf, as ``Tensor.to`` does).
-    Compiled with ``enable_fp_fusion=False``, so no multiply-add is fused.
+    Numerics: bit for bit the pure function (FP32 in its order, one nearest-even rounding);
+    compiled with ``enable_fp_fusion=False``, so no multiply-add is fused.
 
     Example:
       >>> both = torch.tensor([[1.0, 2.0, 0.5, -1.0]], device="cuda")  # doctest: +SKIP

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor
-from floatxq.formats import FP8_E4M3_MAX
+from floatxq.formats import FP8_E4M3_MAX, K_GROUP
 from floatxq.kernels import fp8_small_m, fp8_weight
 from floatxq.kernels._triton import (
     CachedLauncher,
@@ -59,7 +59,6 @@ W4AFP8Route = Literal["triton", "scaled_mm_blockwise"]
 
 _MIN_CAPABILITY = (8, 9)
 """FP8 tensor cores and the E4M3 conversion instruction: Ada (SM 8.9) and newer."""
-_GROUP = 128
 _SMALLEST_SUBNORMAL_BITS = 1
 """The scale of a row whose ``amax / 448`` underflows (as :func:`floatxq.fp8_token_quantize`)."""
 
@@ -386,7 +385,7 @@ def _blockwise(
     where there is one, added in FP32 to an FP32 product, then one rounding."""
     fn, kind = _blockwise_api()  # type: ignore[misc]
     m, k = codes.shape
-    groups = k // _GROUP
+    groups = k // K_GROUP
     # both scale grids outer-dim-major: (m, k/128) and (n, k/128) with unit stride along m / n
     sa = row_scale.expand(groups, m).contiguous().t()
     sb = scales.to(torch.float32).contiguous().t()
@@ -461,7 +460,7 @@ def _gemm(
     )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _plan(m, n, k // _GROUP, words, device, tuning, interpret)
+        plan = _PLANS[key] = _plan(m, n, k // K_GROUP, words, device, tuning, interpret)
     grid, tail, options = plan
     split = grid[1]
     w = weight if words else weight.view(torch.int8)

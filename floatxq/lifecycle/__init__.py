@@ -1,5 +1,5 @@
-"""Load → quantize → save → load: the only code that mutates models, the checkpoint layouts it
-reads and writes, and the payloads in them."""
+"""Load → quantize → save → load: the only code that mutates models. The files, layouts and
+payloads it reads and writes are :mod:`floatxq.interop`'s, re-exported here."""
 
 from floatxq.interop.checkpoint import CheckpointError
 from floatxq.interop.export import (
@@ -27,16 +27,19 @@ from floatxq.interop.payload import (
 )
 from floatxq.lifecycle.evaluate import EvalReport, evaluate_lm
 from floatxq.lifecycle.gptq import gptq_solve_options
-from floatxq.lifecycle.model import QuantizedModel, load
+from floatxq.lifecycle.loading import load
+from floatxq.lifecycle.model import QuantizedModel
 from floatxq.lifecycle.stream import (
     NVFP4BoundaryQuantizer,
     W4AStreamPolicy,
     install_w4a_llama_stream,
+    install_w4a_stream,
     installed_w4a_stream,
     llama_stream_boundaries,
     set_stream_global_scales,
     stream_boundary_quantizers,
     uninstall_w4a_llama_stream,
+    uninstall_w4a_stream,
     w4a_stream_policy,
 )
 
@@ -64,6 +67,7 @@ __all__ = [
     "gptq_solve_options",
     "inspect_checkpoint",
     "install_w4a_llama_stream",
+    "install_w4a_stream",
     "installed_w4a_stream",
     "llama_stream_boundaries",
     "load",
@@ -73,5 +77,6 @@ __all__ = [
     "set_stream_global_scales",
     "stream_boundary_quantizers",
     "uninstall_w4a_llama_stream",
+    "uninstall_w4a_stream",
     "w4a_stream_policy",
 ]

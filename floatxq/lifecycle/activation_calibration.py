@@ -16,7 +16,8 @@ one FP32 global scale per producer, once, from sample text:
 3. the layer then runs completely on every kept input; its outputs (calibrated carriers) are the
    next layer's inputs.
 
-The weights are not touched. The scales go into the stream, the model's
+The weights are not touched. The scales go into the stream (each layer's
+:class:`~floatxq.lifecycle.stream.StreamScales` buffers), the model's
 :class:`~floatxq.config.GPTQConfig` (``activation.global_scales``) and the Hugging Face config's
 ``quantization_config``, so :meth:`~floatxq.lifecycle.model.QuantizedModel.save` writes them and
 loading installs them bit for bit. Any failure restores every scale and config as it was.
@@ -253,8 +254,7 @@ def calibrate_nvfp4_producers(
         )
     hf_config = getattr(model, "config", None)
     snapshot = {
-        "bits": {key: q.scale_bits.clone() for key, q in quantizers.items()},
-        "calibrated": {key: q.calibrated for key, q in quantizers.items()},
+        "bits": {key: q.scale_bits.cpu() for key, q in quantizers.items()},
         "scales": None if policy.global_scales is None else dict(policy.global_scales),
         "config": core.quantize_config,
         "hf": getattr(hf_config, "quantization_config", None),
@@ -315,8 +315,7 @@ def calibrate_nvfp4_producers(
             quantizer.observer = None
         set_stream_global_scales(model, snapshot["scales"])
         for key, quantizer in quantizers.items():  # in place: a captured graph reads these
-            quantizer.scale_bits.copy_(snapshot["bits"][key].to(quantizer.scale_bits.device))
-            quantizer.calibrated = snapshot["calibrated"][key]
+            quantizer.scales.assign(quantizer.name, snapshot["bits"][key])
         core.quantize_config = snapshot["config"]
         if hf_config is not None and hasattr(hf_config, "quantization_config"):
             hf_config.quantization_config = snapshot["hf"]

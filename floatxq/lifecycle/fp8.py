@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from floatxq.config import FP8Config
-from floatxq.interop.export import output_embedding_names
+from floatxq.interop.export_gptq import output_embedding_names
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
 try:  # transformers is a dependency, but keep the module importable without it

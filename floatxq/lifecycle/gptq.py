@@ -4,50 +4,39 @@
 
 1. the calibration batches (:mod:`floatxq.lifecycle.calibration`) go through the embeddings once,
    and the first decoder layer's inputs (hidden states and the keyword arguments the model passes
-   it: attention mask, position embeddings, ...) are captured on the work device;
+   it) are captured on the work device;
 2. per decoder layer, moved to the work device alone: the selected linears are grouped by the
-   input they read (found from the order of their calls: q/k/v, then o, then gate/up, then down
-   in a Llama layer); for each group in turn the layer runs over every batch up to that input,
-   one Hessian per group is folded with :func:`floatxq.hessian_update` (padding masked out),
-   each module of the group is solved with :func:`floatxq.gptq_solve` on its own resolved
-   settings and replaced by a :class:`~floatxq.nn.gptq_linear.GPTQLinear`, so later groups see the
-   quantized outputs of earlier ones;
-3. the layer runs again with its quantized modules, and its outputs are the next layer's inputs;
-   the layer goes back to where it lived (CPU), with its Hessians freed;
+   input they read (in call order: q/k/v, o, gate/up, down in a Llama layer); per group the layer
+   runs over every batch up to that input, and :data:`floatxq.stats.HESSIAN` is folded over the
+   unpadded rows (:func:`floatxq.stats.fold_all`); each module is solved with
+   :func:`floatxq.gptq_solve` on its own resolved settings and replaced by a
+   :class:`~floatxq.nn.gptq_linear.GPTQLinear`, so later groups see earlier quantized outputs;
+3. the layer runs again with its quantized modules, its outputs feed the next layer, and it goes
+   back to where it lived (CPU), its Hessians freed;
 4. with ``lm_head=True``, the output embedding is solved last, on the final norm's outputs.
 
 With an activation policy (``config.activation``, a Llama model) each layer whose seven
-projections are all targets is run through the W4A stream's replay
-(:mod:`floatxq.lifecycle.replay`) instead: the residual in FP32, every GEMM operand rounded as the
-runtime stream rounds it (FP32 QDQ), the linears in FP32. Its input groups are fixed (q/k/v, o,
-gate/up, down); under a headroom recipe a first pass per group collects the headroom histogram of
-the un-rounded operand and freezes the group's global scale, then a second pass folds the Hessian
-of the rounded operand. The run reports every solved module's activation global scale
-(:attr:`GPTQRunReport.activation_scales`); turning the modules into W4A modules and installing
-the stream is the caller's (:mod:`floatxq.lifecycle.model`).
+projections are all targets is solved through the W4A stream's replay
+(:mod:`floatxq.lifecycle.gptq_replay`): every GEMM operand rounded as the runtime stream rounds
+it, a headroom pass per group freezing its global scale first under a headroom recipe. The run
+reports each solved module's activation global scale (:attr:`GPTQRunReport.activation_scales`);
+installing the W4A modules and stream is :mod:`floatxq.lifecycle.model`'s.
 
-Sources already quantized (``TorchFP8Linear`` / ``TorchFP4Linear`` from a native FP8 or NVFP4
-checkpoint) run their own forward for the capture (FP8 tensor cores where the device has them)
-and are decoded one module at a time, in FP32, only for their solve.
+Sources already quantized (``TorchFP8Linear`` / ``TorchFP4Linear``) run their own forward for the
+capture and are decoded one module at a time, in FP32, only for their solve.
 """
 
 import contextlib
 import time
 import types
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from floatxq.config import GPTQConfig
-from floatxq.gptq.solve import (
-    GPTQSolveOptions,
-    gptq_solve,
-    hessian_finalize,
-    hessian_init,
-    hessian_update,
-)
+from floatxq.gptq.solve import GPTQSolveOptions, gptq_solve
 from floatxq.lifecycle.calibration import CalibrationSet
 from floatxq.lifecycle.decoder import (
     FINAL_NORM_NAMES,
@@ -59,11 +48,13 @@ from floatxq.lifecycle.decoder import (
     device_of,
     features,
     final_norm,
+    kept_rows,
     layer_output,
     move_outside,
     output_embedding,
 )
 from floatxq.lifecycle.gptq_replay import replay_outputs, replay_setup, replay_solve
+from floatxq.stats import HESSIAN, Statistic, finalize_all, fold_all
 
 PACKABLE_BITS: tuple[int, ...] = (2, 4, 8)
 """Bit widths a GPTQ checkpoint packs (32/bits values per int32 word)."""
@@ -285,26 +276,16 @@ def _fold_group(
     first: nn.Module,
     names: list[str],
     inputs: list[LayerInput],
-    in_features: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """The Hessian of one input group: run the layer up to the group's input on every batch."""
-    state = {"h": hessian_init(in_features, device=device)}
+    statistics: Mapping[str, Statistic],
+    states: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Fold ``statistics`` over one input group's rows: run the layer up to the group's input on
+    every batch (padding dropped) and return each statistic's value."""
+    folded = dict(states)
     current: dict[str, torch.Tensor] = {}
 
     def hook(_module: nn.Module, args: tuple) -> None:
-        x = args[0]
-        mask = current["mask"]
-        if tuple(x.shape[:-1]) == tuple(mask.shape):
-            state["h"] = hessian_update(state["h"], x, mask)
-        elif bool(mask.all()):
-            state["h"] = hessian_update(state["h"], x)
-        else:
-            raise ValueError(
-                f"GPTQ: {names[0]} reads inputs of shape {tuple(x.shape)}, which the padding mask "
-                f"{tuple(mask.shape)} cannot be matched to; calibrate it with batch_size=1 (no "
-                f"padding)"
-            )
+        folded.update(fold_all(statistics, folded, kept_rows(args[0], current["mask"], names)))
         raise Stop
 
     handle = first.register_forward_pre_hook(hook)
@@ -315,13 +296,32 @@ def _fold_group(
                 call_layer(layer, item)
     finally:
         handle.remove()
+    return _finalized(statistics, folded, names)
+
+
+def _finalized(
+    statistics: Mapping[str, Statistic], states: Mapping[str, Any], names: list[str]
+) -> dict[str, Any]:
     try:
-        return hessian_finalize(state["h"])
+        return finalize_all(statistics, states)
     except ValueError as exc:
         raise ValueError(
             f"GPTQ: the calibration activations reaching {', '.join(names)} are not finite (inf "
             f"or NaN); check the model in its dtype on this device ({exc})"
         ) from None
+
+
+def _group_hessian(
+    layer: nn.Module,
+    first: nn.Module,
+    names: list[str],
+    inputs: list[LayerInput],
+    device: torch.device,
+) -> torch.Tensor:
+    """The Hessian of one input group (:data:`floatxq.stats.HESSIAN` folded over its rows)."""
+    state = HESSIAN.init(features(first)[0], device=device)
+    folded = _fold_group(layer, first, names, inputs, {"hessian": HESSIAN}, {"hessian": state})
+    return folded["hessian"]
 
 
 def _dense_weight(module: nn.Module, device: torch.device) -> torch.Tensor:
@@ -428,9 +428,7 @@ class _LayerStep(NamedTuple):
         for group in groups:
             names = [n for n, _ in group]
             first = group[0][1]
-            hessian = _fold_group(
-                self.layer, first, names, self.inputs, features(first)[0], self.device
-            )
+            hessian = _group_hessian(self.layer, first, names, self.inputs, self.device)
             del first
             self.solve_group(group, hessian, configs, solved, reports)
             del hessian
@@ -549,15 +547,11 @@ def quantize_gptq_model(
                 norm = final_norm(model, layers_name)
                 norm.to(device)
                 module.to(device)
-                state = hessian_init(features(module)[0], device=device)
+                statistics = {"hessian": HESSIAN}
+                states = {"hessian": HESSIAN.init(features(module)[0], device=device)}
                 for item in inputs:
-                    state = hessian_update(state, norm(item.hidden), item.mask)
-                try:
-                    hessian = hessian_finalize(state)
-                except ValueError as exc:
-                    raise ValueError(
-                        f"GPTQ: the calibration activations reaching {name} are not finite ({exc})"
-                    ) from None
+                    states = fold_all(statistics, states, norm(item.hidden), mask=item.mask)
+                hessian = _finalized(statistics, states, [name])["hessian"]
                 built, report = _solve_module(
                     name, module, hessian, head_plan.config, rows, None, device
                 )

@@ -5,18 +5,19 @@ Each layer whose seven projections are all targets runs through the W4A stream's
 stream rounds it (FP32 QDQ), the linears in FP32. Its input groups are fixed (q/k/v, o, gate/up,
 down); under a headroom recipe a first pass per group collects the headroom histogram of the
 un-rounded operand and freezes the group's global scale, then a second pass folds the Hessian of
-the rounded operand.
+the rounded operand (and, for a dynamic NVFP4 lane, the running ``max|x|`` of the un-rounded one).
+Every statistic is a :mod:`floatxq.stats` record (``HEADROOM``, ``HESSIAN``, ``RUNNING_AMAX``),
+folded the same way by one observer type (``_GroupFold``).
 """
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from floatxq.config import GPTQConfig
-from floatxq.gptq.solve import hessian_finalize, hessian_init, hessian_update
 from floatxq.lifecycle.decoder import (
     LayerInput,
     Stop,
@@ -25,6 +26,7 @@ from floatxq.lifecycle.decoder import (
     kept_rows,
     layer_output,
 )
+from floatxq.stats import HEADROOM, HESSIAN, RUNNING_AMAX, Statistic
 
 
 def replay_solve(
@@ -43,7 +45,6 @@ def replay_solve(
     Returns ``(reports, activation scales by module name, frozen headroom scales by
     site)``."""
     from floatxq.lifecycle.replay import ReplayCodec
-    from floatxq.nvfp4.headroom import headroom_amax
     from floatxq.nvfp4.quantize import nvfp4_global_scale
 
     reports: list[Any] = []
@@ -53,25 +54,28 @@ def replay_solve(
         lane = plan.attention if group_name == "attention" else plan.mlp
         names = [prefix + p for p in paths]
         if lane.headroom:  # probe: the un-rounded operand's histogram freezes the scale
-            probe = _GroupFold(names, None)
+            probe = _GroupFold(names, {"headroom": (HEADROOM, HEADROOM.init())})
             _replay(step, plan, ReplayCodec(
                 producer_scales=producer_scales, site_scales=frozen,
-                pack_observers={site: probe.collect},
+                pack_observers={site: probe.observer("headroom", stop=True)},
             ), probe)  # fmt: skip
             try:
-                amax = headroom_amax(probe.headroom)
+                amax = probe.finalize("headroom")
             except ValueError as exc:
                 raise ValueError(f"GPTQ: the inputs of {', '.join(names)}: {exc}") from None
             frozen[site] = float(nvfp4_global_scale(amax, recipe=lane.recipe))
         k = features(step.model.get_submodule(names[0]))[0]
-        fold = _GroupFold(names, hessian_init(k, device=step.device))
-        observers = {site: fold.observe} if lane.nvfp4 and not lane.headroom else {}
+        statistics = {"hessian": (HESSIAN, HESSIAN.init(k, device=step.device))}
+        if lane.nvfp4 and not lane.headroom:  # the un-rounded operand's max|x| sets the scale
+            statistics["amax"] = (RUNNING_AMAX, RUNNING_AMAX.init())
+        fold = _GroupFold(names, statistics)
+        observers = {site: fold.observer("amax")} if "amax" in statistics else {}
         _replay(step, plan, ReplayCodec(
             producer_scales=producer_scales, site_scales=frozen, pack_observers=observers,
-            linear_observers={paths[0].rsplit(".", 1)[-1]: fold.fold},
+            linear_observers={paths[0].rsplit(".", 1)[-1]: fold.observer("hessian", stop=True)},
         ), fold)  # fmt: skip
         try:
-            hessian = hessian_finalize(fold.hessian)
+            hessian = fold.finalize("hessian")
         except ValueError as exc:
             raise ValueError(
                 f"GPTQ: the replayed W4A activations reaching {', '.join(names)} are not "
@@ -82,9 +86,9 @@ def replay_solve(
         elif lane.headroom:
             scale = frozen[site]
         else:
-            scale = float(nvfp4_global_scale(fold.amax, recipe=lane.recipe))
+            scale = float(nvfp4_global_scale(fold.finalize("amax"), recipe=lane.recipe))
         scales.update(dict.fromkeys(names, scale))
-        fold.hessian = None
+        fold.states["hessian"] = None
         group = [(n, step.model.get_submodule(n)) for n in names]
         step.solve_group(group, hessian, configs, solved, reports)
         del hessian, group
@@ -104,40 +108,30 @@ def _replay(step: Any, plan: Any, codec: Any, fold: "_GroupFold") -> None:
 
 
 class _GroupFold:
-    """What the replay passes of one input group gather, batch by batch (``mask`` is the
-    current batch's keep-mask): a headroom histogram, the running ``max|x|`` of the un-rounded
-    operand, the Hessian of the rounded one."""
+    """One input group's statistics (:mod:`floatxq.stats` records, by name) folded at the
+    replay's observation points, batch by batch (``mask``: the current batch's keep-mask)."""
 
-    def __init__(self, names: list[str], hessian: Any) -> None:
-        from floatxq.nvfp4.headroom import headroom_init
-
+    def __init__(self, names: list[str], statistics: Mapping[str, tuple[Statistic, Any]]) -> None:
         self.names = names
         self.mask: torch.Tensor | None = None
-        self.headroom = headroom_init()
-        self.amax: torch.Tensor = torch.zeros((), dtype=torch.float32)
-        self.hessian = hessian
+        self.statistics = {name: stat for name, (stat, _) in statistics.items()}
+        self.states: dict[str, Any] = {name: state for name, (_, state) in statistics.items()}
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        return kept_rows(x, self.mask, self.names)
+    def observer(self, name: str, *, stop: bool = False) -> Callable[[torch.Tensor], None]:
+        """An observer folding the real-token rows it sees into ``name`` (``stop``: then end
+        the batch, the layer's later work being of no use to this pass)."""
+        statistic = self.statistics[name]
 
-    def collect(self, x: torch.Tensor) -> None:
-        """Headroom probe: fold the operand's block maxima, then end the batch."""
-        from floatxq.nvfp4.headroom import headroom_update
+        def observe(x: torch.Tensor) -> None:
+            rows = kept_rows(x, self.mask, self.names)
+            self.states[name] = statistic.update(self.states[name], rows)
+            if stop:
+                raise Stop
 
-        self.headroom = headroom_update(self.headroom, self._rows(x))
-        raise Stop
+        return observe
 
-    def observe(self, x: torch.Tensor) -> None:
-        """Track the un-rounded operand's ``max|x|`` over real tokens."""
-        rows = self._rows(x)
-        if rows.numel():
-            amax = rows.abs().amax().to(torch.float32)
-            self.amax = torch.maximum(self.amax.to(amax.device), amax)
-
-    def fold(self, x: torch.Tensor) -> None:
-        """Fold the rounded operand into the Hessian, then end the batch."""
-        self.hessian = hessian_update(self.hessian, self._rows(x))
-        raise Stop
+    def finalize(self, name: str) -> Any:
+        return self.statistics[name].finalize(self.states[name])
 
 
 _REPLAY_GROUPS = (

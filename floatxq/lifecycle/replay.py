@@ -24,21 +24,18 @@ from torch import nn
 from floatxq._checks import require_data, require_floating
 from floatxq._typing import Float, Float32, Tensor
 from floatxq.formats import (
+    ACTIVATION_SCALE_BITS,
+    NVFP4_DEFAULT_RECIPE,
     W4A_ACTIVATION_MODES,
     NVFP4RecipeName,
     W4AActivationMode,
     normalize_nvfp4_recipe,
 )
 from floatxq.fp8 import fp8_token_qdq
-from floatxq.lifecycle.stream import (
-    StreamLane,
-    StreamLayerPlan,
-    _bind_call,
-    _check_width,
-    _llama_layer_flow,
-    _returns_tuple,
-)
-from floatxq.nvfp4.quantize import nvfp4_block_qdq, nvfp4_global_scale
+from floatxq.lifecycle.stream.codec import _check_width
+from floatxq.lifecycle.stream.llama import _bind_call, _llama_layer_flow, _returns_tuple
+from floatxq.lifecycle.stream.plan import StreamLane, StreamLayerPlan
+from floatxq.nvfp4.quantize import nvfp4_block_qdq, nvfp4_dynamic_global_scale
 from floatxq.w4a.activation import W4AActivation
 
 __all__ = [
@@ -48,8 +45,6 @@ __all__ = [
     "round_w4a_activation",
     "round_w4a_replay_operand",
 ]
-
-_GRID_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _rounding_arguments(
@@ -67,17 +62,7 @@ def _rounding_arguments(
                     f"{where}: {name} applies to mode 'w4a_nvfp4' only, got {value!r:.40}"
                 )
         return None
-    return normalize_nvfp4_recipe("least_squares" if recipe is None else recipe)
-
-
-def _dynamic_scale(x: Tensor, recipe: str) -> Tensor:
-    """The dynamic NVFP4 global scale of ``x``: its ``max|x|`` on ``x.dtype``'s grid, as
-    :func:`floatxq.pack_activation` derives it (1 for an empty tensor)."""
-    if x.numel() == 0:
-        return torch.ones((), dtype=torch.float32, device=x.device)
-    amax = x.abs().amax().to(torch.float32)
-    grid = x.dtype if x.dtype in _GRID_DTYPES else None
-    return nvfp4_global_scale(amax, grid_dtype=grid, recipe=recipe)
+    return normalize_nvfp4_recipe(NVFP4_DEFAULT_RECIPE if recipe is None else recipe)
 
 
 def round_w4a_activation(
@@ -154,7 +139,7 @@ def round_w4a_replay_operand(
     x32 = x.to(torch.float32)
     if recipe is None:
         return fp8_token_qdq(x32)
-    g = _dynamic_scale(x, recipe) if global_scale is None else global_scale
+    g = nvfp4_dynamic_global_scale(x, recipe=recipe) if global_scale is None else global_scale
     return nvfp4_block_qdq(x32, g, recipe)
 
 
@@ -339,7 +324,7 @@ class ReplayCodec:
             return None
         if site in self.site_scales:
             return _fixed_scale(self.site_scales[site], like.device)
-        bits = getattr(headroom, "activation_global_scale_bits", None)
+        bits = getattr(headroom, ACTIVATION_SCALE_BITS, None)
         if bits is not None and int(bits) != 0:
             return bits.view(torch.float32).to(like.device)
         return None
@@ -387,6 +372,10 @@ class ReplayCodec:
             held = (module, decode(dtype=torch.float32))
             self._weights[id(module)] = held
         return held[1]
+
+    def forward(self, module: nn.Module, role: str) -> Callable[[ReplayOperand], Tensor]:
+        """The forward a projection takes during a replayed call: :meth:`linear`."""
+        return lambda op: self.linear(module, op, role=role)
 
     def linear(self, module: nn.Module, op: ReplayOperand, *, role: str) -> Tensor:
         x = op.rounded()

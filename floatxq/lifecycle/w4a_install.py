@@ -2,7 +2,7 @@
 
 After a GPTQ run or a load with a W4A backend, every ``GPTQLinear`` is replaced by the backend's
 W4A module (:func:`install_w4a_modules`), then the activation stream is installed where the model
-supports it (:func:`install_activation_stream`).
+supports it (:func:`install_activation_stream`: the Llama stream, else the generic one).
 """
 
 from collections.abc import Mapping
@@ -80,16 +80,37 @@ def install_w4a_modules(
 
 
 def install_activation_stream(model: nn.Module, activation: ActivationConfig) -> bool:
-    """Install the Llama activation stream for ``activation``; False (nothing done) for a model
-    that is not a Llama: its W4A modules then quantize their own inputs, call by call."""
-    from floatxq.lifecycle.stream import _llama_layers, install_w4a_llama_stream
+    """Install the activation stream for ``activation``: the Llama stream (FP32 residual,
+    calibratable producers) on a Llama, else the generic boundary stream (each norm's output
+    packed once for the W4A linears it feeds). False (nothing done) for a model without a
+    decoder layer list: its W4A modules then quantize their own inputs, call by call.
 
+    Raises:
+      ValueError: the stream's refusals; producer ``global_scales`` on a model that is not a
+        Llama (only the Llama stream has producers).
+    """
+    from floatxq.lifecycle.decoder import decoder_layers
+    from floatxq.lifecycle.stream import install_w4a_llama_stream, install_w4a_stream
+    from floatxq.lifecycle.stream.install import _llama_layers
+
+    arguments = stream_arguments(activation)
     try:
         _llama_layers(model, where="load")  # the stream's own test of a Llama
     except ValueError:
+        pass
+    else:
+        install_w4a_llama_stream(model, **arguments)
+        return True
+    try:
+        decoder_layers(model)
+    except ValueError:
         return False
-
-    install_w4a_llama_stream(model, **stream_arguments(activation))
+    if arguments.pop("global_scales") is not None:
+        raise ValueError(
+            f"load: the activation policy has calibrated producer scales (global_scales), which "
+            f"only the Llama stream has; {type(model).__name__} is not a Llama"
+        )
+    install_w4a_stream(model, **arguments)
     return True
 
 

@@ -196,13 +196,11 @@ def convert_to_mlx(model: Any) -> MlxConversion:
       linear and the reason each packed linear could not use ``mxfp8``.
 
     Raises:
-      ValueError: ``model`` is not a transformers causal LM, its ``model_type`` is not supported
-        or its ``hidden_act`` is not ``"silu"``; an unsupported rope type, sliding-window
-        attention, parameter dtype, or dense tensors of mixed dtypes; a linear of a type other
-        than ``nn.Linear`` or ``TorchFP8Linear`` (GPTQ, NVFP4, ...) or another module holding
-        buffers; a module holding parameters the mlx_lm model lacks; missing or unexpected
-        tensors, or a tensor, linear or bias whose shape differs from what the config implies;
-        an FP8 linear that cannot transfer (as :meth:`MlxFP8PackedLinear.from_torch`).
+      ValueError: not a supported transformers causal LM (``model_type``, ``hidden_act`` other
+        than ``"silu"``, rope type, sliding-window attention, parameter dtype, mixed dense
+        dtypes); a linear other than ``nn.Linear`` / ``TorchFP8Linear`` or another module
+        holding buffers; parameters the mlx_lm model lacks, missing, unexpected or misshapen
+        tensors; an FP8 linear that cannot transfer (:meth:`MlxFP8PackedLinear.from_torch`).
 
     Numerics: dense tensors are copied exactly in the model's dtype (widened to FP32 and
     rounded back, exact for all three); FP8 bytes, FP32 inverse scales and biases are copied

@@ -34,6 +34,7 @@ from floatxq.formats import (
 from floatxq.fp8 import FP8Weight
 from floatxq.mlx.kernels import (
     FP8_ENCODE_MIN_ELEMENTS,
+    MLX_FLOAT_NAMES,
     fp8_encode_launch,
     metal_available,
     run_metal,
@@ -53,8 +54,6 @@ _FP8_BITS: Mapping[FP8WeightFormat, tuple[int, int, bool]] = {
     "float8_e4m3fnuz": (3, 8, False),  # 0x80 is the only NaN, so -0 is stored as +0
     "float8_e5m2fnuz": (2, 16, False),
 }
-
-_MLX_FLOATS = ("float16", "bfloat16", "float32")
 
 
 @checked_record
@@ -164,7 +163,7 @@ def _check_weight(weight: object, *, where: str) -> mx.array:
             f"torch tensor with floatxq.quantize_fp8_weight instead)"
         )
     dtype = str(weight.dtype).removeprefix("mlx.core.")
-    if dtype not in _MLX_FLOATS:
+    if dtype not in MLX_FLOAT_NAMES:
         raise TypeError(
             f"{where}: weight must be an MLX float16, bfloat16 or float32 array, got dtype "
             f"{weight.dtype}"
@@ -210,11 +209,8 @@ def quantize_fp8_weight_mlx(
       ValueError: rank ≠ 2, an empty weight, NaN or infinity, a block size that does not divide
         the shape, E8M0, bad format/method/block names.
 
-    Numerics: FP32 scale math (true division), multiply-to-quantize, clamp then nearest-even;
-    the fnuz formats store -0 as +0. Bytes and scales are bit-identical to
-    ``floatxq.quantize_fp8_weight`` on the same values, on either encoder route
-    (:func:`fp8_encode_route`: the Metal kernel for large weights on an Apple GPU, else array
-    ops).
+    Numerics: FP32 true division, clamp then nearest-even (fnuz stores -0 as +0); bytes and
+    scales bit-identical to ``floatxq.quantize_fp8_weight`` on either :func:`fp8_encode_route`.
 
     Example:
       >>> q = quantize_fp8_weight_mlx(mx.array([[1.0, -2.0], [0.0, 0.0]]))

@@ -34,10 +34,12 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from floatxq._typing import Float, Float32, UInt8
+from floatxq.formats import MODEL_DTYPES
 
 __all__ = [
     "FP8_ENCODE_MIN_ELEMENTS",
     "METAL_SOURCES",
+    "MLX_FLOAT_NAMES",
     "PREFILL_MAX_IN",
     "PREFILL_MIN_OUT",
     "PREFILL_TILE_ROWS",
@@ -48,6 +50,9 @@ __all__ = [
     "packed_route",
     "run_metal",
 ]
+
+MLX_FLOAT_NAMES: tuple[str, ...] = tuple(str(d).removeprefix("torch.") for d in MODEL_DTYPES)
+"""MLX dtype names of floatxq's model dtypes (``float16``, ``bfloat16``, ``float32``)."""
 
 PREFILL_TILE_ROWS = 16
 """Rows of ``x`` one prefill thread serves with each decoded weight."""

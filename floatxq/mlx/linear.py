@@ -26,9 +26,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from floatxq._checks import fp8_scale_shape
 from floatxq._typing import Float, Float32, UInt8
 from floatxq.formats import FP8WeightFormat, normalize_fp8_weight_format
-from floatxq.mlx.kernels import metal_available, packed_linear_launch, packed_route, run_metal
+from floatxq.mlx.kernels import (
+    MLX_FLOAT_NAMES,
+    metal_available,
+    packed_linear_launch,
+    packed_route,
+    run_metal,
+)
 
 __all__ = ["MlxFP8Linear", "MlxFP8PackedLinear", "fp8_decode_table"]
 
@@ -43,7 +50,6 @@ _FP8_LAYOUT: Mapping[FP8WeightFormat, tuple[int, int, str]] = {
     "float8_e5m2fnuz": (2, 16, "fnuz"),
 }
 
-_MLX_FLOATS = ("float16", "bfloat16", "float32")
 _MX_GROUP = 32
 _E8M0_ONE = 127
 _E4M3FN_NAN = (0x7F, 0xFF)
@@ -111,9 +117,15 @@ def _check_scales(scale_inv: object, shape: tuple[int, int], *, where: str) -> m
         got = scale_inv.dtype if isinstance(scale_inv, mx.array) else type(scale_inv).__name__
         raise TypeError(f"{where}: scale_inv must be an mlx.core.array of float32, got {got}")
     out, inp = shape
-    s = tuple(scale_inv.shape)
-    grid = len(s) == 2 and s[0] > 0 and s[1] > 0 and out % s[0] == 0 and inp % s[1] == 0
-    fits = s in ((), (out,)) or grid
+    s = tuple(
+        scale_inv.shape
+    )  # the kernels read the layout from the rank: 0 tensor, 1 row, 2 block
+    method = ("tensor", "row", "block")[len(s)] if len(s) <= 2 else None
+    block = (out // s[0], inp // s[1]) if method == "block" and s[0] > 0 and s[1] > 0 else None
+    try:
+        fits = method is not None and s == fp8_scale_shape(out, inp, method, block, where=where)
+    except ValueError:  # a grid that does not tile the weight
+        fits = False
     if not fits:
         raise ValueError(
             f"{where}: scale_inv shape {s} fits no layout of a {shape} weight; accepted: () for "
@@ -127,7 +139,7 @@ def _check_scales(scale_inv: object, shape: tuple[int, int], *, where: str) -> m
 def _check_bias(bias: object, out: int, *, where: str) -> mx.array | None:
     if bias is None:
         return None
-    if not isinstance(bias, mx.array) or _dtype_name(bias) not in _MLX_FLOATS:
+    if not isinstance(bias, mx.array) or _dtype_name(bias) not in MLX_FLOAT_NAMES:
         got = bias.dtype if isinstance(bias, mx.array) else type(bias).__name__
         raise TypeError(
             f"{where}: bias must be None or an MLX float16, bfloat16 or float32 array, got {got}"
@@ -140,7 +152,7 @@ def _check_bias(bias: object, out: int, *, where: str) -> mx.array | None:
 
 
 def _check_x(x: object, in_features: int, *, where: str) -> mx.array:
-    if not isinstance(x, mx.array) or _dtype_name(x) not in _MLX_FLOATS:
+    if not isinstance(x, mx.array) or _dtype_name(x) not in MLX_FLOAT_NAMES:
         got = x.dtype if isinstance(x, mx.array) else type(x).__name__
         raise TypeError(f"{where}: x must be an MLX float16, bfloat16 or float32 array, got {got}")
     if x.ndim < 1 or x.shape[-1] != in_features:
@@ -199,14 +211,9 @@ class MlxFP8PackedLinear(nn.Module):
       ValueError: empty or non-2-D codes, a scale shape that fits no layout, zero, negative or
         non-finite scales, a bias of the wrong shape or not finite, E8M0 or unknown formats.
 
-    Numerics: ``x`` is widened to FP32 exactly, every product and sum is FP32 and the result is
-    rounded once to ``x.dtype``; NaN codes give NaN outputs. The array-ops route
-    (:meth:`reference`) multiplies by the decoded weight ``table[code] / scale_inv``
-    (bit-identical to :func:`floatxq.dequantize_fp8_weight`); the Metal routes accumulate
-    ``x * table[code]`` with fused multiply-adds in input order and divide each scale region's
-    partial sum by its inverse scale. The routes differ only by FP32 rounding order (bounded in
-    the tests by ``(in + 2) * 2**-24 * sum|x * w|`` before the final rounding); the two Metal
-    routes agree bit for bit.
+    Numerics: ``x`` widened to FP32 exactly, FP32 products and sums, one rounding to
+    ``x.dtype``; NaN codes give NaN. The routes differ only by FP32 rounding order
+    (``docs/numerics.md``, "Constants that live once"); the two Metal routes agree bit for bit.
 
     Example:
       >>> layer = MlxFP8PackedLinear(mx.array([[0x38, 0xC0]], dtype=mx.uint8), mx.array(2.0))

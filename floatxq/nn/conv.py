@@ -69,13 +69,9 @@ def conv_geometry(module: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> ConvGeometry:
 def weight_matrix(
     module: nn.Module, *, where: str
 ) -> tuple[Float[Tensor, "out in"], ConvGeometry | None]:
-    """The ``(out, in)`` weight matrix ``module`` multiplies by, and its conv geometry if any.
-
-    Args:
-      module: an ``nn.Linear``, a Hugging Face ``Conv1D`` (transposed: it stores ``(in, out)``)
-        or an ``nn.Conv1d/2d/3d`` (flattened to ``(out, in/groups·k…)``, a view when the weight
-        is contiguous).
-      where: the caller's name, used in error messages.
+    """The ``(out, in)`` weight matrix ``module`` multiplies by, and its conv geometry if any:
+    an ``nn.Linear``'s weight, a Hugging Face ``Conv1D``'s transposed, an ``nn.Conv1d/2d/3d``'s
+    flattened to ``(out, in/groups·k…)`` (a view when contiguous); ``where`` names the caller.
 
     Raises:
       TypeError: any other module, transposed convolutions included.

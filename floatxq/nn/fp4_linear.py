@@ -1,28 +1,19 @@
 """``TorchFP4Linear``: an NVFP4 weight-only linear layer (activations stay in their dtype).
 
-The module holds the buffers of the ModelOpt checkpoint layout (:mod:`floatxq.nvfp4.layouts`):
+The buffers are the ModelOpt checkpoint layout (:mod:`floatxq.nvfp4.layouts`): ``weight``
+(uint8 ``(out, in/2)``, two E2M1 codes per byte, even element in the low nibble),
+``weight_scale`` (float8_e4m3fn ``(out, in/16)`` block scales), ``weight_scale_2`` (FP32 ``()``
+tensor scale; both scales multiply to decode) and ``bias`` (``(out,)`` in the module's ``dtype``).
+The first three move as bytes, never cast; a cast to fp16, bf16 or fp32 becomes the module's
+``dtype`` and casts the bias, any other (``.double()``) leaves both alone.
 
-* ``weight``: uint8 ``(out, in/2)``, two E2M1 codes per byte, the even element in the low nibble;
-* ``weight_scale``: float8_e4m3fn ``(out, in/16)``, row-major block scales (multiply to decode);
-* ``weight_scale_2``: FP32 ``()``, the tensor scale (multiplies to decode);
-* ``bias``: ``(out,)`` in the module's ``dtype``, or ``None``.
-
-The first three are bytes and are never cast: ``.half()``, ``.bfloat16()``, ``.float()`` and
-``.to(dtype)`` leave them as they are and only device moves apply. A module-wide cast to fp16,
-bf16 or fp32 becomes the module's ``dtype`` and casts the bias; any other (``.double()``) leaves
-both alone.
-
-A call decodes the weight in ``x``'s dtype for that call only (no dense copy is kept) and runs
-``F.linear``. On CUDA the call first tries torchao's ``NVFP4Tensor`` (weight-only) when torchao
-imports; if it is missing or raises, the weight is decoded and ``last_fallback_reason`` says why
-(an error switches the torchao route off until the buffers move or are loaded). That decode is
-the Triton kernel :func:`floatxq.kernels.nvfp4_decoding.nvfp4_dequantize_kernel` (route
-``"triton_decode"``, the same bits as the pure decode) where Triton runs, else the pure function
-(route ``"dequant_matmul"``, the only route off CUDA).
+A call decodes the weight in ``x``'s dtype for that call only and runs ``F.linear``. On CUDA it
+first tries torchao's ``NVFP4Tensor`` (an error switches it off until the buffers move or load);
+otherwise the decode is the route :func:`floatxq.dispatch.fp4_decode_route` gives: the Triton
+``nvfp4_dequantize_kernel`` (``"triton_decode"``, the same bits) or the pure decode
+(``"dequant_matmul"``, the only route off CUDA). ``last_fallback_reason`` says why.
 """
 
-import functools
-import importlib.util
 import math
 from collections.abc import Callable
 from typing import Any
@@ -31,42 +22,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from floatxq import dispatch
 from floatxq._typing import Float, Tensor
-from floatxq.formats import NVFP4_BLOCK, NVFP4RecipeName
-from floatxq.kernels._triton import triton_unavailable_reason
+from floatxq.formats import MODEL_DTYPES, NVFP4_BLOCK, NVFP4RecipeName
 from floatxq.kernels.nvfp4_decoding import nvfp4_dequantize_kernel
-from floatxq.nn.fp8_linear import _move_bytes  # buffers move as bytes, never cast
+from floatxq.nn._bytes import ByteBuffers
 from floatxq.nvfp4.layouts import NVFP4Weight, nvfp4_from_modelopt
 from floatxq.nvfp4.quantize import nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
 
 __all__ = ["TorchFP4Linear"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BYTE_BUFFERS = ("weight", "weight_scale", "weight_scale_2")
-DECODE_ROUTE = "dequant_matmul"
-TRITON_DECODE_ROUTE = "triton_decode"
-TORCHAO_ROUTE = "torchao_nvfp4"
-
-
-@functools.cache
-def _torchao_missing() -> str | None:
-    """Why torchao cannot be used (``None`` when it is installed)."""
-    if importlib.util.find_spec("torchao") is None:
-        return "torchao is not installed"
-    return None
-
-
-def _decode_route(device: torch.device, dtype: torch.dtype) -> tuple[str, str | None]:
-    """``(route, reason)`` of a CUDA call's weight decode: ``"triton_decode"`` where the kernel
-    runs for ``dtype`` (``reason`` None), else ``"dequant_matmul"`` and why not the kernel."""
-    if dtype not in _DTYPES:
-        return DECODE_ROUTE, f"it writes float16, bfloat16 or float32, not {dtype}"
-    reason = triton_unavailable_reason(device)
-    return (TRITON_DECODE_ROUTE, None) if reason is None else (DECODE_ROUTE, reason)
+DECODE_ROUTE, TRITON_DECODE_ROUTE, TORCHAO_ROUTE = dispatch.FP4_DECODE_ROUTES
 
 
 def _check_dtype(dtype: Any, *, where: str) -> torch.dtype:
-    if dtype not in _DTYPES:
+    if dtype not in MODEL_DTYPES:
         raise ValueError(
             f"{where}: dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype}"
         )
@@ -90,7 +61,7 @@ def _stored_bias(
     return b
 
 
-class TorchFP4Linear(nn.Module):
+class TorchFP4Linear(ByteBuffers, nn.Module):
     """A linear layer whose weight is NVFP4 (E2M1 codes, E4M3 block scales, an FP32 scale).
 
     ``y = x @ W.T + bias`` with ``W = e2m1(code) * float32(weight_scale) * weight_scale_2``
@@ -98,11 +69,10 @@ class TorchFP4Linear(nn.Module):
     scale of 1 and a zero bias, for ``load_state_dict`` to fill.
 
     Args:
-      in_features: a multiple of 16 (one block scale per 16 values of a row).
-      out_features: the number of outputs.
+      in_features, out_features: the weight's shape; ``in_features`` a multiple of 16.
       bias: allocate a bias buffer.
-      dtype: the model dtype (float16, bfloat16, float32): the bias's storage and the default of
-        :meth:`dequantize_weight`; the output always has ``x``'s dtype.
+      dtype: float16, bfloat16 or float32: the bias's storage and :meth:`dequantize_weight`'s
+        default (the output has ``x``'s dtype).
       device: where the buffers live.
 
     Raises:
@@ -162,10 +132,6 @@ class TorchFP4Linear(nn.Module):
         self._set_last("none", None)
         self._torchao_off: str | None = None
 
-    # ------------------------------------------------------------------------------------------
-    # Construction and export
-    # ------------------------------------------------------------------------------------------
-
     @classmethod
     def from_nvfp4(
         cls,
@@ -178,8 +144,7 @@ class TorchFP4Linear(nn.Module):
 
         Args:
           w: the weight (:func:`floatxq.nvfp4_from_modelopt` and friends).
-          bias: ``(out,)`` floating, stored in ``dtype``; ``None`` for no bias.
-          dtype: the model dtype (see the class).
+          bias, dtype: ``(out,)`` floating stored in ``dtype`` (the class's), or ``None``.
 
         Raises:
           TypeError, ValueError: a record with other dtypes or shapes, NaN or negative block
@@ -227,7 +192,7 @@ class TorchFP4Linear(nn.Module):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{where}: linear must be an nn.Linear, got {type(linear).__name__}")
         weight = linear.weight.detach()
-        if weight.dtype not in _DTYPES:
+        if weight.dtype not in MODEL_DTYPES:
             raise TypeError(
                 f"{where}: the linear's weight must be float16, bfloat16 or float32, got "
                 f"{weight.dtype}"
@@ -265,44 +230,27 @@ class TorchFP4Linear(nn.Module):
             f"bias={self.bias is not None}, dtype={self.dtype}"
         )
 
-    # ------------------------------------------------------------------------------------------
-    # Buffers as bytes
-    # ------------------------------------------------------------------------------------------
+    def _byte_buffer_names(self) -> tuple[str, ...]:
+        return (*_BYTE_BUFFERS, "bias")
 
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "TorchFP4Linear":
-        """``nn.Module._apply`` with the byte buffers moved, never cast; a cast to fp16, bf16 or
-        fp32 becomes the module's ``dtype`` and casts the bias, any other leaves both as they are.
-        """
-        names = (*_BYTE_BUFFERS, "bias")
-        held = {n: self._buffers[n] for n in names if self._buffers.get(n) is not None}
-        for n in held:
-            self._buffers[n] = None
-        try:
-            super()._apply(fn, recurse)
-            cast = fn(torch.empty(0, dtype=self.dtype)).dtype
-        except BaseException:
-            self._buffers.update(held)
-            raise
-        if cast not in _DTYPES:
-            cast = self.dtype
-        for n, tensor in held.items():
-            moved = _move_bytes(fn, tensor)
-            self._buffers[n] = moved.to(cast) if n == "bias" else moved
-        self.dtype = cast
+    def _before_moves(self, fn: Callable[[Tensor], Tensor]) -> None:
+        """A cast to fp16, bf16 or fp32 becomes the module's ``dtype`` (and the bias's); any
+        other leaves both as they are. The byte buffers are never cast."""
+        cast = fn(torch.empty(0, dtype=self.dtype)).dtype
+        self.__dict__["_cast"] = cast if cast in MODEL_DTYPES else self.dtype
+
+    def _moved(self, name: str, fn: Callable[[Tensor], Tensor], tensor: Tensor) -> Tensor:
+        moved = super()._moved(name, fn, tensor)
+        return moved.to(self.__dict__["_cast"]) if name == "bias" else moved
+
+    def _applied(self, fn: Callable[[Tensor], Tensor]) -> None:
+        self.dtype = self.__dict__.pop("_cast")
         self._torchao_off = None
-        return self
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        state_dict = dict(state_dict)
+    def _incoming(
+        self, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
+    ) -> tuple[dict[str, Any], list[str]]:
+        replaced: dict[str, Any] = {}
         rejected = []
         for name, want, also in (
             ("weight", torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)),
@@ -313,7 +261,7 @@ class TorchFP4Linear(nn.Module):
             if not isinstance(incoming, torch.Tensor) or incoming.dtype == want:
                 continue
             if incoming.dtype == also:
-                state_dict[key] = incoming.view(want)
+                replaced[key] = incoming.view(want)
                 continue
             rejected.append(key)
             error_msgs.append(
@@ -325,30 +273,21 @@ class TorchFP4Linear(nn.Module):
         if isinstance(incoming, torch.Tensor) and incoming.numel() == 1:
             g = incoming.detach().float().reshape(())
             if bool(torch.isfinite(g)) and bool(g > 0):
-                state_dict[key] = g
+                replaced[key] = g
             else:
                 rejected.append(key)
                 error_msgs.append(
                     f"{key}: the tensor scale must be finite and > 0, got {g.item()!r}"
                 )
-        for key in rejected:
-            del state_dict[key]
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        for key in rejected:  # reported above, not as "missing"
-            if key in missing_keys:
-                missing_keys.remove(key)
+        return replaced, rejected
+
+    def _loaded(self, prefix: str, missing_keys: list[str]) -> None:
         # load_state_dict(assign=True) puts the incoming tensors in place: restore the format.
         if self.weight_scale_2.dtype != torch.float32:
             self._buffers["weight_scale_2"] = self.weight_scale_2.float()
         if self.bias is not None and self.bias.dtype != self.dtype:
             self._buffers["bias"] = self.bias.to(self.dtype)
         self._torchao_off = None
-
-    # ------------------------------------------------------------------------------------------
-    # Forward
-    # ------------------------------------------------------------------------------------------
 
     @property
     def last_route(self) -> str:
@@ -394,7 +333,7 @@ class TorchFP4Linear(nn.Module):
             out = self._torchao_linear(x, bias)
             if out is not None:
                 return out
-            route, why = _decode_route(x.device, x.dtype)
+            route, why = dispatch.fp4_decode_route(x.device, x.dtype)
             reason = self.last_fallback_reason
             if why is not None:
                 reason = f"{reason}, in torch: the Triton decode cannot run ({why})"
@@ -413,7 +352,7 @@ class TorchFP4Linear(nn.Module):
 
     def _torchao_linear(self, x: Tensor, bias: Tensor | None) -> Tensor | None:
         """torchao's weight-only NVFP4 linear, or ``None`` (reason recorded) when it cannot run."""
-        reason = _torchao_missing() or self._torchao_off
+        reason = dispatch.torchao_missing() or self._torchao_off
         if reason is None:
             try:
                 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor

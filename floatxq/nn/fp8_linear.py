@@ -1,42 +1,23 @@
 """``TorchFP8Linear``: FP8 weight codes with FP32 inverse scales, multiplied by the fastest route.
 
-The module holds three buffers, the bytes of the checkpoint format:
+The buffers are the checkpoint format: ``weight`` (FP8 codes ``(out, in)``, a convolution's
+weight flattened), ``weight_scale_inv`` (FP32 inverse scales: ``()``, ``(out,)`` or a block
+grid) and ``bias`` (FP16 ``(out,)`` or ``None``). They move with ``.to()`` as bytes, never cast
+(the bias is cast to the output dtype per call); every other state is a per-device cache,
+dropped whenever the buffers move or are loaded.
 
-* ``weight``: FP8 codes ``(out, in)`` (a convolution's weight flattened to ``(out, in/groups·k…)``);
-* ``weight_scale_inv``: FP32 inverse scales (decode: divide), ``()``, ``(out,)`` or a block grid;
-* ``bias``: FP16 ``(out,)`` or ``None``.
-
-They move with ``.to()`` as bytes and are never cast: ``module.to(torch.bfloat16)``, ``.half()`` and
-``.float()`` change nothing here, only device moves apply (the bias stays FP16 too: it is part of
-the stored format, and it is cast to the output dtype per call). Everything else is a per-device
-cache, dropped whenever the buffers move or are loaded.
-
-A call flattens ``x`` ``(*, in_features)`` to rows, asks :func:`floatxq.nn.select_fp8_route` for
-the fastest route its facts allow (the answer is cached per device, dtype, row bucket and graph
-capture), and runs that route's runner, built once per input dtype by the builders of
-:mod:`floatxq.nn.fp8_routes`. The output has ``x``'s dtype. ``last_route`` names the route taken
-(one of :data:`floatxq.nn.ROUTES`) and ``last_fallback_reason`` why the fastest candidate was not
-(``None`` when it was). The routes, in short (:mod:`floatxq.nn.route_policy` has the rules):
-
-* ``fp8_small_m``: CUDA decode-sized calls, the fused Triton kernel (``x`` quantized inside the
-  GEMM with the matching ``scaled_mm`` route's recipe);
-* ``scaled_mm_tensorwise`` / ``_rowwise`` / ``_blockwise``: CUDA FP8 tensor cores through cuBLAS,
-  one per weight scale layout, ``x`` quantized per tensor / row / 1x128 block for the call;
-* ``compiled_cpu``: off CUDA after :meth:`TorchFP8Linear.optimize`, decode-and-multiply under
-  ``torch.compile``;
-* ``dequant_matmul``: everywhere else, the weight decoded in ``x``'s dtype for this call only (no
-  dense weight is kept between calls);
-* ``conv_dequant``: modules built from ``nn.Conv1d/2d/3d`` decode the weight and run the
-  convolution with the source module's geometry (:mod:`floatxq.nn.conv`).
-
-A route that raises is switched off for this module and that input dtype (warned once, the
-reason kept), and the call takes the next route the policy gives: ``fp8_small_m`` falls back to
-its ``scaled_mm`` route, a ``scaled_mm`` route or ``compiled_cpu`` to ``dequant_matmul``. The
-switches are dropped with the other caches. The LoRA hook ``adapter`` runs last:
-``out = adapter(x_flat, out)`` (for a convolution, ``adapter(x, out)``). What each route computes,
-to the bit or within which bound: ``docs/numerics.md``.
+A call flattens ``x`` ``(*, in_features)`` to rows, asks :func:`floatxq.dispatch.select_fp8_route`
+for the fastest route its facts allow (cached per device, dtype, row bucket and graph capture),
+and runs that route's runner (:mod:`floatxq.kernels.fp8_routes`, built once per dtype).
+``last_route`` names the route taken (:data:`floatxq.ROUTES`) and ``last_fallback_reason`` why
+the fastest candidate was not (``None`` when it was). A route that raises is switched off for
+this module and that input dtype (warned once) and the call takes the next route the policy
+gives. Modules built from ``nn.Conv1d/2d/3d`` decode the weight and convolve
+(``conv_dequant``, :mod:`floatxq.nn.conv`). The LoRA hook ``adapter`` runs last:
+``out = adapter(x_flat, out)``. What each route computes: ``docs/numerics.md``.
 """
 
+import dataclasses
 import functools
 import math
 import typing
@@ -47,30 +28,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from floatxq._checks import require_finite, require_floating, require_shape
+from floatxq._checks import fp8_scale_shape, require_finite, require_floating, require_shape
 from floatxq._typing import Float, FP8Dtype, Tensor
+from floatxq.dispatch import (
+    SCALED_MM_ROUTE,
+    FP8RouteChoice,
+    FP8RouteFacts,
+    FP8RouteTuning,
+    RoutePreference,
+    quantize_fp8_weight_auto,
+    select_fp8_route,
+)
 from floatxq.formats import (
+    FP8_DTYPES,
+    FP16_MAX,
     fp8_dtype,
     normalize_fp8_block_size,
     normalize_fp8_format,
     normalize_fp8_scale_method,
 )
 from floatxq.fp8 import dequantize_fp8_weight, infer_scale_layout
-from floatxq.kernels import quantize_fp8_weight_auto, triton_unavailable_reason
-from floatxq.nn import fp8_routes
+from floatxq.kernels import fp8_routes, triton_unavailable_reason
+from floatxq.nn._bytes import ByteBuffers
 from floatxq.nn.conv import ConvGeometry, conv_forward, weight_matrix
-from floatxq.nn.route_policy import (
-    SCALED_MM_ROUTE,
-    FP8RouteChoice,
-    FP8RouteFacts,
-    FP8RouteTuning,
-    select_fp8_route,
-)
 
 __all__ = ["TorchFP8Linear"]
-
-FP16_MAX = 65504.0
-"""Largest finite float16: the range a stored bias must fit."""
 
 
 @functools.cache
@@ -80,22 +62,6 @@ def _capability(index: int) -> tuple[int, int]:
 
 def _device_capability(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def _scale_shape(
-    out_features: int, in_features: int, method: str, block: tuple[int, int] | None, *, where: str
-) -> tuple[int, ...]:
-    if method == "tensor":
-        return ()
-    if method == "row":
-        return (out_features,)
-    br, bc = block  # type: ignore[misc]  # "block" always carries a block size
-    if out_features % br or in_features % bc:
-        raise ValueError(
-            f"{where}: weight shape ({out_features}, {in_features}) is not divisible by "
-            f"weight_block_size {[br, bc]} (block rows index output rows); floatxq never pads"
-        )
-    return (out_features // br, in_features // bc)
 
 
 def _fp16_bias(bias: Any, out_features: int, device: torch.device, *, where: str) -> Tensor:
@@ -137,13 +103,11 @@ class _Runtime:
         self.choices.clear()
 
 
-class TorchFP8Linear(nn.Module):
+class TorchFP8Linear(ByteBuffers, nn.Module):
     """A linear layer (or a flattened convolution) whose weight is FP8 with FP32 inverse scales.
 
-    Buffers ``weight`` (FP8 ``(out, in)``), ``weight_scale_inv`` (FP32: ``()``, ``(out,)`` or
-    ``(out/br, in/bc)``) and ``bias`` (FP16 ``(out,)`` or ``None``) are the stored format; the
-    constructor allocates them (zeros / ones) so ``load_state_dict`` can fill them. See the module
-    docstring for the forward routes and the ``.to()`` policy.
+    The constructor allocates the stored buffers (zeros / ones) for ``load_state_dict`` to fill;
+    the module docstring has the buffers, the routes and the ``.to()`` policy.
 
     Args:
       in_features, out_features: the weight's ``(out, in)`` shape (non-negative ints).
@@ -159,9 +123,8 @@ class TorchFP8Linear(nn.Module):
       TypeError: non-integer sizes.
 
     Numerics: decode is ``float32(code) / scale_inv`` rounded once to ``x.dtype``; the
-    ``scaled_mm`` and ``fp8_small_m`` routes also round ``x`` to FP8 (per tensor, row or 1x128
-    block, with the weight formula) and accumulate in FP32; ``docs/numerics.md`` states what
-    each route guarantees against the decoded reference.
+    ``scaled_mm`` and ``fp8_small_m`` routes also round ``x`` to FP8 (weight formula) and
+    accumulate in FP32; ``docs/numerics.md`` bounds each route against the decoded reference.
 
     Example:
       >>> layer = TorchFP8Linear.from_linear(nn.Linear(64, 32))
@@ -199,7 +162,7 @@ class TorchFP8Linear(nn.Module):
         name = normalize_fp8_format(format)
         block = normalize_fp8_block_size(weight_block_size)
         method = normalize_fp8_scale_method(weight_scale_method, weight_block_size=block)
-        scale_shape = _scale_shape(out_features, in_features, method, block, where=where)
+        scale_shape = fp8_scale_shape(out_features, in_features, method, block, where=where)
         self.in_features = in_features
         self.out_features = out_features
         self.format = name
@@ -219,12 +182,8 @@ class TorchFP8Linear(nn.Module):
         self._set_last("none", None)
         self._compile_requested = False
         self._compile_backend = "inductor"
-        self._route_tuning = FP8RouteTuning()
+        self.route_preference = RoutePreference()
         self._runtime = _Runtime()
-
-    # ------------------------------------------------------------------------------------------
-    # Construction
-    # ------------------------------------------------------------------------------------------
 
     @classmethod
     def from_linear(
@@ -309,11 +268,10 @@ class TorchFP8Linear(nn.Module):
 
         Args:
           qweight: ``(out, in)`` FP8 codes; the format is its dtype.
-          scale_inv: inverse scales (decode: divide); converted to FP32 on ``qweight``'s device.
-            Its layout is inferred with :func:`floatxq.infer_scale_layout` unless a method or
-            block size is given, in which case the shape must fit it.
-          bias: ``(out,)`` floating, stored FP16 (must be finite and within ±65504), or ``None``.
-          weight_scale_method, weight_block_size: the layout, when known.
+          scale_inv: inverse scales (decode: divide), made FP32 on ``qweight``'s device; the
+            layout is ``weight_scale_method`` / ``weight_block_size`` when given (the shape must
+            fit), else :func:`floatxq.infer_scale_layout`'s.
+          bias: ``(out,)`` floating, stored FP16 (finite, within ±65504), or ``None``.
 
         Raises:
           TypeError: non-FP8 codes, non-floating scales or bias.
@@ -323,7 +281,7 @@ class TorchFP8Linear(nn.Module):
         Numerics: scales widened to FP32 exactly; codes untouched.
         """
         where = "TorchFP8Linear.from_quantized"
-        if not isinstance(qweight, torch.Tensor) or qweight.dtype not in _fp8_dtypes():
+        if not isinstance(qweight, torch.Tensor) or qweight.dtype not in FP8_DTYPES:
             got = qweight.dtype if isinstance(qweight, torch.Tensor) else type(qweight).__name__
             raise TypeError(f"{where}: qweight must be an FP8 tensor, got {got}")
         if qweight.ndim != 2:
@@ -337,7 +295,7 @@ class TorchFP8Linear(nn.Module):
             method, block = infer_scale_layout(qweight.shape, scale_inv.shape)
         else:
             method = normalize_fp8_scale_method(weight_scale_method, weight_block_size=block)
-        expected = _scale_shape(out_features, in_features, method, block, where=where)
+        expected = fp8_scale_shape(out_features, in_features, method, block, where=where)
         if not _scale_fits(tuple(scale_inv.shape), expected, method):
             raise ValueError(
                 f"{where}: scale_inv shape {tuple(scale_inv.shape)} does not fit the {method} "
@@ -370,38 +328,15 @@ class TorchFP8Linear(nn.Module):
             layer.bias = stored_bias
         return layer
 
-    # ------------------------------------------------------------------------------------------
-    # Buffers as bytes
-    # ------------------------------------------------------------------------------------------
+    def _byte_buffer_names(self) -> tuple[str, ...]:
+        return ("weight", "weight_scale_inv", "bias")
 
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "TorchFP8Linear":
-        """``nn.Module._apply`` with the stored buffers moved as bytes: device moves only."""
-        names = [
-            n for n in ("weight", "weight_scale_inv", "bias") if self._buffers.get(n) is not None
-        ]
-        held = {n: self._buffers[n] for n in names}
-        for n in names:
-            self._buffers[n] = None
-        try:
-            super()._apply(fn, recurse)
-        except BaseException:
-            self._buffers.update(held)
-            raise
-        for n, tensor in held.items():
-            self._buffers[n] = _move_bytes(fn, tensor)
+    def _applied(self, fn: Callable[[Tensor], Tensor]) -> None:
         self._runtime = _Runtime()
-        return self
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
+    def _incoming(
+        self, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
+    ) -> tuple[dict[str, Any], list[str]]:
         rejected = []
         key = prefix + "weight"
         incoming = state_dict.get(key)
@@ -434,24 +369,15 @@ class TorchFP8Linear(nn.Module):
             except (TypeError, ValueError) as exc:
                 rejected.append(key)
                 error_msgs.append(str(exc))
-        if rejected:
-            state_dict = {k: v for k, v in state_dict.items() if k not in rejected}
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        for k in rejected:  # reported above, not as "missing"
-            if k in missing_keys:
-                missing_keys.remove(k)
+        return {}, rejected
+
+    def _loaded(self, prefix: str, missing_keys: list[str]) -> None:
         # load_state_dict(assign=True) puts the incoming tensors in place: restore the format.
         if self.bias is not None and self.bias.dtype != torch.float16:
             self._buffers["bias"] = self.bias.to(torch.float16)
         if self.weight_scale_inv.dtype != torch.float32:
             self._buffers["weight_scale_inv"] = self.weight_scale_inv.to(torch.float32)
         self._runtime = _Runtime()
-
-    # ------------------------------------------------------------------------------------------
-    # Public helpers
-    # ------------------------------------------------------------------------------------------
 
     def dequantize_weight(self, *, dtype: torch.dtype = torch.float32) -> Float[Tensor, "out in"]:
         """The decoded ``(out, in)`` weight (a convolution's flattened weight), in ``dtype``.
@@ -461,17 +387,10 @@ class TorchFP8Linear(nn.Module):
         return dequantize_fp8_weight(self.weight, self.weight_scale_inv, dtype=dtype)
 
     def optimize(self, *, backend: str = "inductor") -> "TorchFP8Linear":
-        """Opt in to the compiled CPU forward (``torch.compile`` of decode-and-multiply).
-
-        Applies to inputs off CUDA (CUDA inputs keep their routes). Compilation happens on the
-        first such call; if it fails, a warning is given and the module falls back to
-        ``dequant_matmul`` until ``optimize()`` is called again or the buffers move.
-
-        Args:
-          backend: the ``torch.compile`` backend (``"inductor"`` generates fused C++).
-
-        Returns:
-          ``self``.
+        """Opt in to the compiled CPU forward (``torch.compile`` with ``backend`` of
+        decode-and-multiply) for inputs off CUDA; returns ``self``. It compiles on the first
+        such call; a failure warns and falls back to ``dequant_matmul`` until ``optimize()`` is
+        called again or the buffers move.
 
         Numerics: the decode-and-multiply of ``dequant_matmul`` (FP32 summation order may differ).
         """
@@ -486,20 +405,29 @@ class TorchFP8Linear(nn.Module):
         return self
 
     @property
+    def route_preference(self) -> RoutePreference:
+        """The route preferences (a frozen record; assigning one drops the cached choices)."""
+        return self.__dict__["_route_preference"]
+
+    @route_preference.setter
+    def route_preference(self, value: RoutePreference) -> None:
+        if not isinstance(value, RoutePreference):
+            raise TypeError(
+                f"TorchFP8Linear.route_preference must be a RoutePreference, got "
+                f"{type(value).__name__}"
+            )
+        self.__dict__["_route_preference"] = value
+        if "_runtime" in self.__dict__:
+            self._runtime.choices.clear()
+
+    @property
     def route_tuning(self) -> FP8RouteTuning:
-        """The row thresholds this module's route policy uses (assigning one drops the cached
-        route choices)."""
-        return self._route_tuning
+        """``route_preference.fp8_tuning``: the row thresholds of the route policy."""
+        return self.route_preference.fp8_tuning
 
     @route_tuning.setter
     def route_tuning(self, tuning: FP8RouteTuning) -> None:
-        if not isinstance(tuning, FP8RouteTuning):
-            raise TypeError(
-                f"TorchFP8Linear.route_tuning must be an FP8RouteTuning, got "
-                f"{type(tuning).__name__}"
-            )
-        self.__dict__["_route_tuning"] = tuning
-        self._runtime.choices.clear()
+        self.route_preference = dataclasses.replace(self.route_preference, fp8_tuning=tuning)
 
     def extra_repr(self) -> str:
         block = (
@@ -511,10 +439,6 @@ class TorchFP8Linear(nn.Module):
             f"bias={self.bias is not None}, format={self.format}, "
             f"weight_scale_method={self.weight_scale_method}{block}{conv}"
         )
-
-    # ------------------------------------------------------------------------------------------
-    # Forward
-    # ------------------------------------------------------------------------------------------
 
     @property
     def last_route(self) -> str:
@@ -580,7 +504,7 @@ class TorchFP8Linear(nn.Module):
 
     def _choose(self, x: Tensor) -> FP8RouteChoice:
         """The policy's route for ``x``, cached by what it depends on."""
-        rows, tuning = x.shape[0], self._route_tuning
+        rows, tuning = x.shape[0], self.route_preference.fp8_tuning
         capturing = False
         if x.is_cuda and tuning.capture_matters(rows, self._scaled_route):
             capturing = torch.cuda.is_current_stream_capturing()
@@ -719,12 +643,6 @@ def _source_matrix(module: nn.Module, *, where: str) -> tuple[Tensor, ConvGeomet
     return weight_matrix(module, where=where)
 
 
-@functools.cache
-def _fp8_dtypes() -> frozenset[torch.dtype]:
-    names = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
-    return frozenset(getattr(torch, n) for n in names if hasattr(torch, n))
-
-
 def _scale_fits(shape: tuple[int, ...], expected: tuple[int, ...], method: str) -> bool:
     """Whether a stored scale tensor holds the layout's values in its order (size-1 axes aside)."""
     if shape == expected:
@@ -739,13 +657,3 @@ def _scale_fits(shape: tuple[int, ...], expected: tuple[int, ...], method: str) 
     if method == "block" and len(shape) == 1:  # a flattened grid (row-major), as infer accepts
         return count == (expected[0] * expected[1] if expected else 1)
     return squeezed == want and len(shape) <= 2
-
-
-def _move_bytes(fn: Callable[[Tensor], Tensor], tensor: Tensor) -> Tensor:
-    """Apply ``fn``'s device move to ``tensor`` but never its dtype cast."""
-    try:
-        probe = fn(tensor.new_empty(0))
-    except Exception:  # a cast this dtype does not support: learn the device from FP32
-        probe = fn(torch.empty(0, device=tensor.device))
-        return tensor.to(device=probe.device)
-    return fn(tensor) if probe.dtype == tensor.dtype else tensor.to(device=probe.device)

@@ -1,41 +1,20 @@
 """``GPTQLinear``: a GPTQ weight-only linear layer (2, 4 or 8-bit codes; x keeps its dtype).
 
-The module holds the buffers of GPT-QModel's checkpoint layout (:mod:`floatxq.gptq.int4`), under the
-names that layout uses as state-dict keys:
+The buffers are GPT-QModel's checkpoint layout (:mod:`floatxq.gptq.int4`) under its state-dict
+keys: ``qweight`` (int32 ``(in·bits/32, out)``), ``qzeros`` (int32 ``(groups, out·bits/32)``,
+``gptq`` v1 stores ``zero - 1``, ``gptq_v2`` the zero), ``scales`` (``(groups, out)``, any
+floating dtype a checkpoint holds), ``g_idx`` (int32 ``(in,)``, each input row's group) and
+``bias``. They move with ``.to()`` as bytes (scales and bias are cast per call);
+``load_state_dict`` checks every incoming tensor and raises a ``ValueError`` naming the key;
+incoming scales and bias keep their own floating dtype.
 
-* ``qweight``: int32 ``(in·bits/32, out)``, ``32/bits`` input rows per word;
-* ``qzeros``: int32 ``(groups, out·bits/32)``, zero points in the module's ``format`` (``gptq``
-  v1 stores ``zero - 1`` in every field, ``gptq_v2`` the zero itself);
-* ``scales``: ``(groups, out)`` direct scales, float16 from a solve, any floating dtype a
-  checkpoint holds;
-* ``g_idx``: int32 ``(in,)``, the group of each input row (not contiguous under ``desc_act``);
-* ``bias``: ``(out,)`` floating, or ``None``.
-
-All of them are the stored format and move with ``.to()`` as bytes: ``.half()``,
-``.to(torch.bfloat16)`` and ``.float()`` leave them as they are (the scales and the bias too; they
-are cast per call), only device moves apply. ``load_state_dict`` checks every incoming tensor
-against the module's geometry (shape, dtype, ``g_idx`` range, finite scales and bias) and raises a
-``ValueError`` naming the key, so a damaged state dict never loads; incoming scales and bias keep
-their own floating dtype (the module adopts it rather than casting).
-
-A call flattens ``x`` ``(*, in)`` to rows and takes one of three routes, all computing
-:func:`floatxq.w4a16_linear` (the weight decoded exactly as
-:func:`floatxq.dequantize_gptq` decodes it, rounded to ``x``'s dtype, FP32 accumulation):
-
-* ``w4a16_fused`` (CUDA, float16/bfloat16 ``x``, up to ``W4A16Tuning.fused_max_rows`` rows):
-  the Triton kernel decodes the weight tiles in registers and multiplies them on the tensor
-  cores (:mod:`floatxq.kernels.w4a16`);
-* ``w4a16_decode_gemm`` (CUDA, more rows): the Triton decode writes the weight once, then the
-  library GEMM;
-* ``dequant_matmul`` (everywhere else): the weight decoded in torch for the call, then
-  ``F.linear``.
-
-No dense weight is kept between calls. ``last_route`` names the route taken and
-``last_reason`` why the Triton routes were not (``None`` when one was).
+A call takes the route :func:`floatxq.dispatch.gptq_route` gives, each computing
+:func:`floatxq.w4a16_linear`: ``w4a16_fused`` or ``w4a16_decode_gemm`` (the Triton kernels of
+:mod:`floatxq.kernels.w4a16`, by row count) or ``dequant_matmul`` (decoded in torch per call).
+``last_route`` names the route, ``last_reason`` why the Triton routes were not taken.
 """
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from floatxq._typing import Float, Tensor
+from floatxq.dispatch import GPTQ_DECODE_ROUTE as DECODE_ROUTE
+from floatxq.dispatch import gptq_route
 from floatxq.formats import normalize_gptq_format
 from floatxq.gptq.int4 import (
     GPTQPacked,
@@ -56,13 +37,10 @@ from floatxq.gptq.int4 import (
 )
 from floatxq.gptq.solve import GPTQSolution
 from floatxq.kernels import w4a16
-from floatxq.kernels._triton import triton_unavailable_reason
-from floatxq.kernels.w4a16 import w4a16_route
-from floatxq.nn.fp8_linear import _move_bytes  # buffers move as bytes, never cast
+from floatxq.nn._bytes import ByteBuffers
 
 __all__ = ["GPTQLinear"]
 
-DECODE_ROUTE = "dequant_matmul"
 _BUFFERS = ("qweight", "qzeros", "scales", "g_idx", "bias")
 
 
@@ -110,38 +88,33 @@ def _stored_bias(bias: Any, out_features: int, device: torch.device, *, where: s
     return b.to(device=device)
 
 
-class GPTQLinear(nn.Module):
+class GPTQLinear(ByteBuffers, nn.Module):
     """A linear layer whose weight is GPTQ-packed (2, 4 or 8-bit codes, zero points, scales).
 
     ``y = x @ W.T + bias`` with ``W[o, k] = scales[g, o] * (code[k, o] - zero[g, o])``,
-    ``g = g_idx[k]``, decoded in ``x``'s dtype. The constructor allocates zero-filled words and
-    scales and the default ``g_idx = arange(in) // group_size`` (all zeros for
-    ``group_size=-1``), for ``load_state_dict`` to fill; :meth:`from_solution` and
+    ``g = g_idx[k]``, decoded in ``x``'s dtype. The constructor allocates zero-filled buffers
+    (``g_idx = arange(in) // group_size``) for ``load_state_dict``; :meth:`from_solution` and
     :meth:`from_packed` build a ready module.
 
     Args:
       in_features, out_features: the weight's ``(out, in)`` shape; both multiples of
         ``32 / bits`` (16, 8 or 4), never padded.
-      bits: 2, 4 or 8.
-      group_size: input rows per group, or -1 for one group; ``groups = ceil(in / group_size)``.
+      bits, group_size: 2, 4 or 8; input rows per group (-1: one group).
       format: the zero-point convention of ``qzeros`` as held: ``"gptq"`` (v1) or ``"gptq_v2"``.
-      bias: allocate a bias buffer.
-      scales_dtype, bias_dtype: the floating dtypes of the scales and the bias as stored.
-      device: where the buffers live.
+      bias, scales_dtype, bias_dtype, device: allocate a bias; the stored floating dtypes of
+        the scales and the bias; where the buffers live.
 
     Raises:
       TypeError: non-integer sizes, ``bits`` or ``group_size``; non-floating dtypes.
       ValueError: negative sizes, sizes that are not multiples of ``32 / bits``, ``bits`` other
         than 2, 4 or 8, ``group_size`` 0 or below -1, an unknown format.
 
-    Numerics: the decode is :func:`floatxq.dequantize_gptq` (an exact FP32 product for
-    float16/bfloat16 scales, then one rounding into ``x``'s dtype), the bias is cast to ``x``'s
-    dtype, then ``F.linear`` in ``x``'s dtype.
+    Numerics: :func:`floatxq.dequantize_gptq` (exact FP32 products for half scales, one
+    rounding into ``x``'s dtype), then ``F.linear`` with the bias cast to ``x``'s dtype.
 
     Example:
       >>> from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
-      >>> w = torch.randn(16, 64)
-      >>> sol = rtn_quantize(w, GPTQSolveOptions(bits=4, group_size=32))
+      >>> sol = rtn_quantize(torch.randn(16, 64), GPTQSolveOptions(bits=4, group_size=32))
       >>> layer = GPTQLinear.from_solution(sol, bits=4, group_size=32)
       >>> layer(torch.randn(3, 64)).shape, layer.qweight.shape, layer.last_route
       (torch.Size([3, 16]), torch.Size([8, 16]), 'dequant_matmul')
@@ -202,10 +175,6 @@ class GPTQLinear(nn.Module):
         self._set_last("none")
         self.__dict__["_groups_seen"] = None
 
-    # ------------------------------------------------------------------------------------------
-    # Construction and export
-    # ------------------------------------------------------------------------------------------
-
     @classmethod
     def from_solution(
         cls,
@@ -219,22 +188,15 @@ class GPTQLinear(nn.Module):
         """Pack a solved (or round-to-nearest) weight into a new module.
 
         Args:
-          solution: a :class:`floatxq.GPTQSolution` (``(out, in)`` codes, ``(out,
-            groups)`` scales and zeros, ``g_idx``).
+          solution: a :class:`floatxq.GPTQSolution`.
           bits: the code width the solution was made with (2, 4 or 8).
-          group_size: the solve's group size (-1: one group); must give the solution's group
-            count, ``ceil(in / group_size)``.
+          group_size: the solve's group size (-1: one group), giving its group count.
           bias: the layer's ``(out,)`` bias, kept in its dtype, or ``None``.
           format: ``"gptq"`` (v1) or ``"gptq_v2"``, the convention ``qzeros`` is packed in.
 
-        Returns:
-          A :class:`GPTQLinear` on the solution's device.
-
         Raises:
-          ValueError, TypeError: what :func:`floatxq.pack_gptq` refuses (codes beyond
-            ``bits``, sizes that are not multiples of ``32/bits``, scales float16 cannot hold);
-            a group count that ``group_size`` does not give; a bias of the wrong shape or
-            non-finite.
+          ValueError, TypeError: what :func:`floatxq.pack_gptq` refuses; a group count that
+            ``group_size`` does not give; a bias of the wrong shape or non-finite.
 
         Numerics: the scales are rounded to float16 nearest-even (:func:`pack_gptq`); codes,
         zeros and ``g_idx`` are stored exactly.
@@ -274,17 +236,10 @@ class GPTQLinear(nn.Module):
         """A module holding ``packed``'s tensors as they are (the same tensors, no copy or cast).
 
         Args:
-          packed: a :class:`floatxq.GPTQPacked`, valid for ``bits`` (checked as
-            :func:`floatxq.unpack_gptq` does).
-          bits: 2, 4 or 8.
-          group_size: the checkpoint's group size (-1: one group); must give the packed group
-            count, ``ceil(in / group_size)``.
-          format: the zero-point convention of ``packed.qzeros``: ``"gptq"`` or ``"gptq_v2"``.
+          packed: a :class:`floatxq.GPTQPacked`, valid for ``bits`` (as :func:`unpack_gptq`).
+          bits, group_size, format: as the constructor; ``group_size`` must give the packed
+            group count.
           bias: ``(out,)`` floating, kept in its dtype (moved to ``packed``'s device), or ``None``.
-
-        Returns:
-          A :class:`GPTQLinear` with ``in = 32 / bits * qweight rows``, ``out = qweight
-          columns``.
 
         Raises:
           ValueError, TypeError: an invalid ``packed`` (shapes, dtypes, ``g_idx`` range,
@@ -357,40 +312,13 @@ class GPTQLinear(nn.Module):
             f"bias={self.bias is not None}"
         )
 
-    # ------------------------------------------------------------------------------------------
-    # Buffers as bytes
-    # ------------------------------------------------------------------------------------------
+    def _byte_buffer_names(self) -> tuple[str, ...]:
+        return _BUFFERS
 
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "GPTQLinear":
-        """``nn.Module._apply`` with every stored buffer moved as bytes: device moves only."""
-        held = {n: self._buffers[n] for n in _BUFFERS if self._buffers.get(n) is not None}
-        for n in held:
-            self._buffers[n] = None
-        try:
-            super()._apply(fn, recurse)
-        except BaseException:
-            self._buffers.update(held)
-            raise
-        for n, tensor in held.items():
-            self._buffers[n] = _move_bytes(fn, tensor)
-        return self
-
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        replaced = self._checked_state(state_dict, prefix)
-        if replaced:
-            state_dict = {**state_dict, **replaced}
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+    def _incoming(
+        self, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
+    ) -> tuple[dict[str, Any], list[str]]:
+        return self._checked_state(state_dict, prefix), []
 
     def _checked_state(self, state_dict: dict[str, Any], prefix: str) -> dict[str, Tensor]:
         """Check this module's incoming tensors (``ValueError`` naming the key); returns the
@@ -448,10 +376,6 @@ class GPTQLinear(nn.Module):
         self._buffers.update(adopt)  # only once every key passed: a refused load changes nothing
         return replaced
 
-    # ------------------------------------------------------------------------------------------
-    # Forward
-    # ------------------------------------------------------------------------------------------
-
     @property
     def last_route(self) -> str:
         """The route the last forward took (``"w4a16_fused"``, ``"w4a16_decode_gemm"``,
@@ -486,18 +410,6 @@ class GPTQLinear(nn.Module):
         self.__dict__["_groups_seen"] = (key, size if contiguous else None)
         return size if contiguous else None
 
-    def _route(self, x: Tensor) -> tuple[str, str | None]:
-        """``(route, reason)`` for the rows ``x``: the name of a runner in :data:`_RUNNERS`,
-        and why the Triton routes were not taken (``None`` when one was)."""
-        if x.device.type != "cuda":
-            return DECODE_ROUTE, f"x is on {x.device}; the W4A16 kernels run on CUDA"
-        if x.dtype not in (torch.float16, torch.bfloat16):
-            return DECODE_ROUTE, f"x is {x.dtype}; the W4A16 kernels take float16/bfloat16"
-        reason = triton_unavailable_reason(x.device)
-        if reason is not None:
-            return DECODE_ROUTE, reason
-        return w4a16_route(x.shape[0]), None
-
     def forward(self, x: Float[Tensor, "*batch in"]) -> Float[Tensor, "*batch out"]:
         """``x @ W.T + bias`` in ``x``'s dtype.
 
@@ -521,8 +433,15 @@ class GPTQLinear(nn.Module):
                 f"{self.qweight.device}; move one of them with .to()"
             )
         x_flat = x.reshape(math.prod(x.shape[:-1]), self.in_features)
-        route, reason = self._route(x_flat)
-        out = _RUNNERS[route](self, x_flat)
+        route, reason = gptq_route(x_flat.device, x_flat.dtype, x_flat.shape[0])
+        if route == DECODE_ROUTE:
+            out = _dequant_matmul(self, x_flat)
+        else:  # the W4A16 kernels (floatxq.kernels.w4a16) on the buffers
+            k, n, group = self.in_features, self.out_features, self.contiguous_group_size()
+            out = w4a16._linear(
+                x_flat, self.packed(), self.bias, k, n, self.bits, self.format == "gptq",
+                group or 0, x.device, route, w4a16.DEFAULT_W4A16_TUNING,
+            )  # fmt: skip
         self._set_last(route, reason)
         return out.reshape(*x.shape[:-1], self.out_features)
 
@@ -536,25 +455,3 @@ def _dequant_matmul(module: GPTQLinear, x: Tensor) -> Tensor:
     # would synchronise with the device on every call).
     weight = _dequantize_stored(module.packed(), module.bits, module.format, x.dtype)
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
-
-
-def _triton_runner(route: str) -> Callable[[GPTQLinear, Tensor], Tensor]:
-    def run(module: GPTQLinear, x: Tensor) -> Tensor:
-        """The W4A16 kernels (:mod:`floatxq.kernels.w4a16`) on the module's buffers."""
-        group = module.contiguous_group_size()
-        n, k = module.out_features, module.in_features
-        v1 = module.format == "gptq"
-        return w4a16._linear(
-            x, module.packed(), module.bias, k, n, module.bits, v1, group or 0, x.device,
-            route, w4a16.DEFAULT_W4A16_TUNING,
-        )  # fmt: skip
-
-    return run
-
-
-_RUNNERS: dict[str, Callable[[GPTQLinear, Tensor], Tensor]] = {
-    DECODE_ROUTE: _dequant_matmul,
-    "w4a16_fused": _triton_runner("w4a16_fused"),
-    "w4a16_decode_gemm": _triton_runner("w4a16_decode_gemm"),
-}
-"""Route name → runner ``(module, rows) -> (rows, out)``; :meth:`GPTQLinear._route` picks one."""

@@ -5,8 +5,8 @@ block maxima and their running maximum; no activation is kept), then reads a cal
 activation maximum off it: ``max(rho · P_anchor, P_upper)``. :func:`floatxq.nvfp4_global_scale`
 turns that maximum into the global scale (divisor 6 for the ``*_headroom`` recipes). The pure
 functions are :func:`headroom_init`, :func:`headroom_update`, :func:`headroom_percentile` and
-:func:`headroom_amax`; :class:`NVFP4ActivationHeadroom` only holds their state. The contract is
-in ``docs/numerics.md``.
+:func:`headroom_amax` (:data:`floatxq.stats.HEADROOM` folds them beside the other calibration
+statistics). The contract is in ``docs/numerics.md``.
 """
 
 import dataclasses
@@ -16,14 +16,14 @@ from typing import NamedTuple
 
 import torch
 
-from floatxq._typing import Float, Float32, Int64, Tensor, checked_record
+from floatxq._checks import require_floating
+from floatxq._typing import Bool, Float, Float32, Int64, Tensor, checked_record
 from floatxq.formats import FP8_E4M3_MAX
 from floatxq.nvfp4.quantize import _blocks_of
 
 __all__ = [
     "HeadroomConfig",
     "HeadroomState",
-    "NVFP4ActivationHeadroom",
     "headroom_amax",
     "headroom_init",
     "headroom_percentile",
@@ -102,22 +102,46 @@ def headroom_init(config: HeadroomConfig | None = None) -> HeadroomState:
     )
 
 
+def _kept_rows(x: Tensor, mask: Tensor | None, *, where: str) -> Tensor:
+    """``x`` without the rows a keep-mask drops (``x`` itself when ``mask`` is None).
+
+    The calibration statistics share this convention (:mod:`floatxq.stats`): ``mask`` is a bool
+    tensor of ``x``'s leading shape, and a row where it is False reaches no statistic.
+    """
+    if mask is None:
+        return x
+    require_floating(x, name="x", where=where)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        kind = f"{mask.dtype} tensor" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise TypeError(f"{where}: mask must be a bool tensor, got {kind}")
+    if x.ndim < 1 or tuple(mask.shape) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"{where}: mask must have x's leading shape {tuple(x.shape[:-1])}, got "
+            f"{tuple(mask.shape)}"
+        )
+    return x[mask.to(x.device)]
+
+
 def _bin_index(log2_value: Tensor, config: HeadroomConfig) -> Tensor:
     span = config.log2_max - config.log2_min
     idx = torch.floor((log2_value - config.log2_min) / span * config.num_bins)
     return idx.clamp(0, config.num_bins - 1).to(torch.int64)
 
 
-def headroom_update(state: HeadroomState, x: Float[Tensor, "*b k"]) -> HeadroomState:
+def headroom_update(
+    state: HeadroomState, x: Float[Tensor, "*b k"], mask: Bool[Tensor, "*b"] | None = None
+) -> HeadroomState:
     """Fold a batch of activations into the headroom statistics (a new state; inputs untouched).
 
     Block maxima of ``|x|`` over 16 consecutive elements (FP32) update the running max, and the
     nonzero ones are counted into ``num_bins`` log2 bins
     ``floor((log2 m − log2_min) / (log2_max − log2_min) · num_bins)`` clamped to the range.
-    Counts add and maxima commute, so the order of the batches does not matter.
+    Counts add and maxima commute, so the order of the batches does not matter. ``mask`` (a bool
+    keep-mask of ``x``'s leading shape) drops padding rows before anything is counted.
 
     Raises:
-      ValueError: ``k % 16`` or non-finite ``x``. Empty ``x`` returns ``state`` unchanged.
+      ValueError: ``k % 16``, non-finite ``x`` or a mask of another shape (``TypeError``: not
+        bool). Empty ``x`` (or every row masked) returns ``state`` unchanged.
 
     Numerics: exact maxima; FP32 log2 for binning; int64 counts.
 
@@ -126,9 +150,11 @@ def headroom_update(state: HeadroomState, x: Float[Tensor, "*b k"]) -> HeadroomS
       >>> int(s.counts.sum()), s.running_max.item()
       (2, 0.5)
     """
+    where = "headroom_update"
+    x = _kept_rows(x, mask, where=where)
     if x.numel() == 0:
         return state
-    blocks = _blocks_of(x, where="headroom_update")
+    blocks = _blocks_of(x, where=where)
     block_max = blocks.abs().amax(dim=1)
     config = state.config
     nonzero = block_max[block_max > 0]
@@ -221,52 +247,3 @@ def headroom_amax(state: HeadroomState) -> Float32[Tensor, ""]:
         )
         amax = upper
     return torch.tensor(amax, dtype=torch.float32)
-
-
-class NVFP4ActivationHeadroom:
-    """NVIDIA's percentile headroom calibration for an NVFP4 activation global scale.
-
-    Holds a :class:`HeadroomState`; :meth:`collect` and :meth:`compute_amax` call the pure
-    :func:`headroom_update` and :func:`headroom_amax`. The global scale is then
-    ``nvfp4_global_scale(amax, recipe=...)`` (divisor 6 for the headroom recipes).
-
-    Numerics: as the pure functions.
-
-    Example:
-      >>> h = NVFP4ActivationHeadroom()
-      >>> h.collect(torch.linspace(0.01, 1.0, 1024).reshape(4, 256))
-      >>> round(float(h.compute_amax()), 3) > 1.0
-      True
-    """
-
-    def __init__(
-        self,
-        anchor_percentile: float | int = 1.0,
-        upper_percentile: float | int = 99.99,
-        rho: float | int = 16384.0,
-        num_bins: int = 512,
-        log2_min: float | int = -40.0,
-        log2_max: float | int = 40.0,
-    ) -> None:
-        config = HeadroomConfig(
-            anchor_percentile=anchor_percentile,
-            upper_percentile=upper_percentile,
-            rho=rho,
-            num_bins=num_bins,
-            log2_min=log2_min,
-            log2_max=log2_max,
-        )
-        self.state = headroom_init(config)
-
-    @property
-    def config(self) -> HeadroomConfig:
-        """The validated settings."""
-        return self.state.config
-
-    def collect(self, x: Float[Tensor, "*b k"]) -> None:
-        """Fold a batch of activations into the statistics."""
-        self.state = headroom_update(self.state, x)
-
-    def compute_amax(self) -> Float32[Tensor, ""]:
-        """The calibrated maximum (see :func:`headroom_amax`)."""
-        return headroom_amax(self.state)

@@ -1,8 +1,8 @@
 """NVFP4 weights as each producer stores them, converted to and from one canonical record.
 
-Every producer stores the same three things (:mod:`~floatxq.nvfp4.quantize`): E2M1 codes two per byte, one
-E4M3 scale per 16 values of K, and one FP32 tensor scale. They differ in nibble order, in the
-layout of the block scales and in the direction of the tensor scale:
+Every producer stores the same three things (:mod:`~floatxq.nvfp4.quantize`): E2M1 codes two
+per byte, one E4M3 scale per 16 values of K, and one FP32 tensor scale. They differ in nibble
+order, in the layout of the block scales and in the direction of the tensor scale:
 
 =================== ============== =================== =========================================
 producer            even element   block scales        tensor scale
@@ -26,7 +26,14 @@ import torch
 
 from floatxq._checks import require_e4m3_scales, require_tensor
 from floatxq._typing import Float8e4m3fn, Float32, Shaped, Tensor, UInt8, checked_record
-from floatxq.formats import FLOAT32_TINY, NVFP4_BLOCK
+from floatxq.formats import (
+    FLOAT32_TINY,
+    MODEL_DTYPES,
+    NVFP4_BLOCK,
+    SWIZZLE_TILE_COLS,
+    SWIZZLE_TILE_ROWS,
+)
+from floatxq.fp8 import fp32_reciprocal
 from floatxq.nvfp4.quantize import nvfp4_dequantize
 from floatxq.nvfp4.swizzle import unswizzle_scales
 
@@ -43,8 +50,8 @@ __all__ = [
 ]
 
 _E4M3 = torch.float8_e4m3fn
-_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # widen to FP32 exactly
-_TILE_ROWS, _TILE_COLS = 128, 4  # the 128x4 swizzle tile of floatxq.nvfp4.swizzle
+_SCALE_DTYPES = MODEL_DTYPES  # each widens to FP32 exactly
+_TILE_ROWS, _TILE_COLS = SWIZZLE_TILE_ROWS, SWIZZLE_TILE_COLS
 
 
 @checked_record
@@ -161,7 +168,7 @@ def _require_positive_finite(g: Tensor, *, name: str, where: str) -> None:
 
 def _reciprocal(g: Tensor, *, name: str, where: str) -> Tensor:
     """``1 / g`` in FP32 (one IEEE division), refused unless the result is a normal number."""
-    r = torch.ones_like(g) / g
+    r = fp32_reciprocal(g)
     if not bool(torch.isfinite(r)) or not bool(r >= FLOAT32_TINY):
         raise ValueError(
             f"{where}: the reciprocal of {name} = {g.item()!r} is {r.item()!r}, outside FP32's "
@@ -295,10 +302,9 @@ def nvfp4_from_torchao(
     only the element order matters); ``per_tensor_scale`` multiplies, and ``None`` means 1.
 
     Args:
-      qdata: uint8 (or ``float4_e2m1fn_x2``) ``[out, in/2]``.
+      qdata: uint8 (or ``float4_e2m1fn_x2``) ``[out, in/2]``; ``shape``: ``(out, in)``.
       scale: float8_e4m3fn (or uint8) block scales as described above.
       per_tensor_scale: one FP32/FP16/BF16 value, or ``None``.
-      shape: the weight's ``(out_features, in_features)``.
       is_swizzled_scales: whether ``scale`` is 128x4-swizzled.
 
     Raises:
@@ -310,13 +316,9 @@ def nvfp4_from_torchao(
     decodes in FP32 and rounds once, so the two can differ by that rounding.
 
     Example:
-      >>> w = nvfp4_from_torchao(
-      ...     torch.zeros(2, 8, dtype=torch.uint8),
-      ...     torch.ones(512).to(torch.float8_e4m3fn),
-      ...     None,
-      ...     shape=(2, 16),
-      ...     is_swizzled_scales=True,
-      ... )
+      >>> scales = torch.ones(512).to(torch.float8_e4m3fn)
+      >>> w = nvfp4_from_torchao(torch.zeros(2, 8, dtype=torch.uint8), scales, None,
+      ...                        shape=(2, 16), is_swizzled_scales=True)  # fmt: skip
       >>> w.block_scales.shape, w.global_scale.item()
       (torch.Size([2, 1]), 1.0)
     """

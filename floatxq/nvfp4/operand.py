@@ -17,20 +17,24 @@ import torch
 
 from floatxq._checks import require_data, require_floating, require_tensor
 from floatxq._typing import Float, Float8e4m3fn, Shaped, Tensor
-from floatxq.formats import NVFP4_BLOCK, NVFP4RecipeName, normalize_nvfp4_recipe
+from floatxq.formats import (
+    K_GROUP,
+    MODEL_DTYPES,
+    NVFP4_BLOCK,
+    NVFP4_DEFAULT_RECIPE,
+    SWIZZLE_TILE_ROWS,
+    NVFP4RecipeName,
+    normalize_nvfp4_recipe,
+)
 from floatxq.nvfp4.e2m1 import pack_e2m1
 from floatxq.nvfp4.quantize import _validated_global_scale, nvfp4_block_scales, nvfp4_dequantize
 from floatxq.nvfp4.swizzle import swizzle_scales_per_group, unswizzle_scales_per_group
 
-__all__ = ["NVFP4_OPERAND_GROUP", "nvfp4_decode_swizzled", "nvfp4_pack_swizzled", "padded_rows"]
+__all__ = ["nvfp4_decode_swizzled", "nvfp4_pack_swizzled", "padded_rows"]
 
-NVFP4_OPERAND_GROUP = 128
-"""K is cut into groups of 128 (8 blocks of 16): each group's scales are swizzled on their own."""
-
-_TILE_ROWS = 128
+_TILE_ROWS = SWIZZLE_TILE_ROWS
 _FP4X2 = torch.float4_e2m1fn_x2
 _E4M3 = torch.float8_e4m3fn
-_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def padded_rows(rows: int) -> int:
@@ -49,9 +53,9 @@ def _check_x(x: object, *, where: str) -> tuple[int, int]:
     if x.ndim != 2:
         raise ValueError(f"{where}: x must be 2-D (rows, K), got shape {tuple(x.shape)}")
     rows, k = x.shape
-    if k == 0 or k % NVFP4_OPERAND_GROUP:
+    if k == 0 or k % K_GROUP:
         raise ValueError(
-            f"{where}: K must be a positive multiple of {NVFP4_OPERAND_GROUP} (scales are "
+            f"{where}: K must be a positive multiple of {K_GROUP} (scales are "
             f"swizzled per 128-wide group), got K={k}"
         )
     return rows, k
@@ -61,7 +65,7 @@ def nvfp4_pack_swizzled(
     x: Float[Tensor, "rows k"],
     global_scale: Float[Tensor, "*one"] | float,
     *,
-    recipe: NVFP4RecipeName = "least_squares",
+    recipe: NVFP4RecipeName = NVFP4_DEFAULT_RECIPE,
 ) -> tuple[Shaped[Tensor, "rows k//2"], Float8e4m3fn[Tensor, "k//128 padded"]]:
     """Quantize ``x`` to NVFP4 and lay it out as the tensor-core operand.
 
@@ -96,7 +100,7 @@ def nvfp4_pack_swizzled(
     if rows == 0:
         return (
             torch.empty((0, k // 2), dtype=torch.uint8, device=x.device).view(_FP4X2),
-            torch.empty((k // NVFP4_OPERAND_GROUP, 0), dtype=_E4M3, device=x.device),
+            torch.empty((k // K_GROUP, 0), dtype=_E4M3, device=x.device),
         )
     blocks = nvfp4_block_scales(x, g, recipe)
     return pack_e2m1(blocks.codes).view(_FP4X2), swizzle_scales_per_group(blocks.block_scales)
@@ -115,19 +119,19 @@ def _check_decode_operands(
         )
     if scales.dtype != _E4M3:
         raise TypeError(f"{where}: scales must be float8_e4m3fn, got {scales.dtype}")
-    if out_dtype not in _OUT_DTYPES:
+    if out_dtype not in MODEL_DTYPES:
         raise TypeError(
             f"{where}: out_dtype must be float16, bfloat16 or float32, got {out_dtype!r}"
         )
-    if isinstance(width, bool) or not isinstance(width, int) or width <= 0 or width % 128:
-        raise ValueError(f"{where}: width must be a positive multiple of 128, got {width!r}")
+    if isinstance(width, bool) or not isinstance(width, int) or width <= 0 or width % K_GROUP:
+        raise ValueError(f"{where}: width must be a positive multiple of {K_GROUP}, got {width!r}")
     rows = codes.shape[0]
     if codes.shape[1] != width // 2:
         raise ValueError(
             f"{where}: codes must have shape (rows, {width // 2}) for width={width}, got "
             f"{tuple(codes.shape)}"
         )
-    expected = (width // NVFP4_OPERAND_GROUP, padded_rows(rows) * 8)
+    expected = (width // K_GROUP, padded_rows(rows) * 8)
     if tuple(scales.shape) != expected:
         raise ValueError(
             f"{where}: scales must have shape {expected} (width/128, padded_rows*8) for "

@@ -64,6 +64,8 @@ _E4M3_FIRST_CODE, _E4M3_LAST_CODE = 1, 126  # 2**-9 ... 448: every positive fini
 _SEARCH_CHUNK_BLOCKS = 1 << 15  # blocks per vectorized step: ~2 MiB per [chunk, 16] FP32 temporary
 _SCAN_PAIRS = 1 << 14  # (block, scale) pairs per scan step: ~1 MiB per [pairs, 16] FP32 temporary
 _GRID_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_WINDOW_G_MIN, _WINDOW_G_MAX = 2.0**-110, 2.0**100  # every scale·g is a normal FP32 number
+_WIDTH_BUCKETS = ((0, 7), (8, 15), (16, 23), (24, 31), (32, 47), (48, 125))  # window widths
 
 
 @checked_record
@@ -330,6 +332,69 @@ def _first_best(mag: Tensor, scales: Tensor, g: Tensor, table: Tensor) -> _Score
     return _Scored(*(torch.cat(field) for field in zip(*parts, strict=True)))
 
 
+def _e4m3_code(t: Tensor) -> Tensor:
+    """The bits of E4M3 nearest-even of ``t`` (in ``[2**-9, 448]``) as int16."""
+    return t.to(_E4M3).view(torch.uint8).to(torch.int16)
+
+
+def _exhaustive_window(amax: Tensor, seed_err: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """Per block, the E4M3 codes ``first..last`` outside which no scale's SSE is below the
+    seeds' ``seed_err``: the Triton packer's window (``docs/numerics.md``, "The exhaustive
+    window"), every code where its arithmetic is not safe, one code where ``seed_err == 0``."""
+    f32 = torch.float32
+    r = seed_err.sqrt() * torch.tensor(1.05, dtype=f32)
+    low = (amax - r) * torch.tensor(0.98 / 6.0, dtype=f32) / g
+    first = torch.where(
+        low > NVFP4_SCALE_MIN, _e4m3_code(low.clamp(max=NVFP4_SCALE_MAX)) - 1, _E4M3_FIRST_CODE
+    )
+    high = (amax + r) * torch.tensor(2.04, dtype=f32) / g
+    cut = (high < NVFP4_SCALE_MAX) & (amax > r * torch.tensor(1.01, dtype=f32))
+    last = torch.where(cut, _e4m3_code(high.clamp(min=NVFP4_SCALE_MIN)) + 1, _E4M3_LAST_CODE)
+    safe = (g >= _WINDOW_G_MIN) & (g <= _WINDOW_G_MAX) & (seed_err < 3.0e38) & (amax > 0)
+    first = torch.where(safe, first.clamp(min=_E4M3_FIRST_CODE), _E4M3_FIRST_CODE)
+    last = torch.where(safe, last.clamp(max=_E4M3_LAST_CODE), _E4M3_LAST_CODE)
+    last = torch.where(seed_err == 0, first, last)  # nothing is strictly below 0
+    return first, torch.maximum(first, last)
+
+
+def _scan_range(
+    mag: Tensor, best: _Scored, g: Tensor, table: Tensor, first: Tensor, last: Tensor
+) -> _Scored:
+    """Per block, the first of codes ``first..last`` (ascending) with the lowest SSE, taken when
+    strictly below ``best``. Blocks are scanned in buckets of similar width, each padded only to
+    its own widest range (repeats of ``last`` never change a first minimum)."""
+    width = last - first
+    scale, index, err = best.scale.clone(), best.index.clone(), best.err.clone()
+    for low, high in _WIDTH_BUCKETS:
+        rows = ((width >= low) & (width <= high)).nonzero()[:, 0]
+        if rows.numel() == 0:
+            continue
+        lo, hi = first[rows, None], last[rows, None]
+        span = torch.arange(int((hi - lo).max()) + 1, dtype=torch.int16, device=mag.device)
+        bits = torch.minimum(lo + span, hi)
+        seed = _Scored(scale[rows], index[rows], err[rows])
+        found = _better(seed, _first_best(mag[rows], _scale_of_bits(bits), g, table))
+        scale[rows], index[rows], err[rows] = found
+    return _Scored(scale, index, err)
+
+
+def _exhaustive_scan(mag: Tensor, best: _Scored, g: Tensor, table: Tensor) -> _Scored:
+    """``exhaustive`` after the seeds: the first minimum over each block's window, taken when
+    strictly below the seeds. Equal bit for bit to scanning all 126 codes
+    (:func:`_exhaustive_full_scan`): a code outside the window never beats the seeds, so never
+    any later best, and the window keeps the ascending order."""
+    first, last = _exhaustive_window(mag.amax(dim=1), best.err, g)
+    return _scan_range(mag, best, g, table, first, last)
+
+
+def _exhaustive_full_scan(mag: Tensor, best: _Scored, g: Tensor, table: Tensor) -> _Scored:
+    """``exhaustive`` after the seeds, the literal definition: all 126 codes, ascending (the
+    oracle of :func:`_exhaustive_scan` in the tests)."""
+    codes = torch.arange(_E4M3_FIRST_CODE, _E4M3_LAST_CODE + 1, device=mag.device)
+    every = _scale_of_bits(codes).expand(mag.shape[0], -1)
+    return _better(best, _first_best(mag, every, g, table))
+
+
 def _search_chunk(blocks: Tensor, g: Tensor, local: str) -> _Scored:
     """Best block scales for ``blocks`` [n, 16] FP32 under global scale ``g`` (0-d FP32)."""
     mag = blocks.abs()
@@ -346,10 +411,8 @@ def _search_chunk(blocks: Tensor, g: Tensor, local: str) -> _Scored:
         best = _better(best, candidate)
     if local in ("nvidia", "four_six"):
         return best
-    if local == "exhaustive":  # every positive finite E4M3 code, in increasing order
-        codes = torch.arange(_E4M3_FIRST_CODE, _E4M3_LAST_CODE + 1, device=blocks.device)
-        every = _scale_of_bits(codes).expand(mag.shape[0], -1)
-        return _better(best, _first_best(mag, every, g, table))
+    if local == "exhaustive":  # every code that can beat the seeds, in increasing order
+        return _exhaustive_scan(mag, best, g, table)
     for candidate in candidates:
         scale = _least_squares_scale(mag, candidate.index, g, table)
         best = _better(best, _evaluate(mag, scale, g, table))
@@ -394,16 +457,15 @@ def nvfp4_block_scales(
     the candidates (``amax / (M·g)`` for ``M`` in ``(6,)`` for ``nvidia``, ``(4, 6)``
     otherwise), then for ``least_squares*`` the closed-form least-squares scale of each
     candidate's values and of the best's, then for ``least_squares_grid`` the 17 E4M3 codes
-    around the best; ``exhaustive`` scans all 126 positive E4M3 scales. A scale replaces the
-    best only when its SSE is strictly lower.
+    around the best; ``exhaustive`` the first best of all 126 positive E4M3 scales (scanning
+    only the window that can beat the seeds: the same bits). A scale replaces the best only when
+    its SSE is strictly lower.
 
     Args:
       x: ``(*b, k)`` floating input, ``k % 16 == 0``; blocks are 16 consecutive elements of K.
       global_scale: FP32 global scale (finite, > 0); ``None`` derives it dynamically with
         :func:`nvfp4_global_scale` from ``max|x|`` on ``x.dtype``'s grid (as the runtime does).
-      recipe: ``nvidia``, ``nvidia_headroom``, ``four_six``, ``least_squares``,
-        ``least_squares_headroom``, ``least_squares_grid``, ``exhaustive`` or a legacy alias
-        (``lsq``, ``lsq_headroom``, ``lsq_grid``).
+      recipe: a name of :data:`floatxq.formats.NVFP4RecipeName` or a legacy alias (``lsq``...).
 
     Returns:
       ``NVFP4Blocks(codes, block_scales, global_scale)``; all-zero blocks get scale 1.

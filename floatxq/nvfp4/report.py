@@ -1,9 +1,9 @@
 """How close each NVFP4 scale recipe gets to the exact optimum on a given tensor.
 
-:func:`recipes_report` runs the recipes of :mod:`~floatxq.nvfp4.quantize` on one tensor and measures each
-against ``exhaustive`` (the best of all 126 positive E4M3 block scales under the same global
-scale): its summed block SSE, the relative MSE of its decoded output and the share of blocks at
-the optimum. ``floatxq recipes`` and ``benchmarks/recipes.py`` print it.
+:func:`recipes_report` runs the recipes of :mod:`~floatxq.nvfp4.quantize` on one tensor and
+measures each against ``exhaustive`` (the best of all 126 positive E4M3 block scales under the
+same global scale): its summed block SSE, the relative MSE of its decoded output and the share of
+blocks at the optimum. ``floatxq recipes`` and ``benchmarks/recipes.py`` print it.
 """
 
 import time

@@ -11,6 +11,7 @@ themselves come from :mod:`floatxq.nvfp4.quantize`; ``docs/numerics.md`` states 
 import torch
 
 from floatxq._typing import Shaped, Tensor
+from floatxq.formats import SWIZZLE_TILE_COLS, SWIZZLE_TILE_ROWS
 
 __all__ = [
     "swizzle_scales",
@@ -19,7 +20,7 @@ __all__ = [
     "unswizzle_scales_per_group",
 ]
 
-_TILE_ROWS, _TILE_COLS = 128, 4
+_TILE_ROWS, _TILE_COLS = SWIZZLE_TILE_ROWS, SWIZZLE_TILE_COLS
 _GROUP_BLOCKS = 8  # 128-column activation group = 8 blocks of 16
 
 

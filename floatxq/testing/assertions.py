@@ -12,6 +12,7 @@ import torch
 from beartype.door import is_bearable
 
 from floatxq._typing import Float, Float32, Float64, FP8Dtype, Shaped, Tensor, checked_record
+from floatxq.formats import K_GROUP
 
 _UINT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -102,7 +103,7 @@ _FP32_UNIT = 2.0**-24
 _SPREAD = 2.0
 """The statistical bound's factor on its estimates (see :func:`fp8_linear_error_bound`)."""
 _X_QUANTIZATION = {"tensorwise": ("tensor", None), "rowwise": ("row", None),
-                   "blockwise": ("block", (1, 128))}  # fmt: skip
+                   "blockwise": ("block", (1, K_GROUP))}  # fmt: skip
 """How :func:`floatxq.fp8_scaled_linear` quantizes ``x`` per recipe (its docstring states it)."""
 
 
@@ -178,44 +179,18 @@ def fp8_linear_error_bound(
     """How far a GEMM that adds the products as ``accumulation`` says may land from the exact sum.
 
     With the terms ``t_k = code_x · code_w · sx · sw`` of :func:`floatxq.fp8_scaled_linear`
-    (``x`` quantized as it does; blockwise scales per 128-wide K block), ``S = Σ|t_k|``,
-    ``T = Σ t_k``, ``k`` cut into ``c`` stretches of ``C = accumulation.chunk`` products with
-    sums ``P_j`` and absolute sums ``A_j``, ``b = accumulation.chunk_bits`` and ``u = 2**-24``:
+    (blockwise scales per 128-wide K block), ``S = Σ|t_k|``, ``T = Σ t_k``, ``k`` cut into ``c``
+    stretches of ``C = accumulation.chunk`` products with sums ``P_j`` and absolute sums ``A_j``,
+    ``b = accumulation.chunk_bits`` and ``u = 2**-24``:
 
     * ``worst_case = 2C · 2**-b · S + (c + 8) · u · S + 2u · |bias|`` (the first term only for
-      ``C > 1``): a stretch truncates at most ``2C`` times (each product, each partial sum),
-      each time losing less than ``2**-b · A_j``; FP32 addition of ``c`` values loses at most
-      ``(c - 1) · u · S``; the scale products, the bias addition and their FP32 roundings the
-      rest. Valid for any data; for ``C = 1`` it is ``(k + 8) · u · S + 2u · |bias|``.
+      ``C > 1``), valid for any data;
     * ``statistical = min(worst_case, 2 · (2**-b · √(Σ A_j²) + u · √(c · (T² + Σ P_j²)))
-      + 3u · (Σ|P_j| + |bias|))``, with ``Σ P_j² = Σ t_k²`` for ``C = 1``. For terms of random
-      sign in no particular order: a stretch truncated at ``2**-b`` of its running maximum
-      errs by about ``√C`` such units, well under ``2**-b · A_j`` (``A_j`` adds ``C``
-      magnitudes), and the stretches' errors are independent and centred, so they add in
-      quadrature (``√(Σ A_j²)``, not ``Σ A_j``); an FP32 addition errs by at most ``u`` times
-      the running sum ``s_i`` (standard deviation under ``u · |s_i| / √3``), and in random order
-      ``Σ s_i² ≈ c · (T²/3 + Σ P_j²/6)``, so ``u · √(c · (T² + Σ P_j²))`` is three standard
-      deviations of the FP32 error; ``3u · (Σ|P_j| + |bias|)`` bounds the FP32 scale products
-      and bias addition. The factor 2 leaves room: emulated truncating accumulation errs by at
-      most 0.75 of the bracket, and on an H200 cuBLAS's ``scaled_mm`` and the Triton kernel
-      needed at most 0.65 of it on the tests' data (K up to 16384). Not valid for sign-biased
-      terms (truncation errors then add up linearly) or for orders that swing the running sum
-      far from ``T``: use ``worst_case`` for such data.
+      + 3u · (Σ|P_j| + |bias|))``, for terms of random sign in no particular order.
 
-    Both bounds then add the output's own rounding at ``|exact| + bound``: one unit in the
-    last place of ``x.dtype`` (the output may be either neighbour of its FP32 value: rounding to
-    nearest lands within half a unit, the Triton interpreter's conversion truncates) and half
-    a unit of FP32.
-
-    Why one wrong code exceeds the statistical bound: moving ``code_x[m, k]`` one step (1/16 to
-    1/8 of a normal E4M3 code) shifts each ``out[m, n]`` by ``step · |code_w[n, k]| · sx · sw``,
-    a fixed share of one term at any ``k``. For ``k`` random terms of size ``t`` the statistical
-    bound is about ``2 · 2**-b · √(C k) · t`` for truncated stretches and ``3u · k · t`` for FP32
-    sums, plus the output's rounding, which is small where ``|exact|`` is: on random data,
-    up to ``k = 16384``, the row's largest code one step off (Hopper model) or a middle-sized
-    one (FP32) shows in some ``out[m, n]`` (``tests/test_fp8_linear_bound.py``). The
-    worst-case bound, about ``u · k · S`` (``k²`` terms' worth) or ``2C · 2**-b · S``, lets
-    it pass.
+    Both then add the output's own rounding at ``|exact| + bound`` (one unit in the last place
+    of ``x.dtype`` and half a unit of FP32). The derivation, the factor 2's margin and why one
+    wrong code exceeds the statistical bound: ``docs/numerics.md``, "Constants that live once".
 
     Numerics: float64 on ``x``'s device, about ``m · n · ⌈k / C⌉`` values at once (``m · n ·
     k / 128`` for blockwise with ``C = 1``).
@@ -227,7 +202,7 @@ def fp8_linear_error_bound(
       >>> bool((b.statistical <= b.worst_case).all())
       True
     """
-    from floatxq.fp8 import fp8_scaled_linear, quantize_fp8_weight
+    from floatxq.fp8 import fp8_scaled_linear, fp32_reciprocal, quantize_fp8_weight
 
     fp8_scaled_linear(x[:0], weight, weight_scale_inv, bias, recipe=recipe)  # argument checks
     where = "fp8_linear_error_bound"
@@ -236,10 +211,10 @@ def fp8_linear_error_bound(
             f"{where}: accumulation must be an Accumulation, got {type(accumulation).__name__}"
         )
     chunk = accumulation.chunk
-    if recipe == "blockwise" and 128 % chunk:
+    if recipe == "blockwise" and K_GROUP % chunk:
         raise ValueError(
             f"{where}: blockwise GEMMs promote at each 128-wide scale block, so chunk must "
-            f"divide 128, got {chunk}"
+            f"divide {K_GROUP}, got {chunk}"
         )
     k, n = x.shape[1], weight.shape[0]
     method, block = _X_QUANTIZATION[recipe]
@@ -248,10 +223,10 @@ def fp8_linear_error_bound(
         x, format=x_format or "float8_e4m3fn", weight_scale_method=method, weight_block_size=block
     )
     # the direct scales as the GEMMs are given them: FP32 IEEE quotients
-    sx = (torch.ones_like(xq.scale_inv) / xq.scale_inv).double()
-    sw = (torch.ones_like(weight_scale_inv) / weight_scale_inv).double()
+    sx = fp32_reciprocal(xq.scale_inv).double()
+    sw = fp32_reciprocal(weight_scale_inv).double()
     cx, cw = xq.qweight.float().double(), weight.float().double()
-    width = chunk if chunk > 1 else (128 if recipe == "blockwise" else max(k, 1))
+    width = chunk if chunk > 1 else (K_GROUP if recipe == "blockwise" else max(k, 1))
     parts = _stretch_sums(cx, cw, sx, sw, recipe, width)
     absolute = _stretch_sums(cx.abs(), cw.abs(), sx, sw, recipe, width)
     squares = None
@@ -333,14 +308,14 @@ def w4a_fp8_linear_error_bound(
     from floatxq.w4a.linear import centered_weight
 
     chunk = accumulation.chunk
-    if 128 % chunk:
-        raise ValueError(f"w4a_fp8_linear_error_bound: chunk must divide 128, got {chunk}")
+    if K_GROUP % chunk:
+        raise ValueError(f"w4a_fp8_linear_error_bound: chunk must divide {K_GROUP}, got {chunk}")
     k = codes.shape[1]
     a = codes.float().double()
     w = centered_weight(weight).double()
     n = w.shape[1]
-    width = chunk if chunk > 1 else 128
-    groups = torch.arange(k // width, device=a.device) * width // 128
+    width = chunk if chunk > 1 else K_GROUP
+    groups = torch.arange(k // width, device=a.device) * width // K_GROUP
     scale = scales.double()[groups].T[None] * row_scale.double()[:, None, None]  # (m, n, j)
     parts = _grouped_sums(a, w, width) * scale
     absolute = _grouped_sums(a.abs(), w.abs(), width) * scale.abs()
@@ -366,40 +341,20 @@ def w4a_nvfp4_linear_error_bound(
     """:func:`fp8_linear_error_bound` for the W4A-NVFP4 GEMM, its two summation routes at once.
 
     The terms are ``t_k = a[m, k] · c[k, n] · group_scales[k // 128, n] · global_scale ·
-    token_scale[m]`` in float64, ``a = e2m1(code) · block_scale`` the exact decoded activation
-    without the global scale and ``c`` the centered weight; ``exact`` is the float64 value of
-    :func:`floatxq.w4a_nvfp4_linear_prepacked` before any rounding (the bias as the GEMM adds
-    it: FP32 of its stored value). The result bounds both routes, element by element the larger
-    of their bounds:
+    token_scale[m]`` (``a`` the decoded activation without the global scale, ``c`` the centered
+    weight); ``exact``: the prepacked GEMM in float64. Element by element the larger bound of:
 
-    * direct (a kernel that sums ``a · c``): the bounds of :func:`fp8_linear_error_bound` for
-      these ``k`` terms, each 128-wide group summed in stretches of ``accumulation.chunk``
-      (which must divide 128) and then across groups in FP32. Along any path a term meets
-      ``128/C - 1`` additions in its group (``C`` the chunk), the group-scale product, ``G -
-      1`` group additions (``G = k / 128``), the global and token scale products and the bias:
-      ``128/C + G + 2 <= k/C + 8`` roundings, inside the ``(k/C + 8) · u · S`` of the worst
-      case (``S = Σ|t_k|``).
-    * planes (the reference, as NVFP4 tensor cores): per group ``L = Σ a·low`` and ``H = Σ
-      a·high`` are each rounded in FP32, then ``L + 4·H`` once more. ``4·H`` is exact (a power
-      of two; the sums lie on a grid of ``2**-10``, far from FP32's subnormals), so the group's
-      value is an FP32 sum of the ``256`` terms ``a·low`` and ``4·a·high`` in one particular
-      order, with the recombination its last addition. This route is therefore the direct
-      model on the ``2k`` terms ``{a·low·s, 4·a·high·s}`` (``s`` the three scales): the bounds
-      above with ``k`` doubled, ``S = Σ(|a·low| + 4|a·high|)·|s|`` (at most ``3 Σ|t_k|``:
-      ``|low| + 4|high| <= 3|c|``, ``c = 2`` splitting as ``-2 + 4·1``), ``Σ t²`` and the
-      stretch sums of the plane terms. The rounding count ``256/C + G + 2`` stays within
-      ``2k/C + 8``.
+    * direct (a kernel summing ``a · c``): :func:`fp8_linear_error_bound`'s bounds for these
+      terms, each 128-wide group summed in stretches of ``accumulation.chunk``, then in FP32;
+    * planes (the reference, as NVFP4 tensor cores): the same bounds on the ``2k`` terms
+      ``{a·low·s, 4·a·high·s}`` (``S`` at most ``3 Σ|t_k|``).
 
-    Both routes share ``exact`` (the plane terms add to the same group sums); the output's own
-    rounding is added as in :func:`fp8_linear_error_bound`. The statistical bound holds for
-    activations of random sign (use ``worst_case`` for structured data: a long run of terms
-    that each round the same way, such as one large term and many small equal ones in a group,
-    can exceed it). Products and sums away from FP32's subnormals (scales of ordinary size).
+    Output rounding as in :func:`fp8_linear_error_bound`; the statistical bound assumes
+    activations of random sign (derivation: ``docs/numerics.md``, "Constants that live once").
 
     Raises:
-      TypeError, ValueError: as :func:`floatxq.w4a_nvfp4_linear_prepacked`; an
-        ``accumulation`` that is not an :class:`Accumulation` or whose chunk does not divide
-        128.
+      TypeError, ValueError: as :func:`floatxq.w4a_nvfp4_linear_prepacked`; an ``accumulation``
+        that is not an :class:`Accumulation` or whose chunk does not divide 128.
 
     Numerics: float64 on ``codes``' device, a few ``(m, n, k / C)`` tensors at once.
 
@@ -422,16 +377,16 @@ def w4a_nvfp4_linear_error_bound(
             f"{where}: accumulation must be an Accumulation, got {type(accumulation).__name__}"
         )
     chunk = accumulation.chunk
-    if 128 % chunk:
-        raise ValueError(f"{where}: chunk must divide 128, got {chunk}")
+    if K_GROUP % chunk:
+        raise ValueError(f"{where}: chunk must divide {K_GROUP}, got {chunk}")
     m, k, n, g = _check_nvfp4_operands(
         codes, scales, global_scale, weight, group_scales, bias, token_scale, output_dtype,
         where=where,
     )  # fmt: skip
     a = nvfp4_decode_swizzled(codes, scales, 1.0, k, torch.float32).double()  # exact
     c, (low, high) = _weight_planes(weight, where=where)
-    width = chunk if chunk > 1 else 128
-    groups = torch.arange(k // width, device=a.device) * width // 128
+    width = chunk if chunk > 1 else K_GROUP
+    groups = torch.arange(k // width, device=a.device) * width // K_GROUP
     row = g.double() * (token_scale.double() if token_scale is not None else a.new_ones(m))
     scale = group_scales.to(torch.float32).double()[groups].T[None] * row[:, None, None]
 
@@ -586,8 +541,8 @@ def _stretch_sums(
         return sums * (sx * sw)
     if recipe == "rowwise":
         return sums * (sx[:, None, None] * sw[None, :, None])
-    block = torch.arange(sums.shape[-1], device=cx.device) * width // 128
-    scale = sx[:, None, :] * sw.repeat_interleave(128, dim=0)[None, :n, :]
+    block = torch.arange(sums.shape[-1], device=cx.device) * width // K_GROUP
+    scale = sx[:, None, :] * sw.repeat_interleave(K_GROUP, dim=0)[None, :n, :]
     return sums * scale[:, :, block]
 
 

@@ -7,18 +7,11 @@ block), and the values that break quantizers (±0, ±max of each FP8 format, rou
 ties, subnormals, FLT_MIN, FLT_MAX, and inf/NaN where errors are expected) are mixed in at high
 probability instead of waiting for ``st.floats`` to find them.
 
-What is here:
-  * scalars: :func:`f32_values`, :func:`signed`, :func:`power_of_two_exponents`;
-  * float tensors: :func:`matrices` (block-multiple shapes), :func:`spread_matrices` (rows that
-    differ in magnitude by up to ``2**±spread``), :func:`token_batches` (any float dtype);
-  * FP8 weights: :func:`fp8_layouts` and :func:`fp8_weight_cases` (``FP8WeightCase``: format,
-    scale method, block size and weight, ready for ``quantize_fp8_weight``);
-  * integers: :func:`int_arrays` (codes, planes), :func:`int32_words` (packed words of any
-    bits), :func:`gptq_records` (``GPTQRecord``: valid ``pack_gptq_int4`` input) and
-    :func:`gptq_packed` (checkpoint tensors whose words hold arbitrary bits);
-  * NVFP4: :func:`nvfp4_inputs` (blocks of very different magnitudes, E2M1 ties mixed in) and
-    :func:`nvfp4_grid_points` (``NVFP4Blocks`` whose decoded tensor is an exact fixed point);
-  * names: :func:`alias_spellings` and :func:`gptq_format_spellings` (case and padding variants).
+What is here: scalars (:func:`f32_values`, :func:`signed`, :func:`power_of_two_exponents`);
+float tensors (:func:`matrices`, :func:`spread_matrices`, :func:`token_batches`); FP8 weights
+(:func:`fp8_layouts`, :func:`fp8_weight_cases`); integers (:func:`int_arrays`,
+:func:`int32_words`, :func:`gptq_records`, :func:`gptq_packed`); NVFP4 (:func:`nvfp4_inputs`,
+:func:`nvfp4_grid_points`); names (:func:`alias_spellings`, :func:`gptq_format_spellings`).
 
 Example, testing your own FP8 weight quantizer against floatxq's bytes::
 
@@ -32,9 +25,8 @@ Example, testing your own FP8 weight quantizer against floatxq's bytes::
         assert_bitwise_equal(my_quantize(case.weight, **kw).qweight,
                              floatxq.quantize_fp8_weight(case.weight, **kw).qweight)
 
-Needs ``hypothesis`` (the ``test`` extra). Tuple parameters are annotated as bare ``tuple``: the
-test run's type checker samples the items of ``tuple[X, ...]`` with ``random``, which Hypothesis
-forbids while it draws.
+Needs ``hypothesis`` (the ``test`` extra). Tuple parameters are bare ``tuple``: the type checker
+samples ``tuple[X, ...]`` items with ``random``, which Hypothesis forbids while it draws.
 """
 
 import math
@@ -46,6 +38,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from floatxq._typing import Float, Int32, Integer, Tensor, checked_record
+from floatxq.formats import FP16_MAX
 from floatxq.gptq.int4 import GPTQPacked
 from floatxq.nvfp4.quantize import NVFP4Blocks
 
@@ -347,7 +340,7 @@ def int32_words(shape: tuple) -> st.SearchStrategy[Int32[Tensor, "..."]]:
 
 @checked_record
 class GPTQRecord(NamedTuple):
-    """Valid ``pack_gptq_int4`` input: codes and zero points ``0..15``, scales and group ids."""
+    """Valid ``pack_gptq`` input: codes and zero points ``0..15``, scales and group ids."""
 
     codes: Integer[Tensor, "rows out"]
     """``(in, out)`` codes ``0..15``; ``in`` and ``out`` are multiples of 8."""
@@ -381,7 +374,7 @@ def gptq_records(
         zero = draw(int_arrays((groups, out), 0, 15, dtype=dtype))
     else:
         zero = torch.full((groups, out), zeros, dtype=dtype)
-    finite16 = st.floats(-65504, 65504, width=16, allow_nan=False, allow_infinity=False)
+    finite16 = st.floats(-FP16_MAX, FP16_MAX, width=16, allow_nan=False, allow_infinity=False)
     scales = draw(hnp.arrays(np.float16, (groups, out), elements=finite16))
     g_idx = draw(int_arrays((rows,), 0, groups - 1, dtype=torch.int32))
     return GPTQRecord(codes, zero, torch.from_numpy(scales), g_idx)
@@ -397,7 +390,7 @@ def gptq_packed(draw: Any, *, max_words: int = 6, max_out_words: int = 4) -> GPT
     words = draw(st.integers(1, max_words))
     out = 8 * draw(st.integers(1, max_out_words))
     groups = draw(st.integers(1, 8 * words))
-    finite16 = st.floats(-65504, 65504, width=16, allow_nan=False, allow_infinity=False)
+    finite16 = st.floats(-FP16_MAX, FP16_MAX, width=16, allow_nan=False, allow_infinity=False)
     scales = draw(hnp.arrays(np.float16, (groups, out), elements=finite16))
     return GPTQPacked(
         draw(int32_words((words, out))),

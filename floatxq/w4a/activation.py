@@ -21,12 +21,13 @@ NVFP4 decodes as ``((e2m1(code) · block_scale) · global_scale) · token_scale`
 ``token_scale`` lets a caller fold a per-token factor (a norm's ``1/rms``, a routing weight) into
 the activation without re-quantizing it: :meth:`W4AActivation.rescale_tokens` touches neither
 codes nor block scales. :func:`pack_activation` builds a carrier with the pure quantizers
-(:mod:`~floatxq.fp8`, :mod:`~floatxq.nvfp4.quantize`), or with the Triton FP8 pack where it runs (the same
-bytes).
+(:mod:`~floatxq.fp8`, :mod:`~floatxq.nvfp4.quantize`); :func:`floatxq.dispatch.pack_activation`
+takes the Triton packers where they run (the same bytes).
 """
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -39,10 +40,12 @@ from floatxq._checks import (
     require_tensor,
     to_float32,
 )
-from floatxq._typing import Float, Float32, Shaped, Tensor
+from floatxq._typing import CHECKING, Float, Float32, Shaped, Tensor
 from floatxq.formats import (
-    GPTQ_W4A_GROUP_SIZE,
+    K_GROUP,
+    MODEL_DTYPES,
     NVFP4_BLOCK,
+    NVFP4_DEFAULT_RECIPE,
     W4A_ACTIVATION_MODES,
     NVFP4Recipe,
     NVFP4RecipeName,
@@ -51,6 +54,7 @@ from floatxq.formats import (
 )
 from floatxq.fp8 import fp8_token_quantize
 from floatxq.nvfp4.e2m1 import pack_e2m1
+from floatxq.nvfp4.operand import padded_rows
 from floatxq.nvfp4.quantize import (
     _saturated,
     nvfp4_block_scales,
@@ -62,18 +66,10 @@ from floatxq.nvfp4.swizzle import swizzle_scales_per_group, unswizzle_scales_per
 __all__ = ["W4A_ACTIVATION_MODES", "W4AActivation", "W4AActivationMode", "pack_activation"]
 
 
-_GROUP = GPTQ_W4A_GROUP_SIZE  # K is cut into groups of 128: the GEMM's scale groups
-_TILE_ROWS = 128  # the swizzled layout pads rows to a multiple of 128
 _MODEL_DTYPES = (torch.float16, torch.bfloat16)
-_CARRIED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float32: fp32 models
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _E4M3 = torch.float8_e4m3fn
 _FP4X2 = torch.float4_e2m1fn_x2
 _BYTE_DTYPES = (_E4M3, _FP4X2)
-
-
-def _padded_rows(rows: int) -> int:
-    return -(-rows // _TILE_ROWS) * _TILE_ROWS
 
 
 def _check_model_dtype(value: object, *, where: str) -> None:
@@ -82,7 +78,7 @@ def _check_model_dtype(value: object, *, where: str) -> None:
             f"{where}: model_dtype must be a torch.dtype (float16, bfloat16 or float32), got "
             f"{type(value).__name__} {value!r:.40}"
         )
-    if value not in _CARRIED_DTYPES:
+    if value not in MODEL_DTYPES:
         raise ValueError(
             f"{where}: model_dtype must be torch.float16, torch.bfloat16 or torch.float32, got "
             f"{value}"
@@ -108,9 +104,9 @@ def _check_shape(shape: object, *, where: str) -> tuple[int, int]:
             f"{where}: shape must have at least two non-negative dimensions (..., K), got {shape}"
         )
     k = shape[-1]
-    if k == 0 or k % _GROUP:
+    if k == 0 or k % K_GROUP:
         raise ValueError(
-            f"{where}: the last dimension K must be a positive multiple of {_GROUP}, got "
+            f"{where}: the last dimension K must be a positive multiple of {K_GROUP}, got "
             f"shape {shape}"
         )
     return math.prod(shape[:-1]), k
@@ -181,6 +177,21 @@ class W4AActivation:
 
     def __post_init__(self) -> None:
         where = "W4AActivation"
+        self._check_structure(where)
+        # value checks last: each is one host sync
+        if self.mode == "w4a_nvfp4":
+            g = self.global_scale
+            if not bool(torch.isfinite(g).all() & (g > 0).all()):
+                raise ValueError(
+                    f"{where}: global_scale must be positive and finite, got {g.item()!r}"
+                )
+            if self.token_scale is not None:
+                require_finite(self.token_scale, name="token_scale", where=where)
+        else:
+            require_positive_finite(self.scales, name="scales", where=where)
+
+    def _check_structure(self, where: str) -> None:
+        """Kinds, dtypes, shapes and devices: every check that reads no tensor value."""
         _check_mode(self.mode, where=where)
         rows, k = _check_shape(self.shape, where=where)
         _check_model_dtype(self.model_dtype, where=where)
@@ -192,7 +203,7 @@ class W4AActivation:
         nvfp4 = self.mode == "w4a_nvfp4"
         if nvfp4:
             _check_dtype_shape(self.codes, _FP4X2, (rows, k // 2), name="codes", where=where)
-            groups, padded = k // _GROUP, _padded_rows(rows) * (_GROUP // NVFP4_BLOCK)
+            groups, padded = k // K_GROUP, padded_rows(rows) * (K_GROUP // NVFP4_BLOCK)
             _check_dtype_shape(self.scales, _E4M3, (groups, padded), name="scales", where=where)
         else:
             _check_dtype_shape(self.codes, _E4M3, (rows, k), name="codes", where=where)
@@ -223,17 +234,6 @@ class W4AActivation:
             listed = ", ".join(f"{name} on {device}" for name, device in devices.items())
             raise TypeError(f"{where}: every tensor must be on one device, got {listed}")
         require_data(self.codes, name="codes", where=where)
-        # value checks last: each is one host sync
-        if nvfp4:
-            g = self.global_scale
-            if not bool(torch.isfinite(g).all() & (g > 0).all()):
-                raise ValueError(
-                    f"{where}: global_scale must be positive and finite, got {g.item()!r}"
-                )
-            if self.token_scale is not None:
-                require_finite(self.token_scale, name="token_scale", where=where)
-        else:
-            require_positive_finite(self.scales, name="scales", where=where)
 
     def _check_global_scale(self, where: str) -> Tensor:
         g = self.global_scale
@@ -370,6 +370,33 @@ class W4AActivation:
             reference=move(self.reference),
         )
 
+    @classmethod
+    def trusted(cls, **fields: object) -> "W4AActivation":
+        """A carrier of fields its producer already guarantees, built without the value checks.
+
+        Skips ``__post_init__``, whose checks read tensors on the host (finite scales, a positive
+        global scale), which a CUDA graph capture forbids. For producers whose dtypes and shapes
+        are right by construction, such as the Triton packers of the CUDA activation stream
+        (non-finite input shows up there as NaN scales). Never for user input: every field is
+        taken as given. In the test run (jaxtyping's import hook on, ``floatxq._typing.CHECKING``)
+        the structural checks still run: kinds, dtypes, shapes and devices, none a host read.
+
+        Raises:
+          TypeError: a missing required field or an unknown one; in the test run, what the
+            structural checks of :class:`W4AActivation` raise (ValueError too).
+        """
+        carrier = object.__new__(cls)
+        for field in dataclasses.fields(cls):
+            value = fields.pop(field.name, field.default)
+            if value is dataclasses.MISSING:
+                raise TypeError(f"W4AActivation.trusted: field {field.name!r} is required")
+            object.__setattr__(carrier, field.name, value)
+        if fields:
+            raise TypeError(f"W4AActivation.trusted: unknown field(s) {sorted(fields)}")
+        if CHECKING:
+            carrier._check_structure("W4AActivation.trusted")
+        return carrier
+
     def _dtype(self, dtype: object, *, where: str) -> torch.dtype:
         if dtype is None:
             return self.model_dtype
@@ -378,91 +405,44 @@ class W4AActivation:
         return dtype
 
 
-def _unchecked_activation(**fields: object) -> W4AActivation:
-    """A carrier of fields its producer already guarantees, built without the value checks.
-
-    :class:`W4AActivation`'s checks read tensors on the host (finite scales, a positive global
-    scale), which a CUDA graph capture forbids. The CUDA activation stream
-    (:mod:`floatxq.lifecycle.stream`) builds its carriers from the Triton packers' outputs, whose
-    dtypes and shapes are right by construction and whose non-finite input shows up as NaN
-    scales; it uses this path. Never for user input: every field is taken as given.
-
-    Raises:
-      TypeError: a missing required field or an unknown one (no value is checked).
-    """
-    carrier = object.__new__(W4AActivation)
-    for field in dataclasses.fields(W4AActivation):
-        value = fields.pop(field.name, field.default)
-        if value is dataclasses.MISSING:
-            raise TypeError(f"_unchecked_activation: field {field.name!r} is required")
-        object.__setattr__(carrier, field.name, value)
-    if fields:
-        raise TypeError(f"_unchecked_activation: unknown field(s) {sorted(fields)}")
-    return carrier
-
-
 # ----------------------------------------------------------------------------------------------
 # Packing
 # ----------------------------------------------------------------------------------------------
 
 
-def _fp8_pack_reason(x2: Tensor) -> str | None:
-    """Why the Triton ``fp8_pack`` is not taken for ``x2``, or None when it is."""
-    if x2.dtype not in _KERNEL_DTYPES:
-        return f"x is {x2.dtype}; the kernel reads float16, bfloat16 or float32"
-    from floatxq.kernels._triton import triton_interpret_enabled
-
-    if x2.device.type != "cuda" and not triton_interpret_enabled():
-        return f"x is on {x2.device}; the kernel runs on CUDA tensors (or TRITON_INTERPRET=1)"
-    from floatxq.kernels.w4a_fp8 import w4a_fp8_unavailable_reason
-
-    return w4a_fp8_unavailable_reason(x2.device)
-
-
-def _pack_fp8(x2: Tensor) -> tuple[Tensor, Tensor]:
-    """``(codes, row_scale)`` of ``fp8_token_quantize(x2)`` (kernel or pure: the same bytes)."""
-    if _fp8_pack_reason(x2) is None:
-        from floatxq.kernels.w4a_fp8 import fp8_pack
-
-        return fp8_pack(x2)
+def pack_fp8_tokens(x2: Float[Tensor, "rows k"]) -> tuple[Tensor, Tensor]:
+    """``(codes, row_scale)`` of :func:`floatxq.fp8_token_quantize` of ``x2`` (pure)."""
     tokens = fp8_token_quantize(x2)
     return tokens.codes, tokens.scale[:, 0]
 
 
-def _pack_nvfp4(
+def pack_nvfp4_blocks(
+    x2: Float[Tensor, "rows k"], x32: Float32[Tensor, "rows k"], g: Float32[Tensor, ""], recipe: str
+) -> tuple[Tensor, Tensor]:
+    """``(codes, swizzled block scales)`` of ``x32`` (``x2`` in FP32) at global scale ``g``."""
+    blocks = nvfp4_block_scales(x32, g, recipe)
+    codes = pack_e2m1(blocks.codes).view(_FP4X2)
+    return codes, swizzle_scales_per_group(blocks.block_scales)
+
+
+def _global_scale(
     x2: Tensor, x32: Tensor, global_scale: object, recipe: str, *, where: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(codes, swizzled block scales, global scale)`` of ``x2`` ``(rows, K)``."""
+) -> Tensor:
+    """The NVFP4 global scale of a pack: given (checked), or dynamic from ``max|x|``."""
     if global_scale is None:  # dynamic: the amax of the whole tensor, on x's grid
         if x32.numel():
             amax = x32.abs().amax()
-            grid = x2.dtype if x2.dtype in _KERNEL_DTYPES else None
-            g = nvfp4_global_scale(amax, grid_dtype=grid, recipe=recipe)
-        else:
-            g = torch.ones((), dtype=torch.float32, device=x2.device)
-    else:
-        g = real_scalar(global_scale, name="global_scale", where=where, device=x2.device)
-        if not bool(torch.isfinite(g) & (g > 0)):
-            raise ValueError(f"{where}: global_scale must be positive and finite, got {g.item()!r}")
-    if _nvfp4_pack_reason(x2) is None:  # the Triton packer: the same bytes in one launch
-        from floatxq.kernels.nvfp4 import nvfp4_pack_and_swizzle
-
-        codes, scales = nvfp4_pack_and_swizzle(x2, g, recipe=recipe)
-        return codes, scales, g.reshape(())
-    blocks = nvfp4_block_scales(x32, g, recipe)
-    codes = pack_e2m1(blocks.codes).view(_FP4X2)
-    return codes, swizzle_scales_per_group(blocks.block_scales), blocks.global_scale
+            grid = x2.dtype if x2.dtype in MODEL_DTYPES else None
+            return nvfp4_global_scale(amax, grid_dtype=grid, recipe=recipe)
+        return torch.ones((), dtype=torch.float32, device=x2.device)
+    g = real_scalar(global_scale, name="global_scale", where=where, device=x2.device)
+    if not bool(torch.isfinite(g) & (g > 0)):
+        raise ValueError(f"{where}: global_scale must be positive and finite, got {g.item()!r}")
+    return g
 
 
-def _nvfp4_pack_reason(x2: Tensor) -> str | None:
-    """Why the Triton ``nvfp4_pack_and_swizzle`` is not taken for ``x2``, or None when it is."""
-    if x2.dtype not in _KERNEL_DTYPES:
-        return f"x is {x2.dtype}; the kernel reads float16, bfloat16 or float32"
-    if x2.device.type != "cuda":
-        return f"x is on {x2.device}; the packer kernel runs on CUDA tensors"
-    from floatxq.kernels.nvfp4 import nvfp4_unavailable_reason
-
-    return nvfp4_unavailable_reason(x2.device)
+FP8Packer = Callable[[Tensor], tuple[Tensor, Tensor]]
+NVFP4Packer = Callable[[Tensor, Tensor, Tensor, str], tuple[Tensor, Tensor]]
 
 
 def pack_activation(
@@ -475,45 +455,57 @@ def pack_activation(
     rotation_applied: bool = False,
     reference: Float[Tensor, "*lead k"] | None = None,
 ) -> W4AActivation:
-    """Quantize an activation into a :class:`W4AActivation` for a W4A linear.
+    """Quantize an activation into a :class:`W4AActivation` for a W4A linear (pure functions;
+    :func:`floatxq.pack_activation` takes the Triton packers where they run: the same bytes).
 
     Args:
       x: ``(..., K)`` floating activation, at least 2-D, finite; ``K`` a positive multiple of
         128. The GEMM sees ``rows = prod(x.shape[:-1])`` rows.
       mode: ``"w4afp8"`` (per-token E4M3) or ``"w4a_nvfp4"``.
-      global_scale: NVFP4 only: one positive finite value (read as FP32), or None to derive it
-        from ``max|x|`` over the whole tensor (so each token's codes depend on the others).
-      model_dtype: float16, bfloat16 or float32 (a float32 model's stream; default ``x.dtype``
-        when it is float16 or bfloat16, else bfloat16).
-      recipe: NVFP4 only: the block-scale recipe (default ``least_squares``; aliases accepted,
-        stored canonical).
+      global_scale: NVFP4 only: one positive finite value (read as FP32), or None for the
+        dynamic scale of ``max|x|`` over the whole tensor (each token's codes depend on all).
+      model_dtype: float16, bfloat16 or float32 (default ``x.dtype`` when half, else bfloat16).
+      recipe: NVFP4 only: the block-scale recipe (default ``least_squares``; stored canonical).
       rotation_applied: recorded on the carrier.
       reference: the exact activation to carry, ``x``'s shape and device, or None.
 
-    Returns:
-      The carrier; FP8 through the Triton ``fp8_pack`` on CUDA (or under ``TRITON_INTERPRET=1``)
-      where it runs, else :func:`floatxq.fp8_token_quantize`; NVFP4 through the Triton
-      ``nvfp4_pack_and_swizzle`` on CUDA, else the pure functions: the same bytes either way.
-
     Raises:
-      TypeError: a non-floating ``x``, a ``model_dtype`` that is not a dtype, a ``reference``
-        that is not floating or on another device, a ``global_scale`` that is not a number.
+      TypeError: a non-floating ``x`` or ``reference``, a ``model_dtype`` that is not a dtype,
+        a ``reference`` on another device, a ``global_scale`` that is not a number.
       ValueError: ``x`` below 2-D, ``K`` not a positive multiple of 128, NaN or infinity in
         ``x``, an unknown mode or recipe, a recipe or global scale in FP8 mode, a global scale
-        that is not one positive finite value, another ``model_dtype``, a ``reference`` of
-        another shape.
+        that is not positive and finite, another ``model_dtype``, a ``reference`` of another shape.
 
-    Numerics: FP8 as :func:`floatxq.fp8_token_quantize` per row (``amax / 448``, IEEE division,
-    nearest-even saturating E4M3). NVFP4 as :func:`floatxq.nvfp4_block_scales` of the
-    ``(rows, K)`` tensor with the dynamic global scale :func:`floatxq.nvfp4_global_scale` of
-    ``max|x|`` on ``x.dtype``'s grid (1 for no rows); codes packed two per byte, block scales
-    swizzled per 128-wide K group with padding 0.
+    Numerics: FP8 as :func:`floatxq.fp8_token_quantize` per row; NVFP4 as
+    :func:`floatxq.nvfp4_block_scales` of the ``(rows, K)`` tensor (dynamic global scale: of
+    ``max|x|`` on ``x.dtype``'s grid, 1 for no rows), block scales swizzled per 128-wide group.
 
     Example:
       >>> a = pack_activation(torch.full((1, 128), 3.0), "w4a_nvfp4", global_scale=1.0)
       >>> a.codes.shape, a.scales.shape, a.recipe, a.decode(torch.float32)[0, :2].tolist()
       (torch.Size([1, 64]), torch.Size([1, 1024]), 'least_squares', [3.0, 3.0])
     """
+    return pack_activation_with(
+        x, mode, global_scale=global_scale, model_dtype=model_dtype, recipe=recipe,
+        rotation_applied=rotation_applied, reference=reference, fp8_packer=pack_fp8_tokens,
+        nvfp4_packer=pack_nvfp4_blocks,
+    )  # fmt: skip
+
+
+def pack_activation_with(
+    x: Tensor,
+    mode: W4AActivationMode,
+    *,
+    global_scale: Tensor | float | None,
+    model_dtype: torch.dtype | None,
+    recipe: NVFP4RecipeName | None,
+    rotation_applied: bool,
+    reference: Tensor | None,
+    fp8_packer: FP8Packer,
+    nvfp4_packer: NVFP4Packer,
+) -> W4AActivation:
+    """:func:`pack_activation` with the byte packers given (checks and scales stay here):
+    :func:`floatxq.dispatch.pack_activation` passes the Triton packers where they run."""
     where = "pack_activation"
     require_floating(x, name="x", where=where)
     require_data(x, name="x", where=where)
@@ -525,7 +517,7 @@ def pack_activation(
                     f"{where}: {name} applies to mode 'w4a_nvfp4' only, got {value!r:.40}"
                 )
     else:
-        canonical = normalize_nvfp4_recipe("least_squares" if recipe is None else recipe)
+        canonical = normalize_nvfp4_recipe(NVFP4_DEFAULT_RECIPE if recipe is None else recipe)
     if x.ndim < 2:
         raise ValueError(f"{where}: x must have at least 2 dimensions (..., K), got {x.ndim}-D")
     shape = tuple(x.shape)
@@ -552,7 +544,50 @@ def pack_activation(
         reference=reference,
     )
     if mode == "w4afp8":
-        codes, row_scale = _pack_fp8(x2)
+        codes, row_scale = fp8_packer(x2)
         return W4AActivation(codes=codes, scales=row_scale, **common)
-    codes, scales, g = _pack_nvfp4(x2, x32, global_scale, canonical, where=where)
-    return W4AActivation(codes=codes, scales=scales, global_scale=g, recipe=canonical, **common)
+    g = _global_scale(x2, x32, global_scale, canonical, where=where)
+    codes, scales = nvfp4_packer(x2, x32, g, canonical)
+    return W4AActivation(
+        codes=codes, scales=scales, global_scale=g.reshape(()), recipe=canonical, **common
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# A stored activation global scale: its FP32 bits in an int32 buffer
+# ----------------------------------------------------------------------------------------------
+
+_FP32_INF_BITS = 0x7F800000  # positive finite FP32 values are the int32 bit patterns 1..this-1
+
+
+def global_scale_bits_problem(bits: Tensor) -> str | None:
+    """Why a 0-d int32 bit pattern is not 0.0 (dynamic) or a positive finite FP32 value, or
+    ``None`` (one host read; a meta tensor passes)."""
+    if bits.is_meta:
+        return None
+    value = int(bits)
+    if 0 <= value < _FP32_INF_BITS:
+        return None
+    as_float = float(bits.view(torch.float32))
+    return (
+        f"the activation global scale must be 0.0 (dynamic) or positive and finite, got "
+        f"{as_float!r} (bits 0x{value & 0xFFFFFFFF:08x})"
+    )
+
+
+def checked_global_scale_bits(value: object, *, key: str) -> Tensor:
+    """An incoming FP32 global scale's int32 bit pattern as a 0-d tensor (``ValueError``
+    naming ``key`` otherwise)."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{key}: expected a tensor, got {type(value).__name__}")
+    if value.dtype != torch.int32:
+        raise ValueError(
+            f"{key}: the FP32 global scale is stored as its int32 bit pattern, got {value.dtype}"
+        )
+    if value.numel() != 1 or value.ndim > 1:
+        raise ValueError(f"{key}: expected one value (shape ()), got shape {tuple(value.shape)}")
+    value = value.reshape(())
+    why = global_scale_bits_problem(value)
+    if why is not None:
+        raise ValueError(f"{key}: {why}")
+    return value

@@ -1,35 +1,19 @@
 """Pure references of the INT4-weight GEMMs: W4A-FP8, W4A-NVFP4 (grouped) and W4A16.
 
-All take ordinary GPTQ checkpoints. The Triton kernels in :mod:`floatxq.kernels.w4a_fp8`,
+All take ordinary GPTQ checkpoints (a symmetric 4-bit weight, groups of 128, ``desc_act=False``
+for the W4A GEMMs). The Triton kernels in :mod:`floatxq.kernels.w4a_fp8`,
 :mod:`floatxq.kernels.nvfp4` and :mod:`floatxq.kernels.w4a16` must equal these up to FP32
-summation order (their tests bound the difference per element against a float64 oracle of the
-same operands).
+summation order (their tests bound the difference per element against a float64 oracle).
 
-W4A-FP8 (a symmetric 4-bit GPTQ weight with groups of 128 and ``desc_act=False``): ``x`` is
-quantized per token to E4M3 (:func:`floatxq.fp8_token_quantize`), the weight is the centered
-integer ``c = code - 8`` (exact in E4M3, :func:`floatxq.int4_to_e4m3`), and
+* W4A-FP8: per-token E4M3 ``x`` times the centered weight ``c = code - 8`` (exact in E4M3),
+  ``out = (Σ_g scales[g] · Σ_{k in g} codes · c) · row_scale + bias``.
+* W4A-NVFP4: an NVFP4 operand ``a = e2m1(code) · block_scale`` times ``c = low + 4·high`` as
+  two exact E2M1 planes, ``out = (Σ_g scales[g] · Σ_{k in g} a · c) · gs · token_scale + bias``.
+* W4A16: the weight decoded as :func:`floatxq.dequantize_gptq` does, then ``F.linear``.
 
-    out[m, n] = (Σ_g scales[g, n] · Σ_{k in group g} codes[m, k] · c[k, n]) · row_scale[m] + bias[n]
-
-with each group's 128 products summed in FP32 (every product of an E4M3 code and an integer of
-magnitude ≤ 8 is exact), the groups added in ascending order, the token scale applied once at the
-end, then the bias, then one rounding to the output dtype.
-
-W4A-NVFP4 (the same GPTQ weight): ``x`` is an NVFP4 operand (:mod:`floatxq.nvfp4.operand`:
-E2M1 codes, swizzled E4M3 block scales, one FP32 global scale ``gs``), and
-
-    out[m, n] = (Σ_g scales[g, n] · Σ_{k in group g} a[m, k] · c[k, n]) · gs · token_scale[m]
-                + bias[n]
-
-with ``a = e2m1(code) · block_scale`` (exact in FP32, no global scale) and ``c = low + 4·high``
-multiplied as its two exact E2M1 planes (:func:`floatxq.split_int4_planes`), as NVFP4
-tensor cores do: per group the planes' FP32 sums are recombined, scaled and added in ascending
-order (:func:`w4a_nvfp4_accumulate_group`), then the global scale, the token scale, the bias and
-one rounding.
-
-W4A16: the weight decoded exactly as :func:`floatxq.dequantize_gptq` does, rounded once to
-``x``'s dtype, then ``F.linear`` (FP32 accumulation) and the bias in ``x``'s dtype: what
-:class:`floatxq.nn.GPTQLinear` computes.
+Each group's products are exact and summed in FP32, groups added in ascending order, the
+scales, the bias and one rounding at the end: ``docs/numerics.md``, "The W4A GEMMs' reference
+order", says why each step is exact and in which order it runs.
 """
 
 import torch
@@ -45,15 +29,16 @@ from floatxq._checks import (
     require_tensor,
 )
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor
-from floatxq.formats import GPTQ_W4A_GROUP_SIZE, NVFP4RecipeName, normalize_nvfp4_recipe
-from floatxq.fp8 import fp8_token_quantize
-from floatxq.gptq.int4 import (
-    GPTQPacked,
-    Int4Planes,
-    _unpack_fields,
-    dequantize_gptq,
-    split_int4_planes,
+from floatxq.formats import (
+    K_GROUP,
+    MODEL_DTYPES,
+    NVFP4_DEFAULT_RECIPE,
+    NVFP4RecipeName,
+    normalize_nvfp4_recipe,
 )
+from floatxq.fp8 import fp8_token_quantize
+from floatxq.gptq.int4 import GPTQPacked, _unpack_fields, dequantize_gptq
+from floatxq.gptq.planes import Int4Planes, split_int4_planes
 from floatxq.nvfp4.operand import nvfp4_decode_swizzled, nvfp4_pack_swizzled, padded_rows
 from floatxq.nvfp4.quantize import _validated_global_scale, nvfp4_global_scale
 
@@ -68,10 +53,8 @@ __all__ = [
     "w4a_nvfp4_linear_prepacked",
 ]
 
-W4A_OUTPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+W4A_OUTPUT_DTYPES: tuple[torch.dtype, ...] = MODEL_DTYPES
 """Output dtypes of the W4A-FP8 GEMM."""
-
-_GROUP = GPTQ_W4A_GROUP_SIZE
 
 
 def centered_weight(weight: Shaped[Tensor, "rows n"], *, where: str = "centered_weight") -> Tensor:
@@ -120,9 +103,9 @@ def _check_operands(
     packed = weight.dtype == torch.int32
     depth = weight.shape[0] * 8 if packed else weight.shape[0]
     n = weight.shape[1]
-    if k % _GROUP:
+    if k % K_GROUP:
         raise ValueError(
-            f"{where}: k={k} must be a multiple of {_GROUP} (GPTQ groups of {_GROUP}, "
+            f"{where}: k={k} must be a multiple of {K_GROUP} (GPTQ groups of {K_GROUP}, "
             f"desc_act=False)"
         )
     if depth != k:
@@ -130,9 +113,9 @@ def _check_operands(
         raise ValueError(f"{where}: weight must hold k={k} input rows, got {got}")
     require_floating(scales, name="scales", where=where)
     require_data(scales, name="scales", where=where)
-    if tuple(scales.shape) != (k // _GROUP, n):
+    if tuple(scales.shape) != (k // K_GROUP, n):
         raise ValueError(
-            f"{where}: scales must have shape {(k // _GROUP, n)} (one per group of {_GROUP} "
+            f"{where}: scales must have shape {(k // K_GROUP, n)} (one per group of {K_GROUP} "
             f"input rows and output column), got {tuple(scales.shape)}"
         )
     if bias is not None:
@@ -212,9 +195,9 @@ def w4a_fp8_linear_prepacked(
     if row_scale.device != codes.device:
         raise TypeError(f"{where}: row_scale is on {row_scale.device}, codes on {codes.device}")
     require_positive_finite(row_scale, name="row_scale", where=where)
-    groups = k // _GROUP
-    a = codes.to(torch.float32).reshape(m, groups, _GROUP).transpose(0, 1)  # (g, m, 128)
-    w = centered_weight(weight, where=where).reshape(groups, _GROUP, n)
+    groups = k // K_GROUP
+    a = codes.to(torch.float32).reshape(m, groups, K_GROUP).transpose(0, 1)  # (g, m, 128)
+    w = centered_weight(weight, where=where).reshape(groups, K_GROUP, n)
     partials = torch.bmm(a, w)  # (g, m, n): FP32 sums of exact products
     s = scales.to(torch.float32)
     total = torch.zeros((m, n), dtype=torch.float32, device=codes.device)
@@ -293,8 +276,8 @@ def w4a16_linear(
     ``F.linear(x, W, bias)`` with FP32 accumulation.
 
     Example:
-      >>> from floatxq.gptq.int4 import pack_gptq_int4
-      >>> p = pack_gptq_int4(torch.full((128, 8), 9), torch.full((1, 8), 8),
+      >>> from floatxq.gptq.int4 import pack_gptq
+      >>> p = pack_gptq(torch.full((128, 8), 9), torch.full((1, 8), 8),
       ...     torch.full((1, 8), 0.5), torch.zeros(128, dtype=torch.int32))
       >>> w4a16_linear(torch.ones(1, 128), p)[0, :2].tolist()
       [64.0, 64.0]
@@ -364,34 +347,28 @@ def w4a_nvfp4_accumulate_group(
 ) -> Float[Tensor, "m n"]:
     """One 128-row group of the W4A-NVFP4 GEMM folded into the running FP32 sum.
 
-    The NVFP4 tensor cores multiply the activation by the two exact E2M1 planes of the INT4
-    weight (``c = low + 4·high``, :func:`floatxq.split_int4_planes`) side by side, giving
-    ``both = [Σ a·low | Σ a·high]``; this step recombines them with the GPTQ group scale.
+    The NVFP4 tensor cores multiply the activation by the weight's two exact E2M1 planes side by
+    side, giving ``both = [Σ a·low | Σ a·high]``; this step recombines them with the group scale.
 
     Args:
       both: ``(m, 2n)`` FP32: columns ``0..n-1`` the low plane's sums, ``n..2n-1`` the high's.
       group_scale: ``(n,)`` this group's GPTQ scales (any floating dtype, read as FP32).
       acc: ``(m, n)`` FP32 sum of the earlier groups, or None for the first group.
-      last: this is the last group: apply the global scale, the token scale and the bias, and
-        round once to ``output_dtype``.
-      global_scale: the activation's FP32 global scale (required when ``last``).
-      token_scale: ``(m,)`` FP32 per-row factor, or None (only with ``last``).
-      bias: ``(n,)`` floating bias, or None (only with ``last``).
-      output_dtype: float16, bfloat16 or float32 (only with ``last``; FP32 otherwise).
+      last: the last group: apply ``global_scale`` (then required), ``token_scale`` (``(m,)``
+        FP32) and ``bias`` (``(n,)``), and round once to ``output_dtype`` (FP16, BF16 or FP32).
 
     Returns:
       ``(m, n)``: the FP32 running sum, or the output in ``output_dtype`` when ``last``.
 
     Raises:
-      ValueError: shapes that do not fit; a ``global_scale`` missing when ``last`` or given
-        when not; ``token_scale``, ``bias`` or a non-FP32 ``output_dtype`` without ``last``.
+      ValueError: shapes that do not fit; a ``global_scale`` missing when ``last`` or given when
+        not; ``token_scale``, ``bias`` or a non-FP32 ``output_dtype`` without ``last``.
       TypeError: non-FP32 ``both``/``acc``/``token_scale``, another ``output_dtype``, tensors on
         different devices.
 
-    Numerics: FP32 in exactly this order, with no fused multiply-add: ``t = (acc or 0) +
-    (low + 4·high) · float32(group_scale)`` (``4·high`` exact; the first group adds to +0), then
-    when ``last``: ``t · global_scale``, ``· token_scale[row]``, ``+ float32(bias)``, one
-    nearest-even rounding.
+    Numerics: FP32 in this order, no fused multiply-add: ``t = (acc or +0) + (low + 4·high) ·
+    float32(group_scale)``, then when ``last``: ``· global_scale``, ``· token_scale[row]``,
+    ``+ float32(bias)``, one nearest-even rounding.
 
     Example:
       >>> both = torch.tensor([[1.0, 2.0, 0.5, -1.0]])  # n = 2: low sums | high sums
@@ -433,10 +410,10 @@ def _check_nvfp4_weight_side(
     _check_weight(weight, where=where)
     n = weight.shape[1]
     require_floating(group_scales, name="group_scales", where=where)
-    if tuple(group_scales.shape) != (k // _GROUP, n):
+    if tuple(group_scales.shape) != (k // K_GROUP, n):
         raise ValueError(
-            f"{where}: group_scales must have shape {(k // _GROUP, n)} (one per group of "
-            f"{_GROUP} input rows and output column), got {tuple(group_scales.shape)}"
+            f"{where}: group_scales must have shape {(k // K_GROUP, n)} (one per group of "
+            f"{K_GROUP} input rows and output column), got {tuple(group_scales.shape)}"
         )
     return _check_operands(k, device, weight, group_scales, bias, where=where)
 
@@ -455,17 +432,17 @@ def _check_nvfp4_shapes(
         )
     require_data(codes, name="codes", where=where)
     m, k = codes.shape[0], codes.shape[1] * 2
-    if k == 0 or k % _GROUP:
+    if k == 0 or k % K_GROUP:
         raise ValueError(
-            f"{where}: k = 2 * codes.shape[1] = {k} must be a positive multiple of {_GROUP} "
-            f"(GPTQ groups of {_GROUP}, desc_act=False)"
+            f"{where}: k = 2 * codes.shape[1] = {k} must be a positive multiple of {K_GROUP} "
+            f"(GPTQ groups of {K_GROUP}, desc_act=False)"
         )
     require_tensor(scales, name="scales", where=where)
     if scales.dtype != torch.float8_e4m3fn:
         raise TypeError(f"{where}: scales must be float8_e4m3fn, got {scales.dtype}")
     require_data(scales, name="scales", where=where)
     n = _check_nvfp4_weight_side(k, codes.device, weight, group_scales, bias, where=where)
-    expected = (k // _GROUP, padded_rows(m) * 8)
+    expected = (k // K_GROUP, padded_rows(m) * 8)
     if tuple(scales.shape) != expected:
         raise ValueError(
             f"{where}: scales must have shape {expected} (k/128, padded_rows(m)*8) for m={m} "
@@ -539,38 +516,24 @@ def w4a_nvfp4_linear_prepacked(
 ) -> Float[Tensor, "m n"]:
     """The W4A-NVFP4 GEMM on an NVFP4 activation operand: what the FP4 tensor cores compute.
 
-    The activation ``a = e2m1(code) · block_scale`` (no global scale) meets the weight's two
-    E2M1 planes (``c = low + 4·high``) side by side, one 128-row group at a time.
-
     Args:
-      codes: ``(m, k/2)`` ``float4_e2m1fn_x2`` or ``uint8`` packed E2M1 codes (element ``2j``
-        in the low nibble); ``k`` a positive multiple of 128.
-      scales: ``float8_e4m3fn (k/128, padded_rows(m)·8)`` block scales, swizzled per 128-wide
-        group (:func:`floatxq.nvfp4_pack_swizzled`).
-      global_scale: the activation's global scale: one positive finite value (read as FP32).
-      weight: the centered weight as ``int32 (k/8, n)`` symmetric GPTQ words or a
-        ``float8_e4m3fn (k, n)`` staged operand (see :func:`centered_weight`).
-      group_scales: ``(k/128, n)`` GPTQ group scales, any floating dtype (read as FP32).
-      bias: ``(n,)`` floating or None (read as FP32).
-      token_scale: ``(m,)`` FP32 per-row factors, finite (any sign, as a carrier's), or None.
-      output_dtype: float16, bfloat16 or float32.
+      codes, scales, global_scale: the NVFP4 operand (:func:`floatxq.nvfp4_pack_swizzled`):
+        ``(m, k/2)`` packed codes, ``k`` a multiple of 128; swizzled E4M3 block scales; one
+        positive finite FP32 value.
+      weight: ``int32 (k/8, n)`` symmetric GPTQ words or a ``float8_e4m3fn (k, n)`` staged operand.
+      group_scales: ``(k/128, n)`` GPTQ group scales; bias: ``(n,)`` or None (both read as FP32).
+      token_scale, output_dtype: ``(m,)`` finite FP32 per-row factors or None; FP16/BF16/FP32.
 
-    Returns:
-      ``(m, n)`` in ``output_dtype``; ``(0, n)`` for no rows.
-
+    Returns ``(m, n)`` in ``output_dtype`` (``(0, n)`` for no rows).
     Raises:
-      TypeError: wrong dtypes or ranks, an ``output_dtype`` other than the three, tensors on
-        different devices, meta tensors, a global scale that is not a real number.
-      ValueError: ``k`` not a positive multiple of 128, shapes that do not fit ``k``, ``n`` or
-        ``m`` (scales padded to ``padded_rows(m)``), a global scale that is not one positive
-        finite value, a ``token_scale`` holding NaN or infinity, a NaN or negative
-        block scale, a staged weight value other than an integer in ``-8..7``.
+      TypeError: wrong dtypes or ranks or ``output_dtype``, tensors on different devices, meta
+        tensors, a global scale that is not a real number.
+      ValueError: shapes that do not fit ``k``, ``n`` or ``m``, a global scale that is not one
+        positive finite value, a non-finite ``token_scale``, a NaN or negative block scale, a
+        staged weight value other than an integer in ``-8..7``.
 
-    Numerics: per group ``g`` ascending: ``[Σ a·low | Σ a·high]`` as one FP32 matmul (every
-    product exact: ``a`` has at most 6 significant bits and the planes 2, so even a TF32 matmul
-    is exact), then :func:`w4a_nvfp4_accumulate_group`: ``acc = (acc or +0) + (low + 4·high) ·
-    float32(group_scales[g])``, after the last group ``· global_scale``, ``· token_scale[m]``,
-    ``+ float32(bias)``, one nearest-even rounding (no saturation: FP32 overflow gives ±inf).
+    Numerics: per group ascending, ``[Σ a·low | Σ a·high]`` as one FP32 matmul (products exact),
+    then :func:`w4a_nvfp4_accumulate_group` (``docs/numerics.md``: the W4A reference order).
 
     Example:
       >>> codes = torch.full((1, 64), 0x22, dtype=torch.uint8)  # every element e2m1 1.0
@@ -589,10 +552,12 @@ def w4a_nvfp4_linear_prepacked(
     _, planes = _weight_planes(weight, where=where)
     if m == 0:
         return torch.empty((0, n), dtype=output_dtype, device=codes.device)
-    groups = k // _GROUP
+    groups = k // K_GROUP
     a = nvfp4_decode_swizzled(codes, scales, 1.0, k, torch.float32)  # exact: no global scale
     w = torch.cat([planes.low, planes.high], dim=1).to(torch.float32)  # (k, 2n): [low | high]
-    both = torch.bmm(a.reshape(m, groups, _GROUP).transpose(0, 1), w.reshape(groups, _GROUP, 2 * n))
+    both = torch.bmm(
+        a.reshape(m, groups, K_GROUP).transpose(0, 1), w.reshape(groups, K_GROUP, 2 * n)
+    )
     acc = None
     for i in range(groups):  # ascending, strictly in FP32
         if i < groups - 1:
@@ -612,7 +577,7 @@ def w4a_nvfp4_linear(
     bias: Float[Tensor, "n"] | None = None,  # noqa: F821
     *,
     global_scale: Float[Tensor, "*one"] | float | None = None,
-    recipe: NVFP4RecipeName = "least_squares",
+    recipe: NVFP4RecipeName = NVFP4_DEFAULT_RECIPE,
 ) -> Float[Tensor, "m n"]:
     """The W4A-NVFP4 linear: ``x`` quantized to the NVFP4 operand, then the INT4-plane GEMM.
 
@@ -652,9 +617,9 @@ def w4a_nvfp4_linear(
             f"{tuple(x.shape)}"
         )
     rows, k = x.shape
-    if k == 0 or k % _GROUP:
+    if k == 0 or k % K_GROUP:
         raise ValueError(
-            f"{where}: k={k} must be a positive multiple of {_GROUP} (GPTQ groups of {_GROUP}, "
+            f"{where}: k={k} must be a positive multiple of {K_GROUP} (GPTQ groups of {K_GROUP}, "
             f"desc_act=False)"
         )
     _check_nvfp4_weight_side(k, x.device, weight, group_scales, bias, where=where)

@@ -4,7 +4,7 @@ A builder takes a layer's stored operands, already in the form its GEMM wants (F
 weight scales as ``scaled_mm`` multiplies by them, the bias in the output dtype), binds them once
 and returns a *runner*: a function of ``x`` ``(rows, in)`` alone, computing
 ``x @ decode(weight).T + bias`` in ``x``'s dtype. :class:`floatxq.nn.TorchFP8Linear` caches one
-runner per route and input dtype, and :func:`floatxq.nn.select_fp8_route` decides which runs.
+runner per route and input dtype, and :func:`floatxq.dispatch.select_fp8_route` decides which runs.
 
 Weight scales: the module stores inverse scales ``scale_inv`` (decode divides by them); cuBLAS
 and the fused kernel multiply by direct scales, so the ``scaled_mm`` routes take
@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from floatxq._typing import Float, Float32, FP8Dtype, Tensor
-from floatxq.fp8 import _dequantize_stored
+from floatxq.formats import K_GROUP
+from floatxq.fp8 import _dequantize_stored, fp32_reciprocal
 from floatxq.kernels import quantize_fp8_input
 from floatxq.kernels.fp8_small_m import _launch as small_m_launch
 
@@ -47,8 +48,6 @@ __all__ = [
 Runner = Callable[[Tensor], Tensor]
 """A route's call with every operand but ``x`` bound: ``runner(x) -> out``."""
 
-BLOCKWISE_K_GROUP = 128
-"""Columns of ``x`` per scale in the blockwise route (cuBLAS's 1x128 recipe)."""
 BLOCKWISE_M_ALIGN = 16
 """Rows the blockwise route pads ``x`` to a multiple of (cuBLAS refuses other row counts)."""
 
@@ -83,9 +82,9 @@ def scaled_mm_blockwise_api() -> tuple[Callable[..., Tensor], Any, Any] | None:
 def direct_weight_scale(scale_inv: Float32[Tensor, "*scale"]) -> Float32[Tensor, "*scale"]:
     """``1 / scale_inv``: the direct scales ``scaled_mm`` and the fused kernel multiply by.
 
-    Numerics: IEEE FP32 division (``ones / scale_inv``), same shape.
+    Numerics: :func:`floatxq.fp8.fp32_reciprocal` (one IEEE FP32 division), same shape.
     """
-    return torch.ones_like(scale_inv) / scale_inv
+    return fp32_reciprocal(scale_inv)
 
 
 def rowwise_weight_scale(direct: Float32[Tensor, "n"]) -> Float32[Tensor, "1 n"]:  # noqa: F821
@@ -220,7 +219,7 @@ def blockwise_runner(
     """
     fn, recipe_a, recipe_b = scaled_mm_blockwise_api()  # type: ignore[misc]
     device, weight_t = weight.device, weight.t()
-    groups = weight.shape[1] // BLOCKWISE_K_GROUP
+    groups = weight.shape[1] // K_GROUP
 
     def run(x: Tensor) -> Tensor:
         m = x.shape[0]
@@ -231,7 +230,7 @@ def blockwise_runner(
         # scale_a: (M, K/128) with strides (1, M), the column-major layout the recipe reads.
         scale_a = torch.empty((groups, padded_m), dtype=torch.float32, device=device).t()
         xq = quantize_fp8_input(
-            x, format="float8_e4m3fn", method="block", block=(1, BLOCKWISE_K_GROUP),
+            x, format="float8_e4m3fn", method="block", block=(1, K_GROUP),
             scale_out=scale_a, rows_out=padded_m,
         )  # fmt: skip
         out = fn(

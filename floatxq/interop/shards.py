@@ -1,0 +1,505 @@
+"""Reading a model directory's files: shard paths, safetensors headers and JSON files, each
+checked before any byte is trusted; every refusal is a :class:`CheckpointError` naming the file,
+tensor or field.
+
+What a model directory can make these readers do: open and read regular files inside the
+directory (or, for a Hugging Face hub cache snapshot, in the cache's sibling ``blobs`` folder)
+and nothing else. Index entries that are absolute, hold ``..`` or resolve outside, symlinks that
+lead outside, FIFOs, sockets, devices and directories are refused before anything is opened;
+headers and JSON files over 100 MB are refused before they are read; a safetensors header is
+checked field by field (dtype, shape, offsets, coverage of the file) before the safetensors
+reader sees it, so every tensor read is exactly the bytes its header names.
+"""
+
+import json
+import math
+import os
+import re
+import stat
+import struct
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from floatxq.interop.checkpoint import INDEX_FILE, SINGLE_SHARD_FILE, CheckpointError
+
+
+class TensorInfo(NamedTuple):
+    """What a safetensors header says about one tensor (no data is read)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+
+
+MAX_HEADER_BYTES = 100_000_000
+"""The largest safetensors header or JSON file read (safetensors' own header limit)."""
+
+# Bits per element of each safetensors dtype (sub-byte dtypes pack several elements per byte).
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4,
+    "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32,
+    "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}  # fmt: skip
+# A shard name of a sharded save (``model-00002-of-00003.safetensors``): one the index does not
+# name is a stale shard of another save, so the directory is mixed or damaged.
+_SHARD_NAME = re.compile(r".+-\d+-of-\d+\.safetensors")
+_HEADER_FIELDS = ("dtype", "shape", "data_offsets")
+
+
+class _Header(NamedTuple):
+    """A checked safetensors header: tensor name → (dtype, shape), and ``__metadata__``."""
+
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    metadata: dict[str, str]
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _regular(file: Path, what: str) -> None:
+    """Refuse a missing file, or anything but a regular file, without opening it."""
+    try:
+        mode = os.stat(file).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{what}: {file} is missing") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{what}: cannot stat {file} ({exc})") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{what}: {file} is a {_kind(mode)}, not a regular file")
+
+
+def _open_regular(file: Path, what: str) -> tuple[Any, int]:
+    """Open a checked regular file for reading: ``(binary file object, size)``.
+
+    O_NONBLOCK keeps a file swapped for a FIFO after the check from blocking the open; the
+    descriptor is checked again before anything is read.
+    """
+    _regular(file, what)
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CheckpointError(f"{what}: cannot open {file} ({exc})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{what}: {file} is a {_kind(st.st_mode)}, not a regular file")
+    return os.fdopen(fd, "rb"), st.st_size
+
+
+def _unique_keys(prefix: str, *, same_value_ok: bool) -> Any:
+    """A ``json`` object hook refusing a key given twice (``same_value_ok``: unless equal)."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out and not (same_value_ok and out[key] == value):
+                raise CheckpointError(f"{prefix} gives key {key!r} twice")
+            out[key] = value
+        return out
+
+    return hook
+
+
+def read_json(path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
+    """Parse a JSON object file, raising :class:`CheckpointError` naming it when it is bad.
+
+    Args:
+      path: the JSON file.
+      what: the caller's name for it, the start of every message (``"load"``).
+
+    Raises:
+      CheckpointError: the file is missing, not a regular file (a FIFO is never opened), over
+        :data:`MAX_HEADER_BYTES`, not UTF-8 JSON, nested absurdly deep, gives one key two
+        different values, or is not a JSON object.
+
+    Numerics: none.
+    """
+    file = Path(path)
+    fh, size = _open_regular(file, what)
+    with fh:
+        if size > MAX_HEADER_BYTES:
+            raise CheckpointError(
+                f"{what}: {file} is {size} bytes; JSON files over {MAX_HEADER_BYTES} are refused"
+            )
+        raw = fh.read(MAX_HEADER_BYTES + 1)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{what}: {file} grew past {MAX_HEADER_BYTES} bytes while read")
+    try:
+        payload = json.loads(
+            raw.decode("utf-8"),
+            object_pairs_hook=_unique_keys(f"{what}: {file}", same_value_ok=True),
+        )
+    except CheckpointError:
+        raise
+    except RecursionError:
+        raise CheckpointError(f"{what}: {file} is not valid JSON (nested too deep)") from None
+    except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, an int of 4300+ digits
+        raise CheckpointError(f"{what}: {file} is not valid JSON ({exc})") from None
+    if not isinstance(payload, dict):
+        raise CheckpointError(
+            f"{what}: {file} must hold a JSON object, got {type(payload).__name__}"
+        )
+    return payload
+
+
+def _inside(root: Path, file: Path) -> bool:
+    """Whether ``file`` (symlinks followed) lies in ``root`` or a hub cache's ``blobs`` folder.
+
+    ``huggingface_hub`` stores ``.../snapshots/<revision>/NAME`` as a symlink to
+    ``.../blobs/<hash>``, so for a snapshot directory that sibling folder counts as inside.
+    """
+    real_root = Path(os.path.realpath(root))
+    real = Path(os.path.realpath(file))
+    allowed = [real_root]
+    if real_root.parent.name == "snapshots":
+        allowed.append(real_root.parent.parent / "blobs")
+    return any(real != base and real.is_relative_to(base) for base in allowed)
+
+
+def _shard(root: Path, file: Path, what: str) -> Path:
+    """Check one shard path (inside ``root``, a regular file) before anything opens it."""
+    if not _inside(root, file):
+        raise CheckpointError(
+            f"{what}: {file} resolves to {os.path.realpath(file)}, outside {root}; refusing to "
+            f"read it"
+        )
+    _regular(file, what)
+    return file
+
+
+def _layout(root: Path) -> tuple[list[Path], dict[str, Path] | None]:
+    """The shard files of a model directory, and the index's tensor → file map if it has one."""
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint: {root} is not a directory")
+    index = root / INDEX_FILE
+    if os.path.lexists(index):
+        weight_map = read_json(index, what="checkpoint index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"checkpoint index: {index} has no 'weight_map'")
+        by_entry: dict[str, Path] = {}
+        where: dict[str, Path] = {}
+        for name, entry in weight_map.items():
+            named = f"checkpoint index: {index}: {name!r} -> {_short(entry, 300)}"
+            if not isinstance(entry, str) or not entry.strip() or "\x00" in entry:
+                raise CheckpointError(f"{named} is not a file name")
+            if entry not in by_entry:
+                relative = PurePosixPath(entry)
+                if relative.is_absolute() or ".." in relative.parts:
+                    raise CheckpointError(
+                        f"{named} is not a file inside {root} (absolute or '..'); refusing it"
+                    )
+                file = root / relative
+                if not os.path.lexists(file):
+                    raise CheckpointError(
+                        f"checkpoint: shard {file} named by {index.name} is missing"
+                    )
+                by_entry[entry] = _shard(root, file, named)
+            where[name] = by_entry[entry]
+        files = sorted(set(by_entry.values()))
+        for stray in sorted(root.glob("*.safetensors")):
+            if stray not in files and (
+                stray.name == SINGLE_SHARD_FILE or _SHARD_NAME.fullmatch(stray.name)
+            ):
+                raise CheckpointError(
+                    f"checkpoint: {stray} is a shard {index.name} does not name (left from "
+                    f"another save?); refusing a mixed directory"
+                )
+        return files, where
+    single = root / SINGLE_SHARD_FILE
+    if os.path.lexists(single):
+        return [_shard(root, single, "checkpoint")], None
+    found = sorted(root.glob("*.safetensors"))
+    if not found:
+        raise CheckpointError(f"checkpoint: no *.safetensors files in {root}")
+    return [_shard(root, file, "checkpoint") for file in found], None
+
+
+def shard_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files of a model directory, checked before any is opened.
+
+    With ``model.safetensors.index.json`` the files its ``weight_map`` names; else
+    ``model.safetensors``; else every ``*.safetensors`` file of the directory.
+
+    Args:
+      path: the model directory.
+
+    Raises:
+      CheckpointError: not a directory; no shards; an index entry that is not a relative path
+        inside the directory; a shard that resolves outside it (symlinks followed; a Hugging Face
+        hub snapshot may point into its cache's ``blobs``) or is not a regular file (FIFOs,
+        sockets, devices and directories are never opened); next to an index, a
+        ``model.safetensors`` or ``*-NNNNN-of-NNNNN.safetensors`` file the index does not name
+        (other ``*.safetensors`` files, such as ``consolidated.safetensors``, are ignored).
+
+    Numerics: none; nothing is read but the index.
+    """
+    return _layout(Path(path))[0]
+
+
+def _check_header(file: Path) -> _Header:
+    """Read and check a safetensors header: every field, the offsets, and the file's size.
+
+    The offsets must tile the data exactly (sorted, no gap, no overlap, ending at the end of
+    the file) and each span must be exactly the bytes its dtype and shape need, so the reader
+    can only hand back the bytes the header names.
+    """
+    what = "checkpoint"
+    fh, size = _open_regular(file, what)
+    with fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"checkpoint: {file} is truncated (no safetensors header)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len == 0 or header_len > MAX_HEADER_BYTES:
+            raise CheckpointError(
+                f"checkpoint: {file} declares a {header_len}-byte safetensors header (1 to "
+                f"{MAX_HEADER_BYTES} accepted); not a safetensors file, or a corrupt one"
+            )
+        if header_len > size - 8:
+            raise CheckpointError(f"checkpoint: {file} is truncated (header runs past the end)")
+        raw = fh.read(header_len)
+    if len(raw) < header_len:
+        raise CheckpointError(f"checkpoint: {file} is truncated (header runs past the end)")
+    try:
+        header = json.loads(
+            raw.decode("utf-8"),
+            object_pairs_hook=_unique_keys(
+                f"checkpoint: {file}: the safetensors header", same_value_ok=False
+            ),
+            parse_constant=_no_constant(file),
+        )
+    except CheckpointError:
+        raise
+    except (ValueError, RecursionError) as exc:  # also an int of 4300+ digits
+        raise CheckpointError(
+            f"checkpoint: {file} has a corrupt safetensors header ({type(exc).__name__})"
+        ) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"checkpoint: {file}: the safetensors header is a JSON {type(header).__name__}, not "
+            f"an object"
+        )
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(
+            f"checkpoint: {file}: safetensors __metadata__ must map strings to strings, got "
+            f"{_short(metadata)}"
+        )
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        tensor = f"checkpoint: {file}: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{tensor}: header entry is {_short(entry)}, not an object")
+        missing = [key for key in _HEADER_FIELDS if key not in entry]
+        if missing:
+            raise CheckpointError(f"{tensor}: header entry lacks {', '.join(missing)}")
+        dtype, shape, offsets = (entry[key] for key in _HEADER_FIELDS)
+        if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
+            raise CheckpointError(
+                f"{tensor}: dtype {_short(dtype)} is not a safetensors dtype "
+                f"({', '.join(_DTYPE_BITS)})"
+            )
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise CheckpointError(
+                f"{tensor}: shape {_short(shape)} is not a list of non-negative ints"
+            )
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_count(o) for o in offsets)
+            or offsets[0] > offsets[1]
+        ):
+            raise CheckpointError(
+                f"{tensor}: data_offsets {_short(offsets)} is not [begin, end] with "
+                f"0 <= begin <= end"
+            )
+        bits = math.prod(shape) * _DTYPE_BITS[dtype]
+        begin, end = offsets
+        if bits % 8 or end - begin != bits // 8:
+            raise CheckpointError(
+                f"{tensor}: data_offsets {offsets} hold {end - begin} bytes, but {dtype} of shape "
+                f"{shape} needs {bits / 8:g}"
+            )
+        tensors[name] = (dtype, tuple(shape))
+        spans.append((begin, end, name))
+    covered = 0
+    previous = None
+    for begin, end, name in sorted(spans):
+        if begin < covered:
+            raise CheckpointError(
+                f"checkpoint: {file}: tensor {name!r} (data_offsets [{begin}, {end}]) overlaps "
+                f"tensor {previous!r}"
+            )
+        if begin > covered:
+            raise CheckpointError(
+                f"checkpoint: {file}: {begin - covered} bytes before tensor {name!r} belong to no "
+                f"tensor (data_offsets must tile the data)"
+            )
+        covered, previous = end, name
+    needed = 8 + header_len + covered
+    if needed > size:
+        raise CheckpointError(
+            f"checkpoint: {file} is truncated ({size} bytes; the header needs {needed})"
+        )
+    if needed < size:
+        raise CheckpointError(
+            f"checkpoint: {file} has {size - needed} bytes past its last tensor (the header "
+            f"covers {needed}); corrupt or not what the header describes"
+        )
+    return _Header(tensors, metadata)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _no_constant(file: Path) -> Any:
+    def hook(name: str) -> None:
+        raise CheckpointError(f"checkpoint: {file}: the safetensors header holds {name}")
+
+    return hook
+
+
+def _read_headers(path: str | os.PathLike[str]) -> list[tuple[Path, _Header]]:
+    """Every shard's checked header, with the checks that span shards and the index."""
+    root = Path(path)
+    files, where = _layout(root)
+    headers = [(file, _check_header(file)) for file in files]
+    owner: dict[str, Path] = {}
+    for file, header in headers:
+        for name in header.tensors:
+            if name in owner:
+                raise CheckpointError(
+                    f"checkpoint: tensor {name!r} is stored twice, in {owner[name]} and {file}; "
+                    f"refusing to pick one"
+                )
+            owner[name] = file
+    if where is not None:
+        index = root / INDEX_FILE
+        for name, file in where.items():
+            if owner.get(name) != file:
+                raise CheckpointError(
+                    f"checkpoint index: {index} maps {name!r} to {file.name}, which does not "
+                    f"hold it"
+                )
+        for name, file in owner.items():
+            if name not in where:
+                raise CheckpointError(
+                    f"checkpoint index: {index} does not list tensor {name!r} of {file}"
+                )
+    return headers
+
+
+def _relative(root: Path, file: Path) -> str:
+    return file.relative_to(root).as_posix()
+
+
+def tensor_infos(path: str | os.PathLike[str]) -> list[TensorInfo]:
+    """Names, dtypes and shapes of every tensor in a checkpoint, read from headers only.
+
+    Args:
+      path: the model directory.
+
+    Raises:
+      CheckpointError: anything :func:`shard_files` refuses; a header that is not a valid
+        safetensors header (named file and tensor); one tensor name in two shards; an index
+        whose ``weight_map`` disagrees with the shards.
+
+    Numerics: none; ``TensorInfo.file`` is the shard's path relative to ``path``.
+    """
+    root = Path(path)
+    infos = []
+    for file, header in _read_headers(root):
+        try:
+            with safe_open(str(file), framework="pt") as reader:
+                names = list(reader.keys())
+                for name in names:
+                    sl = reader.get_slice(name)
+                    infos.append(
+                        TensorInfo(
+                            name, str(sl.get_dtype()), tuple(sl.get_shape()), _relative(root, file)
+                        )
+                    )
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"checkpoint: cannot read {file} ({exc})") from None
+        if sorted(names) != sorted(header.tensors):
+            raise CheckpointError(
+                f"checkpoint: {file}: safetensors lists other tensors than its header"
+            )
+    return infos
+
+
+def iter_tensors(
+    path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of a checkpoint, one shard at a time.
+
+    Every shard's header is checked (as :func:`tensor_infos` does) before the first tensor is
+    yielded, so a damaged directory fails before any data is read.
+
+    Args:
+      path: the model directory.
+      device: where the tensors are put.
+
+    Raises:
+      CheckpointError: as :func:`tensor_infos`, or a shard the safetensors reader cannot read.
+
+    Numerics: bit-exact; each tensor is the bytes its header names, in its stored dtype.
+    """
+    headers = _read_headers(path)
+    for file, _header in headers:
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as reader:
+                for name in reader.keys():
+                    yield name, reader.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint: cannot read {file} ({exc})") from None
+
+
+def header_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The safetensors ``__metadata__`` string maps of every shard, merged (headers only).
+
+    Args:
+      path: the model directory.
+
+    Raises:
+      CheckpointError: as :func:`tensor_infos`, or two shards that give one key (other than
+        ``format``) different values (named).
+
+    Numerics: none.
+    """
+    merged: dict[str, str] = {}
+    origin: dict[str, str] = {}
+    for file, header in _read_headers(path):
+        for key, value in header.metadata.items():
+            if key in merged and merged[key] != value and key != "format":
+                raise CheckpointError(
+                    f"checkpoint: safetensors metadata {key!r} differs between {origin[key]} and "
+                    f"{file.name}"
+                )
+            merged.setdefault(key, value)
+            origin.setdefault(key, file.name)
+    return merged

@@ -1,0 +1,282 @@
+"""``floatxq.load``: a model to quantize, a quantized checkpoint to run, or a native source to
+requantize, wrapped in a :class:`~floatxq.lifecycle.model.QuantizedModel`.
+
+A plain model (an ``nn.Module`` or a Hugging Face model directory) is wrapped for quantization; a
+quantized directory (floatxq's or another tool's, ``docs/interop.md``) is rebuilt module by module
+from its files (:mod:`floatxq.lifecycle.rebuild`), without quantizing again, on the backend that
+runs it. Nothing is fetched from a hub: paths are local.
+"""
+
+import contextlib
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from floatxq.config import (
+    BACKEND,
+    METHOD,
+    FP8Config,
+    GPTQConfig,
+    backend_for_activation,
+)
+from floatxq.interop.checkpoint import (
+    CONFIG_FILE,
+    CheckpointError,
+    recover_interrupted_save,
+)
+from floatxq.interop.payload import (
+    fp8_config_from_payload,
+    gptq_config_from_payload,
+    payload_method,
+)
+from floatxq.interop.shards import read_json
+from floatxq.lifecycle.model import QuantizedModel, _quantized_types
+from floatxq.lifecycle.rebuild import _load_plain, _load_quantized
+from floatxq.lifecycle.w4a_install import install_activation_stream, install_w4a_modules
+
+_W4A_BACKENDS = (BACKEND.GPTQ_W4AFP8, BACKEND.GPTQ_W4A_NVFP4)
+"""Backends that run a GPTQ checkpoint with quantized activations (explicit, never ``auto``)."""
+
+
+def _resolve_backend(backend: Any, config: Any = None, *, checkpoint: bool = False) -> BACKEND:
+    """The backend that runs the model: FP8 weight-only models run on ``fp8_torch``, GPTQ
+    (W4A16) models on ``gptq_torch``; an explicit backend must be the one the method runs on.
+    ``gptq_w4afp8`` and ``gptq_w4a_nvfp4`` run GPTQ ``checkpoint``s (directories already
+    quantized), never by ``auto``."""
+    runs_on = BACKEND.GPTQ_TORCH if isinstance(config, GPTQConfig) else BACKEND.FP8_TORCH
+    if isinstance(backend, str):
+        try:
+            chosen = BACKEND(str.lower(str.strip(backend)))
+        except ValueError:
+            chosen = None
+        if chosen == BACKEND.AUTO or chosen == runs_on:
+            return runs_on
+        if chosen in _W4A_BACKENDS and runs_on == BACKEND.GPTQ_TORCH:
+            if checkpoint:
+                return chosen
+            raise ValueError(
+                f"load: backend {backend!r} runs GPTQ checkpoints loaded from a directory; "
+                f"quantize with backend 'auto', save with layout 'gptq', then load that "
+                f"directory with backend={chosen.value!r}"
+            )
+        if chosen in (BACKEND.FP8_TORCH, BACKEND.GPTQ_TORCH, *_W4A_BACKENDS):
+            what = "GPTQ (W4A16)" if runs_on == BACKEND.GPTQ_TORCH else "FP8 weight-only"
+            raise ValueError(
+                f"load: backend {backend!r} cannot run {what} models; use 'auto' or "
+                f"{runs_on.value!r}"
+            )
+    accepted = ", ".join(repr(b.value) for b in BACKEND)
+    raise ValueError(
+        f"load: backend {backend!r} is not available in floatxq; accepted: {accepted} (FP8 "
+        f"weight-only models run on 'fp8_torch', GPTQ W4A16 models on 'gptq_torch', symmetric "
+        f"4-bit g128 GPTQ checkpoints also on 'gptq_w4afp8' and 'gptq_w4a_nvfp4')"
+    )
+
+
+def _is_mlx(backend: Any) -> bool:
+    return isinstance(backend, str) and str.lower(str.strip(backend)) == BACKEND.MLX.value
+
+
+def _load_mlx(model_or_path: Any, *, quantize_config: Any, device: Any, dtype: Any) -> Any:
+    """``load(path, backend="mlx")``: the checkpoint read as for ``fp8_torch``, then converted
+    whole to an MLX model (:func:`floatxq.mlx.convert_to_mlx`)."""
+    if quantize_config is not None:
+        raise ValueError(
+            "load: backend 'mlx' runs a saved checkpoint; quantize with backend 'auto', save, "
+            "then load the directory with backend='mlx'"
+        )
+    if device is not None and str(device) not in ("mps", "cpu", "gpu"):
+        raise ValueError(
+            f"load: backend 'mlx' runs on MLX's default device (Apple GPU, else CPU); device "
+            f"must be None, 'mps', 'gpu' or 'cpu', got {device!r}"
+        )
+    if not isinstance(model_or_path, (str, os.PathLike)):
+        raise TypeError(
+            f"load: backend 'mlx' takes a checkpoint directory, got {type(model_or_path).__name__}"
+        )
+    try:
+        from floatxq.mlx import convert_to_mlx
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise ImportError(f"load: backend 'mlx' needs MLX and mlx-lm: {exc}") from exc
+    loaded = load(model_or_path, dtype=dtype, backend="auto")
+    if isinstance(loaded.quantize_config, GPTQConfig):
+        raise ValueError(
+            f"load: backend 'mlx' runs FP8 (or unquantized) checkpoints of the model types "
+            f"convert_to_mlx supports; {model_or_path} "
+            f"is a GPTQ checkpoint"
+        )
+    conversion = convert_to_mlx(loaded.model)
+    result = QuantizedModel(
+        conversion.model,
+        quantize_config=loaded.quantize_config,
+        backend=BACKEND.MLX,
+        quantized=False,
+        source=loaded.source,
+    )
+    result.quantized = loaded.quantized
+    result.quantized_modules = list(loaded.quantized_modules)
+    result.mlx_routes = dict(conversion.routes)
+    result.layout = loaded.layout
+    return result
+
+
+def _backend_for(backend: Any, config: Any) -> BACKEND:
+    """The backend for a model to quantize with ``config``: a GPTQ config with an activation
+    policy binds its W4A backend (``auto`` or that one accepted), any other as
+    :func:`_resolve_backend`."""
+    activation = getattr(config, "activation", None) if isinstance(config, GPTQConfig) else None
+    if activation is None:
+        return _resolve_backend(backend, config)
+    try:
+        return backend_for_activation(activation, _backend_name(backend))
+    except ValueError as exc:
+        raise ValueError(f"load: {exc}") from None
+
+
+def _backend_name(backend: Any) -> BACKEND:
+    """``backend`` as a BACKEND, or the standard refusal of an unknown one."""
+    if isinstance(backend, str):
+        with contextlib.suppress(ValueError):
+            return BACKEND(str.lower(str.strip(backend)))
+    _resolve_backend(backend)  # raises, naming what is accepted
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _as_config(value: Any) -> FP8Config | GPTQConfig:
+    if isinstance(value, (FP8Config, GPTQConfig)):
+        return value
+    if isinstance(value, Mapping):
+        method = payload_method(value) or METHOD.FP8.value
+        if method == METHOD.GPTQ:
+            return gptq_config_from_payload(value)
+        if method != METHOD.FP8:
+            raise ValueError(
+                f"load: quantize_config method {method!r} is not supported; accepted: 'fp8', 'gptq'"
+            )
+        return fp8_config_from_payload(value)
+    raise TypeError(
+        f"load: quantize_config must be an FP8Config, a GPTQConfig, a payload mapping of either "
+        f"or None, got {type(value).__name__}"
+    )
+
+
+def load(
+    model_or_path: nn.Module | str | os.PathLike[str],
+    *,
+    quantize_config: FP8Config | GPTQConfig | Mapping[str, Any] | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    backend: str | BACKEND = "auto",
+) -> QuantizedModel:
+    """Load a model to quantize, a quantized checkpoint to run, or a native source to requantize.
+
+    Args:
+      model_or_path: an ``nn.Module`` (used as is, not copied) or a local Hugging Face model
+        directory. A directory holding a quantized checkpoint (floatxq's or another tool's, see
+        ``docs/interop.md``) is rebuilt from its files: its quantized modules get the saved bytes.
+      quantize_config: an ``FP8Config`` or ``GPTQConfig`` (or a payload of either, see
+        :mod:`floatxq.interop.payload`) for :meth:`QuantizedModel.quantize`. Given a native
+        FP8 / NVFP4 checkpoint, a ``GPTQConfig`` requantizes it: the source modules keep their
+        bytes, run their own forward for the calibration capture and are decoded one at a time
+        for their solve. Ignored with a warning for any other quantized checkpoint.
+      device: where the model lives. GPTQ keeps the model on CPU while it works and uses this
+        device for one decoder layer at a time, then moves the result here.
+      dtype: dtype of the unquantized parameters (default: the checkpoint's / the model's).
+      backend: ``"auto"``, ``"fp8_torch"`` (FP8) or ``"gptq_torch"`` (GPTQ W4A16);
+        ``"gptq_w4afp8"`` / ``"gptq_w4a_nvfp4"`` run a GPTQ checkpoint (4-bit, groups of 128,
+        symmetric, no ``desc_act``) as ``W4AFP8Linear`` / ``W4ANVFP4Linear`` modules (FP8
+        per-token / NVFP4 activations); ``"mlx"`` converts a saved FP8 (or unquantized) Llama,
+        Mistral, Qwen2 or Qwen3 checkpoint to MLX (``floatxq.mlx.convert_to_mlx``; ``device``
+        None, ``"mps"``, ``"gpu"`` or ``"cpu"``). An activation policy binds its backend
+        (:func:`~floatxq.config.backend_for_activation`); a loaded W4A checkpoint gets its saved
+        activation scales and, on a Llama, the activation stream.
+
+    Raises:
+      CheckpointError (a ValueError): missing/corrupt/truncated files, inconsistent tensors.
+      ValueError: unknown method, or a backend that cannot run the model. TypeError: wrong kind.
+
+    Numerics: loading is bit-exact; quantization as :func:`floatxq.quantize_fp8_weight` or
+    :func:`floatxq.gptq_solve`.
+    """
+    if _is_mlx(backend):
+        return _load_mlx(model_or_path, quantize_config=quantize_config, device=device, dtype=dtype)
+    dev = torch.device(device) if device is not None else None
+    config = _as_config(quantize_config) if quantize_config is not None else None
+    gptq = isinstance(config, GPTQConfig)
+    if isinstance(model_or_path, nn.Module):
+        chosen = _backend_for(backend, config)
+        model = model_or_path.to(dev) if dev is not None and not gptq else model_or_path
+        already = any(isinstance(m, _quantized_types()) for m in model.modules())
+        return QuantizedModel(
+            model,
+            quantize_config=config,
+            backend=chosen,
+            quantized=already and not gptq,
+            device=dev,
+        )
+    if not isinstance(model_or_path, (str, os.PathLike)):
+        raise TypeError(
+            f"load: model_or_path must be an nn.Module or a directory path, got "
+            f"{type(model_or_path).__name__}"
+        )
+    path = Path(model_or_path)
+    if not os.path.lexists(path) and recover_interrupted_save(path):
+        warnings.warn(
+            f"load: {path} was missing after an interrupted save; its previous contents were "
+            f"restored from the save's hidden backup",
+            UserWarning,
+            stacklevel=2,
+        )
+    if not path.is_dir():
+        raise CheckpointError(f"load: {path} is not a model directory (no hub downloads here)")
+    payload = read_json(path / CONFIG_FILE, what="load")
+    model, qconfig, decision, activation_bits = _load_quantized(
+        path, payload, device=None if gptq else dev, dtype=dtype
+    )
+    if model is not None and gptq and not isinstance(qconfig, GPTQConfig):
+        # A native FP8 / NVFP4 source: a fresh GPTQ solve of its decoded weights.
+        source = QuantizedModel(
+            model,
+            quantize_config=config,
+            backend=_backend_for(backend, config),
+            source=path,
+            device=dev,
+        )
+        source.layout = decision
+        return source
+    if model is not None:
+        activation = getattr(qconfig, "activation", None)
+        if activation is not None:
+            try:
+                chosen = backend_for_activation(activation, _backend_name(backend))
+            except ValueError as exc:
+                raise ValueError(f"load: {path}: {exc}") from None
+        else:
+            chosen = _resolve_backend(backend, qconfig, checkpoint=True)
+        if chosen in _W4A_BACKENDS:
+            install_w4a_modules(model, chosen, activation=activation, scale_bits=activation_bits)
+        if activation is not None:
+            install_activation_stream(model, activation)
+        if quantize_config is not None:
+            warnings.warn(
+                f"load: {path} is already quantized; quantize_config is ignored",
+                UserWarning,
+                stacklevel=2,
+            )
+        loaded = QuantizedModel(
+            model, quantize_config=qconfig, backend=chosen, quantized=True, source=path, device=dev
+        )
+        loaded.layout = decision
+        return loaded
+    chosen = _backend_for(backend, config)
+    model = _load_plain(path, device=None if gptq else dev, dtype=dtype)
+    loaded = QuantizedModel(model, quantize_config=config, backend=chosen, source=path, device=dev)
+    return loaded
+
+
+__all__ = ["load"]
