@@ -205,11 +205,11 @@ _LAZY = {
     "evaluate_lm": "floatxq.lifecycle",
     "inspect_checkpoint": "floatxq.lifecycle",
     "install_w4a_llama_stream": "floatxq.lifecycle",
-    "install_w4a_stream": "floatxq.lifecycle.stream",
+    "install_w4a_stream": "floatxq.lifecycle",
     "installed_w4a_stream": "floatxq.lifecycle",
     "load": "floatxq.lifecycle",
     "uninstall_w4a_llama_stream": "floatxq.lifecycle",
-    "uninstall_w4a_stream": "floatxq.lifecycle.stream",
+    "uninstall_w4a_stream": "floatxq.lifecycle",
 }
 
 

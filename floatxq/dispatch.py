@@ -702,7 +702,6 @@ def pack_activation(
     global_scale: Float[Tensor, "*one"] | float | None = None,
     model_dtype: torch.dtype | None = None,
     recipe: NVFP4RecipeName | None = None,
-    rotation_applied: bool = False,
     reference: Float[Tensor, "*lead k"] | None = None,
 ) -> W4AActivation:
     """:func:`floatxq.w4a.activation.pack_activation` through the Triton packers where they run.
@@ -720,7 +719,7 @@ def pack_activation(
     """
     return _activation.pack_activation_with(
         x, mode, global_scale=global_scale, model_dtype=model_dtype, recipe=recipe,
-        rotation_applied=rotation_applied, reference=reference, fp8_packer=_pack_fp8,
+        reference=reference, fp8_packer=_pack_fp8,
         nvfp4_packer=_pack_nvfp4,
     )  # fmt: skip
 

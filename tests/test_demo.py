@@ -21,7 +21,7 @@ def report():
     return run_demo(max_windows=4, calibration_windows=4)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # the scope of `report`: pytest then sets up in argument order
 def matplotlib():
     """The optional ``plot`` extra: the chart test skips without it, before the demo runs."""
     return pytest.importorskip("matplotlib")

@@ -171,12 +171,12 @@ def test_dynamic_global_scale_depends_on_every_token_a_given_one_does_not():
 
 def test_rescale_tokens_keeps_the_bytes_and_scales_each_row():
     x = _randn(2, 3, 128, dtype=torch.bfloat16, seed=3)
-    a = fq.pack_activation(x, "w4a_nvfp4", reference=x, rotation_applied=True)
+    a = fq.pack_activation(x, "w4a_nvfp4", reference=x)
     f = torch.tensor([0.5, 2.0, -1.0, 3.0, 0.0, 1e-3])
     b = a.rescale_tokens(f)
     assert b is not a and a.token_scale is None  # the old carrier is untouched
     assert b.codes is a.codes and b.scales is a.scales and b.global_scale is a.global_scale
-    assert b.rotation_applied and b.recipe == a.recipe
+    assert b.recipe == a.recipe and b.model_dtype == a.model_dtype
     assert_bitwise_equal(b.token_scale, f)
     want = (a.decode(torch.float32).reshape(6, 128) * f[:, None]).reshape(x.shape)
     assert_bitwise_equal(b.decode(torch.float32), want)
@@ -269,7 +269,6 @@ CARRIER_ERRORS = [
     ("shape-k", _fp8_fields(shape=(2, 100)), ValueError, "positive multiple of 128"),
     ("dtype-kind", _fp8_fields(model_dtype="bf16"), TypeError, "model_dtype must be a torch.dtype"),
     ("dtype-fp64", _fp8_fields(model_dtype=torch.float64), ValueError, "bfloat16 or torch.float32"),
-    ("rotation", _fp8_fields(rotation_applied=1), TypeError, "rotation_applied must be a bool"),
     ("codes-kind", _fp8_fields(codes=[[1.0]]), TypeError, "codes must be a torch.Tensor"),
     (
         "fp8-codes-dtype",

@@ -257,7 +257,7 @@ class W4ALinear(GPTQLinear):
         Raises:
           TypeError: another kind of ``x`` or dtype, ``x`` on another device than the buffers.
           ValueError: ``x``'s last axis is not ``in_features``; NaN or infinity in ``x`` (checked
-            routes); a carrier of another mode, with a rotation, or of inconsistent shapes.
+            routes); a carrier of another mode or of inconsistent shapes.
           RuntimeError: a weight cache absent (call ``post_init()``); a forced route that
             cannot run here.
 
@@ -289,14 +289,9 @@ class W4ALinear(GPTQLinear):
         self, carrier: Any, mode: str, width: int, kind: torch.dtype
     ) -> tuple[Tensor, tuple, torch.dtype]:
         """``(codes, shape, model_dtype)`` of a carrier of ``mode`` (already accepted), checked
-        against this module: no rotation, shape ``(*, in)``, codes ``(rows, width)`` of
+        against this module: shape ``(*, in)``, codes ``(rows, width)`` of
         ``kind``, a float16/bfloat16/float32 model dtype, the buffers' device."""
         where = type(self).__name__
-        if getattr(carrier, "rotation_applied", False):
-            raise ValueError(
-                f"{where}: the activation carrier is Hadamard-rotated (rotation_applied=True) "
-                f"but this module's weight is not"
-            )
         codes, shape, dtype = carrier.codes, tuple(carrier.shape), carrier.model_dtype
         k = self.in_features
         if not shape or shape[-1] != k:

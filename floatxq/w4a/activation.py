@@ -168,8 +168,6 @@ class W4AActivation:
     """NVFP4: one positive finite FP32 value (multiply to decode). FP8: None."""
     recipe: NVFP4Recipe | None = None
     """NVFP4: the canonical block-scale recipe the codes were searched with. FP8: None."""
-    rotation_applied: bool = False
-    """Whether the activation was rotated (e.g. Hadamard) before quantization."""
     token_scale: Float32[Tensor, "rows"] | None = None
     """NVFP4 only, optional: a finite FP32 ``(rows,)`` multiplier applied after the decode."""
     reference: Float[Tensor, "*logical"] | None = None
@@ -195,11 +193,6 @@ class W4AActivation:
         _check_mode(self.mode, where=where)
         rows, k = _check_shape(self.shape, where=where)
         _check_model_dtype(self.model_dtype, where=where)
-        if not isinstance(self.rotation_applied, bool):
-            raise TypeError(
-                f"{where}: rotation_applied must be a bool, got "
-                f"{type(self.rotation_applied).__name__}"
-            )
         nvfp4 = self.mode == "w4a_nvfp4"
         if nvfp4:
             _check_dtype_shape(self.codes, _FP4X2, (rows, k // 2), name="codes", where=where)
@@ -452,7 +445,6 @@ def pack_activation(
     global_scale: Float[Tensor, "*one"] | float | None = None,
     model_dtype: torch.dtype | None = None,
     recipe: NVFP4RecipeName | None = None,
-    rotation_applied: bool = False,
     reference: Float[Tensor, "*lead k"] | None = None,
 ) -> W4AActivation:
     """Quantize an activation into a :class:`W4AActivation` for a W4A linear (pure functions;
@@ -466,7 +458,6 @@ def pack_activation(
         dynamic scale of ``max|x|`` over the whole tensor (each token's codes depend on all).
       model_dtype: float16, bfloat16 or float32 (default ``x.dtype`` when half, else bfloat16).
       recipe: NVFP4 only: the block-scale recipe (default ``least_squares``; stored canonical).
-      rotation_applied: recorded on the carrier.
       reference: the exact activation to carry, ``x``'s shape and device, or None.
 
     Raises:
@@ -487,7 +478,7 @@ def pack_activation(
     """
     return pack_activation_with(
         x, mode, global_scale=global_scale, model_dtype=model_dtype, recipe=recipe,
-        rotation_applied=rotation_applied, reference=reference, fp8_packer=pack_fp8_tokens,
+        reference=reference, fp8_packer=pack_fp8_tokens,
         nvfp4_packer=pack_nvfp4_blocks,
     )  # fmt: skip
 
@@ -499,7 +490,6 @@ def pack_activation_with(
     global_scale: Tensor | float | None,
     model_dtype: torch.dtype | None,
     recipe: NVFP4RecipeName | None,
-    rotation_applied: bool,
     reference: Tensor | None,
     fp8_packer: FP8Packer,
     nvfp4_packer: NVFP4Packer,
@@ -540,7 +530,6 @@ def pack_activation_with(
         shape=shape,
         model_dtype=model_dtype,
         mode=mode,
-        rotation_applied=rotation_applied,
         reference=reference,
     )
     if mode == "w4afp8":
