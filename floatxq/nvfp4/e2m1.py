@@ -23,16 +23,27 @@ def _e2m1_table(device: torch.device) -> Tensor:
     return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
 
 
+_BOUNDARIES = (
+    (torch.ge, 0.75),
+    (torch.gt, 1.25),
+    (torch.ge, 1.75),
+    (torch.gt, 2.5),
+    (torch.ge, 3.5),
+    (torch.gt, 5.0),
+)
+"""After ``> 0.25``: the comparison that moves a magnitude past each later rounding boundary."""
+
+
 def _e2m1_index(magnitude: Tensor) -> Tensor:
     """Index (0..7) of the nearest E2M1 magnitude, ties to the even index; saturates at 6."""
     m = magnitude
-    idx = (m > 0.25).to(torch.uint8)
-    idx += m >= 0.75
-    idx += m > 1.25
-    idx += m >= 1.75
-    idx += m > 2.5
-    idx += m >= 3.5
-    idx += m > 5.0
+    # One comparison per boundary between E2M1 magnitudes, strict where the tie goes down to
+    # the even index and non-strict where it goes up; each adds 0 or 1 in place (a NaN adds 0).
+    idx = torch.gt(m, 0.25).view(torch.uint8)
+    hit = torch.empty_like(idx, dtype=torch.bool)
+    for compare, boundary in _BOUNDARIES:
+        compare(m, boundary, out=hit)
+        idx.add_(hit.view(torch.uint8))
     return idx
 
 
