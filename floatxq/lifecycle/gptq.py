@@ -54,6 +54,7 @@ from floatxq.lifecycle.decoder import (
     output_embedding,
 )
 from floatxq.lifecycle.gptq_replay import replay_outputs, replay_setup, replay_solve
+from floatxq.lifecycle.replay import RoundingMemo
 from floatxq.stats import HESSIAN, Statistic, finalize_all, fold_all
 
 PACKABLE_BITS: tuple[int, ...] = (2, 4, 8)
@@ -518,11 +519,12 @@ def quantize_gptq_model(
                 names = [n for n in targets if n.startswith(prefix)]
                 plan = None if replay is None else replay.plans.get(index)
                 frozen: dict[str, float] = {}
+                memo = RoundingMemo()  # one layer's rounded operands, reused while unchanged
                 if names and plan is not None:
                     step = _LayerStep(model, layer, index, inputs, device, rows, on_module)
                     configs = {n: targets[n].config for n in names}
                     done, scales, frozen = replay_solve(
-                        step, prefix, plan, configs, solved, replay.policy.global_scales
+                        step, prefix, plan, configs, solved, replay.policy.global_scales, memo=memo
                     )
                     reports.extend(done)
                     activation_scales.update(scales)
@@ -535,7 +537,9 @@ def quantize_gptq_model(
                         out = layer_output(call_layer(layer, item))
                         inputs[i] = item._replace(hidden=out)
                 elif not last:
-                    replay_outputs(layer, plan, inputs, replay.policy.global_scales, frozen)
+                    replay_outputs(
+                        layer, plan, inputs, replay.policy.global_scales, frozen, memo=memo
+                    )
                 for name, built in solved.items():
                     model.set_submodule(name, built)
                 solved.clear()

@@ -36,17 +36,22 @@ def replay_solve(
     configs: dict[str, GPTQConfig],
     solved: dict[str, nn.Module],
     producer_scales: Mapping[str, float] | None,
+    memo: Any = None,
 ) -> tuple[list[Any], dict[str, float], dict[str, float]]:
     """Solve a streamed Llama layer on the replayed W4A operands (module docstring, step 2
     with an activation policy): per input group, in call order, an optional headroom probe
     pass freezes the group's scale, then a pass folds the Hessian of the rounded operand
-    (and the running ``max|x|`` of the un-rounded one), then the group is solved.
+    (and the running ``max|x|`` of the un-rounded one), then the group is solved. The passes
+    share ``memo`` (a :class:`~floatxq.lifecycle.replay.RoundingMemo`; a new one if None):
+    pass the same to :func:`replay_outputs` to reuse its roundings there too.
 
     Returns ``(reports, activation scales by module name, frozen headroom scales by
     site)``."""
-    from floatxq.lifecycle.replay import ReplayCodec
+    from floatxq.lifecycle.replay import ReplayCodec, RoundingMemo
     from floatxq.nvfp4.quantize import nvfp4_global_scale
 
+    if memo is None:  # each site rounded once per batch while its operand is unchanged
+        memo = RoundingMemo()
     reports: list[Any] = []
     scales: dict[str, float] = {}
     frozen: dict[str, float] = {}
@@ -56,7 +61,7 @@ def replay_solve(
         if lane.headroom:  # probe: the un-rounded operand's histogram freezes the scale
             probe = _GroupFold(names, {"headroom": (HEADROOM, HEADROOM.init())})
             _replay(step, plan, ReplayCodec(
-                producer_scales=producer_scales, site_scales=frozen,
+                producer_scales=producer_scales, site_scales=frozen, memo=memo,
                 pack_observers={site: probe.observer("headroom", stop=True)},
             ), probe)  # fmt: skip
             try:
@@ -71,7 +76,8 @@ def replay_solve(
         fold = _GroupFold(names, statistics)
         observers = {site: fold.observer("amax")} if "amax" in statistics else {}
         _replay(step, plan, ReplayCodec(
-            producer_scales=producer_scales, site_scales=frozen, pack_observers=observers,
+            producer_scales=producer_scales, site_scales=frozen, memo=memo,
+            pack_observers=observers,
             linear_observers={paths[0].rsplit(".", 1)[-1]: fold.observer("hessian", stop=True)},
         ), fold)  # fmt: skip
         try:
@@ -99,8 +105,10 @@ def _replay(step: Any, plan: Any, codec: Any, fold: "_GroupFold") -> None:
     """Run the replayed layer on every batch (an observer's ``Stop`` ends a batch)."""
     from floatxq.lifecycle.replay import replay_llama_layer
 
-    for item in step.inputs:
+    for batch, item in enumerate(step.inputs):
         fold.mask = item.mask
+        if codec.memo is not None:
+            codec.memo.batch = batch
         with contextlib.suppress(Stop):
             replay_llama_layer(
                 step.layer, item.hidden, *item.args, plan=plan, codec=codec, **item.kwargs
@@ -254,13 +262,17 @@ def replay_outputs(
     inputs: list[LayerInput],
     producer_scales: Mapping[str, float] | None,
     frozen: Mapping[str, float],
+    memo: Any = None,
 ) -> None:
     """Each batch's next-layer input, as the runtime stream computes it: a streamed layer's
-    replayed ``output`` operand; an unstreamed layer run on the exact input in the model dtype."""
+    replayed ``output`` operand; an unstreamed layer run on the exact input in the model dtype.
+    ``memo``: the :class:`~floatxq.lifecycle.replay.RoundingMemo` :func:`replay_solve` used."""
     from floatxq.lifecycle.replay import ReplayCodec, ReplayOperand, replay_llama_layer
 
-    codec = ReplayCodec(producer_scales=producer_scales, site_scales=frozen)
+    codec = ReplayCodec(producer_scales=producer_scales, site_scales=frozen, memo=memo)
     for i, item in enumerate(inputs):
+        if memo is not None:
+            memo.batch = i
         if plan is not None:
             out = replay_llama_layer(
                 layer, item.hidden, *item.args, plan=plan, codec=codec, **item.kwargs

@@ -11,7 +11,8 @@ hands the next what the runtime stream would.
 :func:`round_w4a_activation` and :func:`round_w4a_replay_operand` are the rounding itself;
 :class:`ReplayOperand` an operand (rounded lazily: a residual boundary's codes are only read by
 the fused-norm shortcut); :class:`ReplayCodec` the codec, with observers for the GPTQ passes;
-:func:`replay_llama_layer` one layer.
+:func:`replay_llama_layer` one layer; :class:`RoundingMemo` lets a layer's passes share the
+roundings of operands whose bits did not change.
 """
 
 from collections.abc import Callable, Mapping
@@ -41,6 +42,7 @@ from floatxq.w4a.activation import W4AActivation
 __all__ = [
     "ReplayCodec",
     "ReplayOperand",
+    "RoundingMemo",
     "replay_llama_layer",
     "round_w4a_activation",
     "round_w4a_replay_operand",
@@ -252,6 +254,67 @@ def _fixed_scale(value: Any, device: torch.device) -> Tensor:
     return torch.as_tensor(value, dtype=torch.float32, device=device).reshape(())
 
 
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: Tensor | None, b: Tensor | None) -> bool:
+    """Whether ``a`` and ``b`` hold the same bits (signed zeros and NaN payloads count)."""
+    if a is None or b is None:
+        return a is b
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    ints = _SAME_SIZE_INTS[a.element_size()]
+    return torch.equal(a.reshape(-1).view(ints), b.reshape(-1).view(ints))
+
+
+class RoundingMemo:
+    """The NVFP4 operands a layer's replay passes packed, by ``(batch, site)``: a later pass
+    that packs the same bits (value, global scale, lane) reads the kept rounding instead of
+    searching again, so each site is rounded once per batch per state, with the same bits.
+
+    ``batch`` names the batch being replayed (the caller sets it); FP8 operands are not kept
+    (their rounding is cheap). Holds each site's last operand: drop the memo with the layer.
+
+    Example:
+      >>> memo = RoundingMemo()
+      >>> codec = ReplayCodec(memo=memo)  # one memo shared by the layer's passes
+    """
+
+    def __init__(self) -> None:
+        self.batch: int = 0
+        self._held: dict[tuple[int, str], ReplayOperand] = {}
+
+    def operand(
+        self,
+        value: Tensor,
+        lane: StreamLane,
+        *,
+        site: str,
+        global_scale: Tensor | None,
+        reference: Tensor | None,
+        model_dtype: torch.dtype,
+    ) -> ReplayOperand:
+        """The operand of ``value`` at ``site``: rounded already when a pass rounded the same."""
+        key = (self.batch, site)
+        held = self._held.get(key)
+        rounded = None
+        if (
+            held is not None
+            and held._base is not None
+            and held.lane == lane
+            and _same_bits(held.raw, value)
+            and _same_bits(held.global_scale, global_scale)
+        ):
+            rounded = held._base
+        op = ReplayOperand(
+            value, lane, global_scale=global_scale, reference=reference,
+            model_dtype=model_dtype, rounded=rounded,
+        )  # fmt: skip
+        if rounded is None:
+            self._held[key] = op
+        return op
+
+
 class ReplayCodec:
     """The stream dataflow's codec for the replay: FP32 QDQ operands, FP32 ``F.linear``.
 
@@ -268,6 +331,7 @@ class ReplayCodec:
         fused norm operand: the normed residual ``x · 1/rms``); raising aborts the layer.
       linear_observers: by role (``q_proj`` ... ``down_proj``), called with the FP32 operand
         the linear multiplies; raising aborts the layer.
+      memo: a :class:`RoundingMemo` shared by the passes over one layer's batches, or None.
 
     Numerics: linears compute ``F.linear(x, W, b)`` in FP32 (``W`` the dense weight, or
     ``dequantize_weight(float32)`` of a quantized module), rounded once to the model dtype.
@@ -286,7 +350,9 @@ class ReplayCodec:
         site_scales: Mapping[str, float] | None = None,
         pack_observers: Mapping[str, Callable[[Tensor], Any]] | None = None,
         linear_observers: Mapping[str, Callable[[Tensor], Any]] | None = None,
+        memo: RoundingMemo | None = None,
     ) -> None:
+        self.memo = memo
         self.producer_scales = dict(producer_scales or {})
         self.site_scales = dict(site_scales or {})
         self.pack_observers = dict(pack_observers or {})
@@ -345,6 +411,11 @@ class ReplayCodec:
         if observer is not None:
             observer(value)
         scale = self._scale(lane, site, key, headroom, value)
+        if self.memo is not None and lane.nvfp4:
+            return self.memo.operand(
+                value, lane, site=site, global_scale=scale, reference=reference,
+                model_dtype=model_dtype,
+            )  # fmt: skip
         return ReplayOperand(
             value, lane, global_scale=scale, reference=reference, model_dtype=model_dtype
         )

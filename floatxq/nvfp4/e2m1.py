@@ -47,6 +47,31 @@ def _e2m1_index(magnitude: Tensor) -> Tensor:
     return idx
 
 
+_ONE_BITS = 0x3F800000  # FP32 1.0
+_EXPONENT_MASK = 0x7F800000
+_SIX_EXPONENT_BITS = 0x40800000  # FP32 4.0: the exponent field of 6
+_SHIFT_22 = 22 << 23  # multiply a power of two by 2**22 in its exponent field
+
+
+def _e2m1_value(magnitude: Tensor) -> Tensor:
+    """The nearest E2M1 magnitude (FP32) of each magnitude: ``table[_e2m1_index(m)]``, bit for bit.
+
+    E2M1 is FP32 rounding (nearest-even) onto steps of 0.5 below 2, 1 in [2, 4), 2 in [4, 6]: after
+    clamping to 6, ``(m + c) - c`` with ``c = max(2**floor(log2 m), 1) * 2**22`` (one ulp of ``c``
+    is the step) rounds exactly so, in a few passes instead of one comparison per boundary. NaN
+    gives 0, as index 0. Equal to :func:`_e2m1_index` on every FP32 value in ``[0, 8]`` (swept).
+    """
+    return _e2m1_value_(magnitude.clamp_max(6.0))
+
+
+def _e2m1_value_(m: Tensor) -> Tensor:
+    """:func:`_e2m1_value` computed in ``m`` (a contiguous FP32 temporary the caller owns)."""
+    m.clamp_max_(6.0)  # a NaN stays NaN
+    power = (m.view(torch.int32) & _EXPONENT_MASK).clamp_(_ONE_BITS, _SIX_EXPONENT_BITS)
+    c = power.add_(_SHIFT_22).view(torch.float32)
+    return m.add_(c).sub_(c).nan_to_num_(0.0)
+
+
 def e2m1_round(x: Float[Tensor, "*shape"]) -> Float32[Tensor, "*shape"]:
     """Round to the nearest E2M1 value with the sign of ``x`` (FP32 result).
 

@@ -177,8 +177,10 @@ def _read_document(path: Path, name: str) -> str | None:
     return "\n\n".join(kept) or None
 
 
-@functools.lru_cache(maxsize=4)
-def _parse_stdlib(root: str) -> tuple[StdlibDocument, ...]:
+@functools.lru_cache(maxsize=16)
+def _parse_stdlib(root: str, split: str | None) -> tuple[StdlibDocument, ...]:
+    """The documents of ``split`` (None: all): a module's split is decided from its name, so
+    only the files of that split are parsed."""
     base = Path(root)
     if not base.is_dir():
         raise FileNotFoundError(f"stdlib_documents: root {root!r} is not a directory")
@@ -191,6 +193,8 @@ def _parse_stdlib(root: str) -> tuple[StdlibDocument, ...]:
             path = Path(dirpath, filename)
             name = _module_name(path.relative_to(base))
             if name is None or name in documents:
+                continue
+            if split is not None and split_of(name) != split:
                 continue
             text = _read_document(path, name)
             if text is not None:
@@ -227,8 +231,7 @@ def stdlib_documents(
     """
     if split is not None:
         _require_split(split, where="stdlib_documents")
-    documents = _parse_stdlib(_root_of(root))
-    return documents if split is None else tuple(d for d in documents if d.split == split)
+    return _parse_stdlib(_root_of(root), split)
 
 
 @functools.lru_cache(maxsize=12)
