@@ -17,8 +17,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import floatxq
+import floatxq.lifecycle  # imported at collection, not in the first example's time
 from floatxq.nn import TorchFP8Linear
 
 SLOW = settings(max_examples=max(8, settings().max_examples // 4))
@@ -32,8 +34,6 @@ _LAYOUTS = {
 
 
 def _tiny_llama(seed: int, magnitude: float):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(seed)
     config = LlamaConfig(
         hidden_size=64,

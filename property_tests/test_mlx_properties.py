@@ -8,7 +8,7 @@ through ``floatxq.mlx.metal_emulator`` (a C++ build of their sources) where Meta
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 mx = pytest.importorskip("mlx.core")
@@ -97,6 +97,7 @@ def test_metal_encoder_gives_array_ops_bytes(case: FP8WeightCase) -> None:
     seed=st.integers(0, 2**16),
     data=st.data(),
 )
+@settings(max_examples=max(10, settings.default.max_examples // 2))
 def test_packed_kernels_agree_and_bound(case: FP8WeightCase, rows: int, seed: int, data) -> None:
     q = _mlx_case(case)
     layer = fqm.MlxFP8PackedLinear(q.qweight, q.scale_inv, format=case.format)

@@ -10,7 +10,7 @@ rounding bound of its own block scales, and each block's squared error within th
 import math
 
 import torch
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import floatxq as fq
@@ -65,6 +65,7 @@ def nvfp4_activations(draw) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
+@settings(max_examples=max(10, settings.default.max_examples // 2))
 @given(fp8_activations())
 @example(torch.tensor([[3.4028235e38, -1.0] + [0.0] * 126]))
 @example(torch.zeros(2, 1, 128, dtype=torch.bfloat16))
@@ -106,6 +107,7 @@ def _candidate6_sse(x32: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return (err**2).sum(dim=1)
 
 
+@settings(max_examples=max(10, settings.default.max_examples // 2))
 @given(nvfp4_activations(), GLOBAL_SCALES, st.sampled_from(fq.NVFP4_RECIPES))
 @example(torch.tensor([[6.0, -4.0, 0.5] + [0.0] * 125]), None, "exhaustive")
 def test_nvfp4_decode_error_within_e2m1_bound(x, global_scale, recipe):
@@ -132,6 +134,7 @@ def test_nvfp4_decode_error_within_e2m1_bound(x, global_scale, recipe):
     assert bool((sse <= limit).all())
 
 
+@settings(max_examples=max(10, settings.default.max_examples // 2))
 @given(nvfp4_activations(), st.floats(2.0**-20, 2.0**10, width=32), st.data())
 def test_nvfp4_with_a_given_global_scale_each_token_is_packed_alone(x, g, data):
     """A given global scale makes each token's codes and block scales its own business; the

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -87,6 +87,7 @@ def _prepacked(case, operand, weight, group_scales, dtype=None) -> torch.Tensor:
     )  # fmt: skip
 
 
+@settings(max_examples=max(10, settings.default.max_examples // 3))
 @given(w4a_nvfp4_cases())
 def test_words_and_staged_e4m3_are_the_same_operand(case):
     packed = _packed(case)
@@ -101,6 +102,7 @@ def test_words_and_staged_e4m3_are_the_same_operand(case):
     )
 
 
+@settings(max_examples=max(10, settings.default.max_examples // 3))
 @given(w4a_nvfp4_cases())
 def test_within_the_bound_of_the_decoded_activation_times_the_dequantized_weight(case):
     packed = _packed(case)
@@ -136,6 +138,7 @@ ZERO_BIAS_CASE = {
 }  # fmt: skip
 
 
+@settings(max_examples=max(10, settings.default.max_examples // 3))
 @given(w4a_nvfp4_cases())
 @example(ZERO_BIAS_CASE)
 def test_a_group_with_zero_scales_contributes_nothing(case):

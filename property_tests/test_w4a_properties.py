@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -64,6 +64,7 @@ def _staged(packed: fq.GPTQPacked) -> torch.Tensor:
     return fq.int4_to_e4m3(fq.centered_int4(packed, format="gptq"))
 
 
+@settings(max_examples=max(10, settings.default.max_examples // 2))
 @given(w4a_fp8_cases())
 def test_words_and_staged_e4m3_are_the_same_operand(case):
     x, weight, bias = case
@@ -73,6 +74,7 @@ def test_words_and_staged_e4m3_are_the_same_operand(case):
     assert_bitwise_equal(words, staged)
 
 
+@settings(max_examples=max(10, settings.default.max_examples // 2))
 @given(w4a_fp8_cases())
 def test_w4a_fp8_is_the_grouped_sum_of_exact_products(case):
     x, weight, bias = case
@@ -86,6 +88,7 @@ def test_w4a_fp8_is_the_grouped_sum_of_exact_products(case):
     assert_within_bound(out, bound)
 
 
+@settings(max_examples=max(10, settings.default.max_examples // 2))
 @given(w4a_fp8_cases(), st.integers(-3, 3))
 def test_power_of_two_group_scales_scale_the_output_exactly(case, e):
     x, weight, _ = case
@@ -103,6 +106,7 @@ def test_power_of_two_group_scales_scale_the_output_exactly(case, e):
     assert_bitwise_equal(scaled, base * 2.0**e)
 
 
+@settings(max_examples=max(10, settings.default.max_examples // 2))
 @given(w4a_fp8_cases())
 def test_a_group_with_zero_scales_contributes_nothing(case):
     x, weight, _ = case
