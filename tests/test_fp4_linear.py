@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from floatxq import dispatch
+from floatxq.dispatch import decode as dispatch  # the facts its route choice reads
 from floatxq.kernels._triton import triton_unavailable_reason
 from floatxq.nn import fp4_linear
 from floatxq.nn.fp4_linear import TorchFP4Linear

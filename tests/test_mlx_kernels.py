@@ -213,7 +213,9 @@ def test_layer_call_takes_the_kernel_route(fake_metal: list, monkeypatch) -> Non
     # Make the output count as wide: the same layer now takes the prefill kernel for many rows
     # and the general one for a single row; the bytes agree.
     monkeypatch.setattr(
-        mlx_linear, "packed_route", lambda r, i, o: "prefill" if r > 1 else "general"
+        mlx_linear,
+        "mlx_packed_route",
+        lambda r, i, o, *, metal: ("prefill" if r > 1 else "general", None),
     )
     y2 = layer(x.reshape(2, 3, 5, 64))
     assert fake_metal[-1] == "packed_prefill"
@@ -380,7 +382,7 @@ def test_shapes_cover_partial_tiles() -> None:
 
 @pytest.fixture
 def apple(monkeypatch: pytest.MonkeyPatch) -> None:
-    import floatxq.dispatch as fk
+    import floatxq.dispatch.fp8 as fk
 
     monkeypatch.setattr(fk, "_apple_silicon", lambda: True)
     monkeypatch.setattr(fk, "MLX_ENCODER_MIN_ELEMENTS", 64)
@@ -421,7 +423,7 @@ def test_auto_route_off_apple_is_torch() -> None:
 
 
 def test_fp8_linear_from_linear_through_mlx_route(apple, monkeypatch) -> None:
-    import floatxq.dispatch as fk
+    import floatxq.dispatch.fp8 as fk
 
     torch.manual_seed(1)
     linear = torch.nn.Linear(64, 32)

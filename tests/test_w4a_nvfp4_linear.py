@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import floatxq.dispatch as wmod
+import floatxq.dispatch.w4a as wmod
 import floatxq.kernels._triton as _triton
 from floatxq.config import BACKEND
 from floatxq.gptq.int4 import GPTQPacked, pack_gptq

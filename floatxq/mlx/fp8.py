@@ -5,10 +5,10 @@ The arithmetic is the torch encoder's, step for step, in FP32: ``amax`` per regi
 all-zero region), ``w * scale_inv``, a clamp to ``±fp8_max``. The FP8 byte is then built from
 the FP32 bits with integer operations only (sign, exponent, mantissa, FP8 subnormals), rounding
 to nearest-even, so no FP8 dtype (which MLX lacks) is needed. Where MLX runs on an Apple GPU,
-weights of at least :data:`~floatxq.mlx.kernels.FP8_ENCODE_MIN_ELEMENTS` elements are encoded
-by the Metal kernel ``fp8_encode`` (one fused pass, the same operations per element); the
-scales are always computed with array ops. :func:`fp8_encode_route` says which path a weight
-takes.
+weights of at least :data:`~floatxq.dispatch.mlx.FP8_ENCODE_MIN_ELEMENTS` elements are
+encoded by the Metal kernel ``fp8_encode`` (one fused pass, the same operations per element);
+the scales are always computed with array ops. :func:`fp8_encode_route` says which path a
+weight takes (the choice is :func:`floatxq.dispatch.mlx_fp8_encode_route`'s).
 
 FP32 subnormal weights are handled as IEEE values: the MLX CPU backend (where this is tested)
 computes with them exactly; a backend that flushes subnormals to zero would change such bytes.
@@ -20,6 +20,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from floatxq._typing import Float, Float32, Tensor, UInt8, checked_record
+from floatxq.dispatch.mlx import mlx_fp8_encode_route
 from floatxq.formats import (
     FLOAT32_MAX,
     FLOAT32_TINY,
@@ -33,7 +34,6 @@ from floatxq.formats import (
 )
 from floatxq.fp8 import FP8Weight
 from floatxq.mlx.kernels import (
-    FP8_ENCODE_MIN_ELEMENTS,
     MLX_FLOAT_NAMES,
     fp8_encode_launch,
     metal_available,
@@ -120,17 +120,15 @@ def _quantize(w: mx.array, scale_inv: mx.array, name: FP8WeightFormat) -> mx.arr
 def fp8_encode_route(weight: Float[mx.array, "out in"]) -> str:
     """Which encoder :func:`quantize_fp8_weight_mlx` uses for ``weight``'s bytes.
 
-    Returns:
-      ``"metal"`` where MLX has its Metal backend and ``weight`` has at least
-      ``FP8_ENCODE_MIN_ELEMENTS`` (2**20) elements, else ``"array-ops"``. Both give the same
-      bytes (the kernel's tests run its source against the array ops).
+    The route of :func:`floatxq.dispatch.mlx_fp8_encode_route` for ``weight``'s size here:
+    ``"metal"`` where MLX has its Metal backend and ``weight`` has at least
+    ``FP8_ENCODE_MIN_ELEMENTS`` (2**20) elements, else ``"array-ops"``. Both give the same bytes.
 
     Example:
       >>> fp8_encode_route(mx.zeros((4, 4)))
       'array-ops'
     """
-    big = weight.size >= FP8_ENCODE_MIN_ELEMENTS
-    return "metal" if big and metal_available() else "array-ops"
+    return mlx_fp8_encode_route(weight.size, metal=metal_available())[0]
 
 
 def _encode(weight: mx.array, w: mx.array, scale_inv: mx.array, name: FP8WeightFormat) -> mx.array:

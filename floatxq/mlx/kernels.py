@@ -22,8 +22,8 @@ kernel sources on machines without Metal, and compare with the references.
 
 The kernels compile in MLX's default ``"safe"`` math mode: IEEE multiply, add and division, and
 explicit ``fma`` where the sources fuse. Which route a packed layer takes is
-:func:`packed_route`'s choice; it never changes bytes between the two Metal routes and changes
-them from the array-ops reference only by the order of the FP32 sums (see
+:func:`floatxq.dispatch.mlx_packed_route`'s choice; it never changes bytes between the two Metal
+routes and changes them from the array-ops reference only by the order of the FP32 sums (see
 :meth:`~floatxq.mlx.MlxFP8PackedLinear.reference`).
 """
 
@@ -34,6 +34,12 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from floatxq._typing import Float, Float32, UInt8
+from floatxq.dispatch.mlx import (  # re-exported: their old home
+    FP8_ENCODE_MIN_ELEMENTS,
+    PREFILL_MAX_IN,
+    PREFILL_MIN_OUT,
+    mlx_packed_route,
+)
 from floatxq.formats import MODEL_DTYPES
 
 __all__ = [
@@ -56,12 +62,6 @@ MLX_FLOAT_NAMES: tuple[str, ...] = tuple(str(d).removeprefix("torch.") for d in 
 
 PREFILL_TILE_ROWS = 16
 """Rows of ``x`` one prefill thread serves with each decoded weight."""
-PREFILL_MAX_IN = 8192
-"""The prefill route takes ``in_features`` up to this (and a multiple of 64)."""
-PREFILL_MIN_OUT = 8192
-"""The prefill route takes ``out_features`` from this up (and a multiple of 32)."""
-FP8_ENCODE_MIN_ELEMENTS = 1 << 20
-"""Weights with at least this many elements are encoded by the Metal kernel where Metal runs."""
 
 _PACKED_BODY = """
     uint n = thread_position_in_grid.x;
@@ -221,24 +221,14 @@ def metal_available() -> bool:
 def packed_route(rows: int, in_features: int, out_features: int) -> str:
     """Which packed-byte kernel serves a product of ``rows`` by a ``(out, in)`` FP8 weight.
 
-    Args:
-      rows: rows of ``x`` (the product of its leading axes).
-      in_features, out_features: the weight's shape ``(out, in)``.
-
-    Returns:
-      ``"prefill"`` for more than one row with ``in_features <= 8192``, ``in_features % 64 == 0``,
-      ``out_features >= 8192`` and ``out_features % 32 == 0`` (wide outputs, where reading each
-      byte once per 16 rows pays), else ``"general"``.
-
-    Numerics: a choice only; both routes compute each output element identically.
+    The route of :func:`floatxq.dispatch.mlx_packed_route` where Metal runs (the choice and its
+    rules live there): ``"prefill"`` for many rows by a wide output, else ``"general"``.
 
     Example:
       >>> packed_route(64, 4096, 14336), packed_route(1, 4096, 14336), packed_route(64, 4096, 4096)
       ('prefill', 'general', 'general')
     """
-    wide = out_features >= PREFILL_MIN_OUT and out_features % 32 == 0
-    narrow_in = in_features <= PREFILL_MAX_IN and in_features % 64 == 0
-    return "prefill" if rows > 1 and wide and narrow_in else "general"
+    return mlx_packed_route(rows, in_features, out_features, metal=True)[0]
 
 
 def packed_linear_launch(

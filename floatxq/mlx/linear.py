@@ -5,7 +5,7 @@
   through a 256-entry FP32 table of the format at every call. On an Apple GPU one of two Metal
   kernels runs the product straight from the bytes: ``prefill`` (several rows, a wide output:
   16-row tiles, each decoded weight serving 16 rows) or ``general`` (everything else); see
-  :func:`floatxq.mlx.kernels.packed_route`. Elsewhere (and as their reference,
+  :func:`floatxq.dispatch.mlx_packed_route`. Elsewhere (and as their reference,
   :meth:`MlxFP8PackedLinear.reference`) array ops decode the whole weight in FP32 and multiply in
   FP32. Any of the four encodable FP8 formats and any scale layout.
 * :class:`MlxFP8Linear` hands the multiplication to MLX's own ``mxfp8`` quantized matmul when
@@ -28,12 +28,12 @@ import numpy as np
 
 from floatxq._checks import fp8_scale_shape
 from floatxq._typing import Float, Float32, UInt8
+from floatxq.dispatch.mlx import mlx_packed_route
 from floatxq.formats import FP8WeightFormat, normalize_fp8_weight_format
 from floatxq.mlx.kernels import (
     MLX_FLOAT_NAMES,
     metal_available,
     packed_linear_launch,
-    packed_route,
     run_metal,
 )
 
@@ -286,16 +286,16 @@ class MlxFP8PackedLinear(nn.Module):
 
         Returns:
           ``"prefill"`` or ``"general"`` (Metal kernels, where MLX has its Metal backend; the
-          choice is :func:`floatxq.mlx.kernels.packed_route`'s), else ``"array-ops"``.
+          choice is :func:`floatxq.dispatch.mlx_packed_route`'s), else ``"array-ops"``.
 
         Example:
           >>> layer = MlxFP8PackedLinear(mx.zeros((8192, 64), dtype=mx.uint8), mx.array(1.0))
           >>> layer.route(32) in ("prefill", "array-ops")
           True
         """
-        if not metal_available():
-            return "array-ops"
-        return packed_route(rows, self.in_features, self.out_features)
+        return mlx_packed_route(rows, self.in_features, self.out_features, metal=metal_available())[
+            0
+        ]
 
     def reference(self, x: Float[mx.array, "*batch in"]) -> Float[mx.array, "*batch out"]:
         """The array-ops product ``x @ dequantize().T + bias`` in FP32, returned in ``x``'s dtype.

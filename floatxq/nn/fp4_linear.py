@@ -7,9 +7,9 @@ tensor scale; both scales multiply to decode) and ``bias`` (``(out,)`` in the mo
 The first three move as bytes, never cast; a cast to fp16, bf16 or fp32 becomes the module's
 ``dtype`` and casts the bias, any other (``.double()``) leaves both alone.
 
-A call decodes the weight in ``x``'s dtype for that call only and runs ``F.linear``. On CUDA it
-first tries torchao's ``NVFP4Tensor`` (an error switches it off until the buffers move or load);
-otherwise the decode is the route :func:`floatxq.dispatch.fp4_decode_route` gives: the Triton
+A call takes the route :func:`floatxq.dispatch.fp4_decode_route` gives: on CUDA torchao's
+``NVFP4Tensor`` first (an error switches it off until the buffers move or load), else a decode of
+the weight in ``x``'s dtype for that call only and ``F.linear``: the Triton
 ``nvfp4_dequantize_kernel`` (``"triton_decode"``, the same bits) or the pure decode
 (``"dequant_matmul"``, the only route off CUDA). ``last_fallback_reason`` says why.
 """
@@ -328,19 +328,21 @@ class TorchFP4Linear(ByteBuffers, nn.Module):
             self._set_last("none", None)
             return x.new_empty((*x.shape[:-1], self.out_features))
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        route = DECODE_ROUTE
-        if x.is_cuda:
+        route, reason = self._route(x)
+        if route == TORCHAO_ROUTE:
             out = self._torchao_linear(x, bias)
             if out is not None:
+                self._set_last(TORCHAO_ROUTE, None)
                 return out
-            route, why = dispatch.fp4_decode_route(x.device, x.dtype)
-            reason = self.last_fallback_reason
-            if why is not None:
-                reason = f"{reason}, in torch: the Triton decode cannot run ({why})"
-            self._set_last(route, reason)
-        else:
-            self._set_last(DECODE_ROUTE, None)
+            route, reason = self._route(x)  # torchao is now switched off: ask again
+        self._set_last(route, reason)
         return F.linear(x, self._decoded(route, x.dtype), bias)
+
+    def _route(self, x: Tensor) -> tuple[str, str | None]:
+        """:func:`floatxq.dispatch.fp4_decode_route`'s answer for ``x`` with torchao a candidate."""
+        return dispatch.fp4_decode_route(
+            x.device, x.dtype, torchao=True, torchao_off=self._torchao_off
+        )
 
     def _decoded(self, route: str, dtype: torch.dtype) -> Tensor:
         """The ``(out, in)`` weight in ``dtype`` for one call, decoded by ``route``'s code."""
@@ -351,26 +353,21 @@ class TorchFP4Linear(ByteBuffers, nn.Module):
         return self.dequantize_weight(dtype)
 
     def _torchao_linear(self, x: Tensor, bias: Tensor | None) -> Tensor | None:
-        """torchao's weight-only NVFP4 linear, or ``None`` (reason recorded) when it cannot run."""
-        reason = dispatch.torchao_missing() or self._torchao_off
-        if reason is None:
-            try:
-                from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+        """torchao's weight-only NVFP4 linear, or ``None`` when it raised (it is then switched
+        off until the buffers move or load; the reason is kept for the route choice)."""
+        try:
+            from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 
-                weight = NVFP4Tensor(  # torchao 0.18's constructor (positional: the layout)
-                    self.weight,
-                    self.weight_scale,
-                    NVFP4_BLOCK,
-                    x.dtype,
-                    per_tensor_scale=self.weight_scale_2,
-                    is_swizzled_scales=False,
-                )
-                out = F.linear(x, weight, bias)
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}".strip()
-                reason = self._torchao_off = f"torchao's NVFP4Tensor raised ({error})"
-            else:
-                self._set_last(TORCHAO_ROUTE, None)
-                return out
-        self._set_last(DECODE_ROUTE, f"{reason}; the weight was decoded for this call")
-        return None
+            weight = NVFP4Tensor(  # torchao 0.18's constructor (positional: the layout)
+                self.weight,
+                self.weight_scale,
+                NVFP4_BLOCK,
+                x.dtype,
+                per_tensor_scale=self.weight_scale_2,
+                is_swizzled_scales=False,
+            )
+            return F.linear(x, weight, bias)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}".strip()
+            self._torchao_off = f"torchao's NVFP4Tensor raised ({error})"
+            return None

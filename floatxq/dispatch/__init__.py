@@ -1,0 +1,87 @@
+"""Every route choice in one place: torch, Triton, cuBLAS or Metal, each with its reason.
+
+A route choice is a pure function of facts (device, dtype, shape, capability, what the torch and
+Triton installs provide) returning ``(route, reason)``: ``reason`` is ``None`` exactly when the
+fastest candidate was taken, else it names each faster route skipped and why. Kernel
+availability (``*_unavailable_reason``) stays in :mod:`floatxq.kernels` as facts; the modules in
+:mod:`floatxq.nn` and :mod:`floatxq.mlx` gather facts, ask here, and run the answer. A model's
+preferences are one frozen :class:`RoutePreference` record (no per-module route setters).
+
+By concept: :mod:`~floatxq.dispatch.fp8` (FP8 linear routes; the FP8 weight encoder: Triton,
+MLX or torch), :mod:`~floatxq.dispatch.decode` (``TorchFP4Linear`` and ``GPTQLinear`` decodes),
+:mod:`~floatxq.dispatch.w4a` (W4A GEMMs, the activation packers), :mod:`~floatxq.dispatch.mlx`
+(MLX's Metal kernel choices), :mod:`~floatxq.dispatch.preference` (the preference record).
+A test that replaces a fact a choice reads patches the submodule that reads it.
+"""
+
+from floatxq.dispatch.decode import (
+    FP4_DECODE_ROUTES,
+    GPTQ_DECODE_ROUTE,
+    fp4_decode_route,
+    gptq_route,
+    torchao_missing,
+)
+from floatxq.dispatch.fp8 import (
+    MLX_ENCODER_MIN_ELEMENTS,
+    ROUTES,
+    SCALED_MM_ROUTE,
+    FP8RouteChoice,
+    FP8RouteFacts,
+    FP8RouteTuning,
+    mlx_encoder_reason,
+    quantize_fp8_weight_auto,
+    select_fp8_route,
+)
+from floatxq.dispatch.mlx import (
+    FP8_ENCODE_MIN_ELEMENTS,
+    PREFILL_MAX_IN,
+    PREFILL_MIN_OUT,
+    mlx_fp8_encode_route,
+    mlx_packed_route,
+)
+from floatxq.dispatch.preference import W4A_FP8_ROUTES, W4A_NVFP4_ROUTES, RoutePreference
+from floatxq.dispatch.w4a import (
+    fp8_pack_reason,
+    nvfp4_accumulator,
+    nvfp4_pack_reason,
+    pack_activation,
+    stream_pack_reason,
+    w4a_fp8_carrier_route,
+    w4a_fp8_route,
+    w4a_nvfp4_native_unavailable_reason,
+    w4a_nvfp4_route,
+)
+
+__all__ = [
+    "FP4_DECODE_ROUTES",
+    "FP8_ENCODE_MIN_ELEMENTS",
+    "GPTQ_DECODE_ROUTE",
+    "MLX_ENCODER_MIN_ELEMENTS",
+    "PREFILL_MAX_IN",
+    "PREFILL_MIN_OUT",
+    "ROUTES",
+    "SCALED_MM_ROUTE",
+    "W4A_FP8_ROUTES",
+    "W4A_NVFP4_ROUTES",
+    "FP8RouteChoice",
+    "FP8RouteFacts",
+    "FP8RouteTuning",
+    "RoutePreference",
+    "fp4_decode_route",
+    "fp8_pack_reason",
+    "gptq_route",
+    "mlx_encoder_reason",
+    "mlx_fp8_encode_route",
+    "mlx_packed_route",
+    "nvfp4_accumulator",
+    "nvfp4_pack_reason",
+    "pack_activation",
+    "quantize_fp8_weight_auto",
+    "select_fp8_route",
+    "stream_pack_reason",
+    "torchao_missing",
+    "w4a_fp8_carrier_route",
+    "w4a_fp8_route",
+    "w4a_nvfp4_native_unavailable_reason",
+    "w4a_nvfp4_route",
+]

@@ -1,0 +1,102 @@
+"""Weight-only decode routes: ``TorchFP4Linear`` (torchao, Triton, pure) and ``GPTQLinear``."""
+
+import functools
+import importlib.util
+
+import torch
+
+from floatxq.formats import MODEL_DTYPES
+from floatxq.kernels._triton import triton_unavailable_reason
+
+__all__ = [
+    "FP4_DECODE_ROUTES",
+    "GPTQ_DECODE_ROUTE",
+    "fp4_decode_route",
+    "gptq_route",
+    "torchao_missing",
+]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+FP4_DECODE_ROUTES = ("dequant_matmul", "triton_decode", "torchao_nvfp4")
+"""Routes of ``TorchFP4Linear``: the pure decode, the Triton decode, torchao's NVFP4Tensor."""
+GPTQ_DECODE_ROUTE = "dequant_matmul"
+
+
+@functools.cache
+def torchao_missing() -> str | None:
+    """Why torchao cannot be used (``None`` when it is installed)."""
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed"
+    return None
+
+
+def fp4_decode_route(
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    torchao: bool = False,
+    torchao_off: str | None = None,
+) -> tuple[str, str | None]:
+    """``(route, reason)`` of a ``TorchFP4Linear`` call's weight on ``device`` in ``dtype``.
+
+    Args:
+      device, dtype: the call's ``x``.
+      torchao: whether torchao's ``NVFP4Tensor`` is a candidate (the module asks with True;
+        without it the answer is the CUDA decode alone).
+      torchao_off: why the module switched torchao off after it raised (``None``: it did not).
+
+    Returns:
+      With ``torchao`` on CUDA: ``("torchao_nvfp4", None)`` where torchao is installed and not
+      switched off. Else, on CUDA, the decode: ``"triton_decode"`` where the kernel runs for
+      ``dtype``, else ``"dequant_matmul"``; ``reason`` names each skipped route and why (``None``
+      for the kernel when torchao was not asked). Off CUDA with ``torchao``:
+      ``("dequant_matmul", None)``, the only route there.
+
+    Example:
+      >>> fp4_decode_route(torch.device("cuda"), torch.float64)[0]
+      'dequant_matmul'
+      >>> cuda = torch.device("cuda")
+      >>> route, reason = fp4_decode_route(cuda, torch.float64, torchao=True, torchao_off="raised")
+      >>> route, "decoded for this call" in reason, reason.endswith("not torch.float64)")
+      ('dequant_matmul', True, True)
+      >>> fp4_decode_route(torch.device("cpu"), torch.bfloat16, torchao=True)
+      ('dequant_matmul', None)
+    """
+    if torchao and device.type != "cuda":
+        return GPTQ_DECODE_ROUTE, None
+    if dtype not in MODEL_DTYPES:
+        route, why = "dequant_matmul", f"it writes float16, bfloat16 or float32, not {dtype}"
+    else:
+        why = triton_unavailable_reason(device)
+        route = "triton_decode" if why is None else "dequant_matmul"
+    if not torchao:
+        return route, why
+    no_torchao = torchao_missing() or torchao_off
+    if no_torchao is None:
+        return "torchao_nvfp4", None
+    reason = f"{no_torchao}; the weight was decoded for this call"
+    if why is not None:
+        reason = f"{reason}, in torch: the Triton decode cannot run ({why})"
+    return route, reason
+
+
+def gptq_route(device: torch.device, dtype: torch.dtype, rows: int) -> tuple[str, str | None]:
+    """``(route, reason)`` of a ``GPTQLinear`` call of ``rows`` rows: ``"w4a16_fused"`` or
+    ``"w4a16_decode_gemm"`` (the W4A16 kernels, by row count) where Triton runs on CUDA for
+    ``dtype``, else ``"dequant_matmul"`` and why not the kernels.
+
+    Example:
+      >>> gptq_route(torch.device("cpu"), torch.float16, 4)
+      ('dequant_matmul', 'x is on cpu; the W4A16 kernels run on CUDA')
+    """
+    from floatxq.kernels.w4a16 import w4a16_route
+
+    if device.type != "cuda":
+        return GPTQ_DECODE_ROUTE, f"x is on {device}; the W4A16 kernels run on CUDA"
+    if dtype not in _HALF_DTYPES:
+        return GPTQ_DECODE_ROUTE, f"x is {dtype}; the W4A16 kernels take float16/bfloat16"
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        return GPTQ_DECODE_ROUTE, reason
+    return w4a16_route(rows), None

@@ -1,0 +1,271 @@
+"""W4A routes: the W4A-FP8 and W4A-NVFP4 GEMMs, the NVFP4 accumulator, the activation packers."""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from floatxq._typing import Float, Tensor
+from floatxq.dispatch.preference import W4A_FP8_ROUTES, W4A_NVFP4_ROUTES
+from floatxq.formats import MODEL_DTYPES, NVFP4RecipeName, W4AActivationMode
+from floatxq.kernels._triton import (
+    capability_shortfall,
+    triton_interpret_enabled,
+    triton_unavailable_reason,
+)
+from floatxq.w4a import activation as _activation
+from floatxq.w4a.activation import W4AActivation
+from floatxq.w4a.linear import w4a_nvfp4_accumulate_group
+
+__all__ = [
+    "fp8_pack_reason",
+    "nvfp4_accumulator",
+    "nvfp4_pack_reason",
+    "pack_activation",
+    "stream_pack_reason",
+    "w4a_fp8_carrier_route",
+    "w4a_fp8_route",
+    "w4a_nvfp4_native_unavailable_reason",
+    "w4a_nvfp4_route",
+]
+
+_NATIVE_MIN_CAPABILITY = (12, 1)
+
+
+def _w4a_fp8_unavailable(device: torch.device) -> str | None:
+    """The W4A-FP8 kernels' own reason they cannot run on ``device``, or why they do not
+    import."""
+    try:
+        from floatxq.kernels.w4a_fp8 import w4a_fp8_unavailable_reason
+    except ImportError as exc:  # pragma: no cover - the kernels ship with floatxq
+        return f"floatxq.kernels.w4a_fp8 does not import ({exc})"
+    return w4a_fp8_unavailable_reason(device)
+
+
+def _nvfp4_emulation_unavailable(device: torch.device) -> str | None:
+    """The NVFP4 emulation kernels' own reason they cannot run on ``device``, or why they do
+    not import."""
+    try:
+        from floatxq.kernels.nvfp4 import nvfp4_unavailable_reason
+    except ImportError as exc:
+        return f"floatxq.kernels.nvfp4 does not import ({exc})"
+    return nvfp4_unavailable_reason(device)
+
+
+def w4a_fp8_route(requested: str, device: torch.device) -> tuple[str, str | None]:
+    """The W4A-FP8 route a call on ``device`` takes, and why the kernels were not taken.
+
+    Args:
+      requested: ``"auto"``, ``"triton"`` or ``"reference"``.
+      device: where the call's tensors are.
+
+    Returns:
+      ``("triton", None)`` where the kernels run (``"auto"`` or ``"triton"``), else
+      ``("reference", why)``.
+
+    Raises:
+      ValueError: an unknown ``requested``.
+      RuntimeError: ``"triton"`` requested where the kernels cannot run (the reason named).
+
+    Example:
+      >>> w4a_fp8_route("reference", torch.device("cpu"))
+      ('reference', "route='reference' was requested")
+    """
+    if requested not in W4A_FP8_ROUTES:
+        raise ValueError(f"W4AFP8Linear: route must be one of {W4A_FP8_ROUTES}, got {requested!r}")
+    if requested == "reference":
+        return "reference", "route='reference' was requested"
+    reason = _w4a_fp8_unavailable(device)
+    if reason is None:
+        return "triton", None
+    if requested == "triton":
+        raise RuntimeError(f"W4AFP8Linear: route='triton' cannot run on {device}: {reason}")
+    return "reference", reason
+
+
+def w4a_fp8_carrier_route(requested: str, device: torch.device) -> tuple[str, str | None]:
+    """The route of an FP8 carrier through ``W4ANVFP4Linear`` (``requested`` its NVFP4 route):
+    ``"fp8_triton"`` where the W4A-FP8 kernels run and ``"reference"`` was not requested, else
+    ``"fp8_reference"`` and why.
+
+    Example:
+      >>> w4a_fp8_carrier_route("reference", torch.device("cpu"))
+      ('fp8_reference', "route='reference' was requested")
+    """
+    if requested == "reference":
+        return "fp8_reference", "route='reference' was requested"
+    reason = _w4a_fp8_unavailable(device)
+    return ("fp8_triton", None) if reason is None else ("fp8_reference", reason)
+
+
+def w4a_nvfp4_native_unavailable_reason(device: torch.device) -> str | None:
+    """Why the native FP4 tensor-core route cannot run on ``device``'s tensors, or ``None``.
+
+    It needs a torch with ``torch.float4_e2m1fn_x2``, ``F.scaled_mm``,
+    ``F.ScalingType.BlockWise1x16`` and ``F.SwizzleType.SWIZZLE_32_4_4``, and a CUDA device of
+    compute capability 12.1 or newer.
+
+    Example:
+      >>> w4a_nvfp4_native_unavailable_reason(torch.device("cpu")) is not None
+      True
+    """
+    scaling = getattr(F, "ScalingType", None)
+    swizzle = getattr(F, "SwizzleType", None)
+    needs = (
+        ("torch.float4_e2m1fn_x2", hasattr(torch, "float4_e2m1fn_x2")),
+        ("F.scaled_mm", hasattr(F, "scaled_mm")),
+        ("F.ScalingType.BlockWise1x16", hasattr(scaling, "BlockWise1x16")),
+        ("F.SwizzleType.SWIZZLE_32_4_4", hasattr(swizzle, "SWIZZLE_32_4_4")),
+    )
+    missing = [name for name, present in needs if not present]
+    if missing:
+        return f"torch {torch.__version__} has no {', '.join(missing)}"
+    if device.type != "cuda":
+        return f"the tensors are on {device}; the FP4 tensor cores need a CUDA device"
+    return capability_shortfall(
+        device, _NATIVE_MIN_CAPABILITY, need="no FP4 tensor cores for F.scaled_mm's NVFP4 GEMM"
+    )
+
+
+def w4a_nvfp4_route(
+    requested: str, device: torch.device, *, planes_staged: bool = True
+) -> tuple[str, str | None]:
+    """The W4A-NVFP4 route a call on ``device`` takes, and why the native route was not taken.
+
+    Args:
+      requested: ``"auto"``, ``"native"``, ``"emulation"`` or ``"reference"``.
+      device: where the call's tensors are.
+      planes_staged: whether the native weight operand is staged; ``"auto"`` passes over the
+        native route without it.
+
+    Returns:
+      ``("native", None)`` where the FP4 tensor cores run; else ``("emulation", why)`` where the
+      Triton emulation runs; else ``("reference", why)``. A forced route is taken or refused.
+
+    Raises:
+      ValueError: an unknown ``requested``.
+      RuntimeError: ``"native"`` or ``"emulation"`` requested where it cannot run (the reason
+        named), or ``"native"`` without the staged planes (call ``post_init()`` on the device).
+
+    Example:
+      >>> w4a_nvfp4_route("reference", torch.device("cpu"))
+      ('reference', "route='reference' was requested")
+    """
+    where = "W4ANVFP4Linear"
+    if requested not in W4A_NVFP4_ROUTES:
+        raise ValueError(f"{where}: route must be one of {W4A_NVFP4_ROUTES}, got {requested!r}")
+    if requested == "reference":
+        return "reference", "route='reference' was requested"
+    if requested == "emulation":
+        why = _nvfp4_emulation_unavailable(device)
+        if why is not None:
+            raise RuntimeError(f"{where}: route='emulation' cannot run on {device}: {why}")
+        return "emulation", "route='emulation' was requested"
+    native = w4a_nvfp4_native_unavailable_reason(device)
+    if requested == "native":
+        if native is not None:
+            raise RuntimeError(f"{where}: route='native' cannot run on {device}: {native}")
+        if not planes_staged:
+            raise RuntimeError(
+                f"{where}: the native weight cache is absent; call post_init() (after moving "
+                f"the module to {device})"
+            )
+        return "native", None
+    if native is None and not planes_staged:
+        native = "the FP4 weight planes are not staged (call post_init() on this device)"
+    if native is None:
+        return "native", None
+    emulation = _nvfp4_emulation_unavailable(device)
+    if emulation is None:
+        return "emulation", f"native: {native}"
+    return "reference", f"native: {native}; emulation: {emulation}"
+
+
+def nvfp4_accumulator(device: torch.device) -> Callable[..., Tensor]:
+    """The W4A-NVFP4 group-accumulation step: the Triton kernel where it runs on ``device``,
+    else the pure :func:`floatxq.w4a_nvfp4_accumulate_group` (the same FP32 operations in the
+    same order)."""
+    try:
+        from floatxq.kernels.nvfp4_decoding import nvfp4_accumulate_group
+    except ImportError:  # pragma: no cover - the kernels ship with floatxq
+        return w4a_nvfp4_accumulate_group
+    if triton_unavailable_reason(device) is not None:
+        return w4a_nvfp4_accumulate_group
+    return nvfp4_accumulate_group
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing activations, encoding FP8 weights
+# ----------------------------------------------------------------------------------------------
+
+
+def fp8_pack_reason(x2: Tensor) -> str | None:
+    """Why the Triton ``fp8_pack`` is not taken for ``x2``, or None when it is."""
+    if x2.dtype not in MODEL_DTYPES:
+        return f"x is {x2.dtype}; the kernel reads float16, bfloat16 or float32"
+    if x2.device.type != "cuda" and not triton_interpret_enabled():
+        return f"x is on {x2.device}; the kernel runs on CUDA tensors (or TRITON_INTERPRET=1)"
+    return _w4a_fp8_unavailable(x2.device)
+
+
+def nvfp4_pack_reason(x2: Tensor) -> str | None:
+    """Why the Triton ``nvfp4_pack_and_swizzle`` is not taken for ``x2``, or None when it is."""
+    if x2.dtype not in MODEL_DTYPES:
+        return f"x is {x2.dtype}; the kernel reads float16, bfloat16 or float32"
+    if x2.device.type != "cuda":
+        return f"x is on {x2.device}; the packer kernel runs on CUDA tensors"
+    return _nvfp4_emulation_unavailable(x2.device)
+
+
+def stream_pack_reason(device: torch.device, mode: W4AActivationMode) -> str | None:
+    """Why an activation stream does not pack on ``device`` through the Triton packers with a
+    device-side global scale (None: it does). CUDA only: elsewhere (``TRITON_INTERPRET=1``
+    included) the stream packs through the checked :func:`pack_activation`."""
+    if device.type != "cuda":
+        return f"the tensors are on {device}"
+    return (_w4a_fp8_unavailable if mode == "w4afp8" else _nvfp4_emulation_unavailable)(device)
+
+
+def _pack_fp8(x2: Tensor) -> tuple[Tensor, Tensor]:
+    if fp8_pack_reason(x2) is None:
+        from floatxq.kernels.w4a_fp8 import fp8_pack
+
+        return fp8_pack(x2)
+    return _activation.pack_fp8_tokens(x2)
+
+
+def _pack_nvfp4(x2: Tensor, x32: Tensor, g: Tensor, recipe: str) -> tuple[Tensor, Tensor]:
+    if nvfp4_pack_reason(x2) is None:  # the Triton packer: the same bytes in one launch
+        from floatxq.kernels.nvfp4 import nvfp4_pack_and_swizzle
+
+        return nvfp4_pack_and_swizzle(x2, g, recipe=recipe)
+    return _activation.pack_nvfp4_blocks(x2, x32, g, recipe)
+
+
+def pack_activation(
+    x: Float[Tensor, "*lead k"],
+    mode: W4AActivationMode,
+    *,
+    global_scale: Float[Tensor, "*one"] | float | None = None,
+    model_dtype: torch.dtype | None = None,
+    recipe: NVFP4RecipeName | None = None,
+    reference: Float[Tensor, "*lead k"] | None = None,
+) -> W4AActivation:
+    """:func:`floatxq.w4a.activation.pack_activation` through the Triton packers where they run.
+
+    FP8 through ``fp8_pack`` on CUDA (or under ``TRITON_INTERPRET=1``); NVFP4 through
+    ``nvfp4_pack_and_swizzle`` on CUDA; else the pure functions. Same arguments, checks and
+    bytes as the pure function (the kernels' tests prove the bytes equal).
+
+    Numerics: as :func:`floatxq.w4a.activation.pack_activation`.
+
+    Example:
+      >>> a = pack_activation(torch.full((1, 128), 3.0), "w4a_nvfp4", global_scale=1.0)
+      >>> a.codes.shape, a.scales.shape, a.recipe
+      (torch.Size([1, 64]), torch.Size([1, 1024]), 'least_squares')
+    """
+    return _activation.pack_activation_with(
+        x, mode, global_scale=global_scale, model_dtype=model_dtype, recipe=recipe,
+        reference=reference, fp8_packer=_pack_fp8,
+        nvfp4_packer=_pack_nvfp4,
+    )  # fmt: skip
