@@ -50,6 +50,7 @@ from floatxq.formats import (
 from floatxq.fp8 import dequantize_fp8_weight, infer_scale_layout
 from floatxq.kernels import fp8_routes, triton_unavailable_reason
 from floatxq.nn._bytes import ByteBuffers
+from floatxq.nn._preference import RoutePreferenceHolder
 from floatxq.nn.conv import ConvGeometry, conv_forward, weight_matrix
 
 __all__ = ["TorchFP8Linear"]
@@ -103,7 +104,7 @@ class _Runtime:
         self.choices.clear()
 
 
-class TorchFP8Linear(ByteBuffers, nn.Module):
+class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
     """A linear layer (or a flattened convolution) whose weight is FP8 with FP32 inverse scales.
 
     The constructor allocates the stored buffers (zeros / ones) for ``load_state_dict`` to fill;
@@ -404,20 +405,8 @@ class TorchFP8Linear(ByteBuffers, nn.Module):
         runtime.choices.clear()
         return self
 
-    @property
-    def route_preference(self) -> RoutePreference:
-        """The route preferences (a frozen record; assigning one drops the cached choices)."""
-        return self.__dict__["_route_preference"]
-
-    @route_preference.setter
-    def route_preference(self, value: RoutePreference) -> None:
-        if not isinstance(value, RoutePreference):
-            raise TypeError(
-                f"TorchFP8Linear.route_preference must be a RoutePreference, got "
-                f"{type(value).__name__}"
-            )
-        self.__dict__["_route_preference"] = value
-        if "_runtime" in self.__dict__:
+    def _preference_changed(self) -> None:
+        if "_runtime" in self.__dict__:  # choices made under the old preferences
             self._runtime.choices.clear()
 
     @property

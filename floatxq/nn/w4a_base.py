@@ -15,6 +15,7 @@ from floatxq._typing import Float, Tensor
 from floatxq.dispatch import RoutePreference
 from floatxq.formats import K_GROUP
 from floatxq.gptq.int4 import GPTQPacked
+from floatxq.nn._preference import RoutePreferenceHolder
 from floatxq.nn.gptq_linear import _BUFFERS, GPTQLinear, _check_size
 from floatxq.w4a.linear import W4A_OUTPUT_DTYPES
 from floatxq.w4a.weight import W4A_COLUMNS, w4a_weight_ineligibility
@@ -38,7 +39,7 @@ def is_carrier(x: Any) -> bool:
     return all(hasattr(x, a) for a in ("codes", "scales", "shape", "model_dtype", "mode"))
 
 
-class W4ALinear(GPTQLinear):
+class W4ALinear(RoutePreferenceHolder, GPTQLinear):
     """Base of ``W4AFP8Linear`` and ``W4ANVFP4Linear`` (not used alone).
 
     Subclasses set :attr:`_CACHES` (their staged operands), :attr:`_ROUTE_FIELD` (their field
@@ -215,20 +216,6 @@ class W4ALinear(GPTQLinear):
         self.route_preference = dataclasses.replace(
             self.route_preference, **{self._ROUTE_FIELD: value}
         )
-
-    @property
-    def route_preference(self) -> RoutePreference:
-        """This module's :class:`floatxq.dispatch.RoutePreference` (a frozen record)."""
-        return self.__dict__["_route_preference"]
-
-    @route_preference.setter
-    def route_preference(self, value: RoutePreference) -> None:
-        if not isinstance(value, RoutePreference):
-            raise TypeError(
-                f"{type(self).__name__}.route_preference must be a RoutePreference, got "
-                f"{type(value).__name__}"
-            )
-        self.__dict__["_route_preference"] = value
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, route={self.route}"

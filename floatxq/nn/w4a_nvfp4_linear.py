@@ -37,8 +37,11 @@ from floatxq.gptq.planes import centered_int4, int4_to_e4m3
 from floatxq.nn.gptq_linear import GPTQLinear
 from floatxq.nn.w4a_base import W4ALinear, w4a_ineligibility
 from floatxq.nn.w4a_fp8_linear import _fp8_gemm
-from floatxq.nvfp4.quantize import nvfp4_dynamic_global_scale
-from floatxq.w4a.activation import checked_global_scale_bits, global_scale_bits_problem
+from floatxq.w4a.activation import (
+    checked_global_scale_bits,
+    global_scale_bits_problem,
+    global_scale_from_bits,
+)
 from floatxq.w4a.linear import w4a_nvfp4_linear_prepacked
 from floatxq.w4a.weight import W4ANVFP4WeightPlanes, w4a_nvfp4_weight_planes
 
@@ -240,9 +243,9 @@ class W4ANVFP4Linear(W4ALinear):
     def _device_global_scale(self, x2: Tensor) -> Tensor:
         """The global scale a call uses, on the device with no host read: the stored one, or
         (stored 0.0) :func:`floatxq.nvfp4_dynamic_global_scale` of ``x2``."""
-        bits = self.activation_global_scale_bits
-        dynamic = nvfp4_dynamic_global_scale(x2, recipe=self.activation_recipe)
-        return torch.where(bits == 0, dynamic, bits.view(torch.float32))
+        return global_scale_from_bits(
+            self.activation_global_scale_bits, x2, recipe=self.activation_recipe
+        )
 
     def _forward_tensor(self, x: Tensor) -> Tensor:
         from floatxq.w4a.activation import pack_activation

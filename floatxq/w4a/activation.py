@@ -59,6 +59,7 @@ from floatxq.nvfp4.quantize import (
     _saturated,
     nvfp4_block_scales,
     nvfp4_dequantize,
+    nvfp4_dynamic_global_scale,
     nvfp4_global_scale,
 )
 from floatxq.nvfp4.swizzle import swizzle_scales_per_group, unswizzle_scales_per_group
@@ -562,6 +563,14 @@ def global_scale_bits_problem(bits: Tensor) -> str | None:
         f"the activation global scale must be 0.0 (dynamic) or positive and finite, got "
         f"{as_float!r} (bits 0x{value & 0xFFFFFFFF:08x})"
     )
+
+
+def global_scale_from_bits(bits: Tensor, x2: Tensor, *, recipe: str) -> Tensor:
+    """The global scale an NVFP4 activation ``x2`` is packed with, on the device with no host
+    read: the stored FP32 value of ``bits`` (0-d int32), or, while it is 0.0, the dynamic
+    :func:`floatxq.nvfp4_dynamic_global_scale` of ``x2``."""
+    dynamic = nvfp4_dynamic_global_scale(x2, recipe=recipe)
+    return torch.where(bits == 0, dynamic, bits.view(torch.float32))
 
 
 def checked_global_scale_bits(value: object, *, key: str) -> Tensor:

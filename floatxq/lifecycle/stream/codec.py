@@ -19,7 +19,7 @@ from floatxq.dispatch import pack_activation, stream_pack_reason
 from floatxq.formats import K_GROUP, NVFP4Recipe, normalize_nvfp4_recipe
 from floatxq.lifecycle.stream.plan import _FP8, _NVFP4, StreamLane, _fp32
 from floatxq.nvfp4.quantize import nvfp4_dynamic_global_scale
-from floatxq.w4a.activation import W4AActivation
+from floatxq.w4a.activation import W4AActivation, global_scale_from_bits
 
 
 def _scale_name(key: str) -> str:
@@ -219,10 +219,10 @@ def _device_pack(
 
     if scale.fixed is not None:
         g = scale.fixed.to(torch.float32).reshape(())
+    elif scale.bits is not None:
+        g = global_scale_from_bits(scale.bits, x2, recipe=lane.recipe)
     else:
         g = nvfp4_dynamic_global_scale(x2, recipe=lane.recipe)
-        if scale.bits is not None:
-            g = torch.where(scale.bits == 0, g, scale.bits.view(torch.float32))
     codes, scales = nvfp4_pack_and_swizzle(x2, g, recipe=lane.recipe)
     return W4AActivation.trusted(
         codes=codes, scales=scales, shape=shape, model_dtype=model_dtype, mode=_NVFP4,

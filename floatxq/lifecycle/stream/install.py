@@ -10,7 +10,7 @@ from torch import nn
 
 from floatxq.formats import K_GROUP
 from floatxq.interop.export_gptq import STREAM_SCALES_MODULE
-from floatxq.lifecycle.stream.boundary import _attach, _attached, _detach
+from floatxq.lifecycle.stream.boundary import _attach, _attached, uninstall_w4a_stream
 from floatxq.lifecycle.stream.codec import (
     NVFP4BoundaryQuantizer,
     StreamScales,
@@ -353,20 +353,9 @@ def install_w4a_llama_stream(
     return policy
 
 
-def uninstall_w4a_llama_stream(model: nn.Module) -> W4AStreamPolicy | None:
-    """Remove the installed stream (Llama or generic): forwards and hooks back as they were.
-
-    Returns:
-      The policy that was installed, or None when no stream was.
-
-    Numerics: none.
-
-    Example:
-      >>> uninstall_w4a_llama_stream(torch.nn.Linear(2, 2)) is None
-      True
-    """
-    state = _detach(model)
-    return None if state is None else state.policy
+uninstall_w4a_llama_stream = uninstall_w4a_stream
+"""Remove the installed stream (Llama or generic): :func:`uninstall_w4a_stream` under its older
+name."""
 
 
 def installed_w4a_stream(model: nn.Module) -> W4AStreamPolicy | None:
