@@ -109,7 +109,7 @@ def linear_bench() -> None:
                 lambda w=w, s=s: torch._scaled_mm(xq, w.t(), sa, s, out_dtype=torch.bfloat16)
                 for w, s in fp8
             ])  # fmt: skip
-            words = nvfp4_kernels.nvfp4_operand(m) == "words"
+            words = fq.dispatch.nvfp4_operand(m) == "words"
             weights = [p.qweight for p in gptq] if words else staged
             t_gemm = graph_us([lambda w=w, p=p: nvfp4_kernels.nvfp4_linear_prepacked(
                 codes, scales, g, w, p.scales, output_dtype=torch.bfloat16)

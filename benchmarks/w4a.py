@@ -180,14 +180,17 @@ def linear_bench() -> None:
             if tiny[0] is not None:
                 t_tiny = graph_us([lambda p=p: torch._weight_int4pack_mm(x, p[0], 128, p[1])
                                    for p in tiny])  # fmt: skip
-            operand = w4a_fp8_kernels.w4a_fp8_operand(m)
+            # the operand and GEMM the modules take for m rows (floatxq.dispatch)
+            operand = fq.dispatch.w4a_fp8_operand(m)
             weights = [p.qweight for p in gptq] if operand == "words" else staged
-            t_w4a = graph_us([lambda w=w, p=p: fq.fp8_linear(x, w, p.scales)
+            gemm = fq.dispatch.w4a_fp8_gemm_route(m, weights[0])[0]
+            t_w4a = graph_us([lambda w=w, p=p: fq.fp8_linear(x, w, p.scales, route=gemm)
                               for w, p in zip(weights, gptq)])  # fmt: skip
             t_gemm = graph_us([lambda w=w, p=p: fq.fp8_linear_prepacked(
-                codes, row_scale, w, p.scales, None, torch.bfloat16)
+                codes, row_scale, w, p.scales, None, torch.bfloat16, route=gemm)
                 for w, p in zip(weights, gptq)])  # fmt: skip
-            t_w16 = graph_us([lambda p=p: fq.w4a16_linear_kernel(x, p, group_size=128)
+            w16 = fq.dispatch.w4a16_route(m)
+            t_w16 = graph_us([lambda p=p: fq.w4a16_linear_kernel(x, p, group_size=128, route=w16)
                               for p in gptq])  # fmt: skip
             print(
                 f"| {n} | {k} | {m} | {t_bf16:.1f} | {t_fp8:.1f} | {t_tiny:.1f} | {t_w4a:.1f} | "

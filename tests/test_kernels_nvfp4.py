@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import floatxq as fq
+from floatxq.dispatch import nvfp4_operand
 from floatxq.gptq.int4 import pack_gptq
 from floatxq.gptq.planes import centered_int4, int4_to_e4m3
 from floatxq.kernels.nvfp4 import (
     NVFP4Tuning,
     nvfp4_linear,
     nvfp4_linear_prepacked,
-    nvfp4_operand,
     nvfp4_pack_and_swizzle,
 )
 from floatxq.nvfp4.operand import nvfp4_pack_swizzled

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import floatxq as fq
+from floatxq.dispatch import w4a16_route, w4a_fp8_gemm_route, w4a_fp8_operand
 from floatxq.gptq.int4 import dequantize_gptq, pack_gptq
 from floatxq.gptq.planes import centered_int4, int4_to_e4m3
 from floatxq.kernels import w4a16 as w4a16_kernels
@@ -29,7 +30,6 @@ from floatxq.kernels.w4a_fp8 import (
     fp8_linear,
     fp8_linear_prepacked,
     fp8_pack,
-    w4a_fp8_operand,
 )
 from floatxq.testing import (
     FP32_ACCUMULATION,
@@ -83,20 +83,23 @@ def _operands(packed, form):
     return e4m3 if form == "e4m3" else e4m3.T.contiguous().T
 
 
-def _check_linear(seed, m, n, k, dtype, form, device, *, with_bias=True):
+def _check_linear(seed, m, n, k, dtype, form, device, *, with_bias=True, route=None):
     packed = _weight(seed, k, n, device)
     weight = _operands(packed, form)
+    route = route or w4a_fp8_gemm_route(m, weight)[0]
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-6, 6, (m, 1), generator=g))
     x = x.to(dtype).to(device)
     bias = (torch.randn(n, generator=g) * 4).to(dtype).to(device) if with_bias else None
-    out = fp8_linear(x, weight, packed.scales, bias)
+    out = fp8_linear(x, weight, packed.scales, bias, route=route)
     assert out.dtype == dtype and out.shape == (m, n)
     codes, row_scale = fp8_pack(x)
-    again = fp8_linear_prepacked(codes, row_scale, weight, packed.scales, bias, dtype)
+    again = fp8_linear_prepacked(codes, row_scale, weight, packed.scales, bias, dtype, route=route)
     assert_bitwise_equal(again, out, msg="prepacked")
     interpreted = device == "cpu"
-    fp8_mma = not interpreted and w4a_fp8_operand(m) == "e4m3" and form != "words"
+    # FP8 tensor cores (truncating sums inside a group): cuBLAS, and the Triton E4M3 tiles
+    tiles = route == "scaled_mm_blockwise" or w4a_fp8_operand(m) == "e4m3"
+    fp8_mma = not interpreted and tiles and form != "words"
     accumulation = HOPPER_FP8_ACCUMULATION if fp8_mma else FP32_ACCUMULATION
     tokens = fq.fp8_token_quantize(x)
     bound = w4a_fp8_linear_error_bound(
@@ -228,6 +231,36 @@ def test_operand_choice_and_tuning_checks():
         w4a16_kernels.W4A16Tuning(block_k=8)
 
 
+def test_gemm_route_choices_name_their_reasons():
+    # the row-count switches live in dispatch; the kernels run the route they are given
+    tuning = w4a16_kernels.W4A16Tuning(fused_max_rows=8)
+    assert [w4a16_route(m, tuning) for m in (0, 8, 9)] == [
+        "w4a16_fused", "w4a16_fused", "w4a16_decode_gemm"
+    ]  # fmt: skip
+    packed = _weight(5, 256, 64, "cpu")
+    words, staged = packed.qweight, _operands(packed, "e4m3_kmajor")
+    assert w4a_fp8_gemm_route(127, staged) == (
+        "triton",
+        "127 rows < 128: the Triton GEMM is faster",
+    )
+    route, reason = w4a_fp8_gemm_route(130, staged)
+    assert route == "triton" and "multiple of 4" in reason
+    route, reason = w4a_fp8_gemm_route(256, words)
+    assert route == "triton" and "K-contiguous" in reason
+    route, reason = w4a_fp8_gemm_route(256, _operands(packed, "e4m3"))
+    assert route == "triton" and "K-contiguous" in reason
+    route, reason = w4a_fp8_gemm_route(256, staged)
+    assert route == "triton" and reason  # on the CPU: the weight's device or the torch named
+    lower = w4a_fp8_gemm_route(64, staged, type(DEFAULT_W4A_FP8_TUNING)(cublas_min_rows=64))
+    assert lower[0] == "triton" and "rows <" not in lower[1]  # past the threshold: a fact stops it
+    x = torch.randn(2, 256, dtype=torch.float16)
+    with production_checks():
+        with pytest.raises(ValueError, match="route must be None or one of"):
+            w4a16_linear_kernel(x, packed, route="fused")
+        with pytest.raises(ValueError, match="route must be None or one of"):
+            fp8_linear(x, words, packed.scales, route="cublas")
+
+
 # ----------------------------------------------------------------------------------------------
 # The interpreter (CPU, small float16 shapes)
 # ----------------------------------------------------------------------------------------------
@@ -349,8 +382,6 @@ def test_gptq_linear_routes_on_cuda():
 
 @pytest.mark.gpu
 def test_fp8_linear_takes_cublas_for_prefill_rows_within_the_bound():
-    from floatxq.kernels.w4a_fp8 import w4a_fp8_gemm_route
-
     for seed, (m, n, k) in enumerate([(128, 256, 1024), (300, 160, 2048), (1000, 1024, 1024)]):
         packed = _weight(seed, k, n, "cuda")
         assert w4a_fp8_gemm_route(m, _operands(packed, "e4m3_kmajor")) == (
@@ -358,13 +389,17 @@ def test_fp8_linear_takes_cublas_for_prefill_rows_within_the_bound():
             None,
         )
         for with_bias in (False, True):
-            _check_linear(seed, m, n, k, torch.bfloat16, "e4m3_kmajor", "cuda", with_bias=with_bias)
+            _check_linear(seed, m, n, k, torch.bfloat16, "e4m3_kmajor", "cuda",
+                          with_bias=with_bias, route="scaled_mm_blockwise")  # fmt: skip
     packed = _weight(7, 256, 64, "cuda")
     staged = _operands(packed, "e4m3_kmajor")
     route, reason = w4a_fp8_gemm_route(130, staged)
     assert route == "triton" and "multiple of 4" in reason
     route, reason = w4a_fp8_gemm_route(256, _operands(packed, "e4m3"))
     assert route == "triton" and "K-contiguous" in reason
-    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="cannot run here"):
+    # forced: any multiple of 4 rows runs (below 128 rows only slower); other counts are refused
+    _check_linear(8, 16, 256, 1024, torch.bfloat16, "e4m3_kmajor", "cuda",
+                  route="scaled_mm_blockwise")  # fmt: skip
+    x = torch.randn(18, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="cannot run here: 18 rows"):
         fp8_linear(x, staged, packed.scales, route="scaled_mm_blockwise")

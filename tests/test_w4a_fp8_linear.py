@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import floatxq.kernels.w4a_fp8 as w4a_kernels
-from floatxq import BACKEND, GPTQLinear, W4AFP8Linear
+from floatxq import BACKEND, GPTQLinear, W4AFP8Linear, dispatch
 from floatxq.fp8 import fp8_token_qdq, fp8_token_quantize
 from floatxq.gptq.int4 import GPTQPacked, pack_gptq
 from floatxq.gptq.solve import GPTQSolveOptions, gptq_solve, rtn_quantize
@@ -438,7 +438,7 @@ GPU_ROWS = [1, 5, 16, 64, 65, 300]
 def test_gpu_triton_route_is_the_reference_up_to_summation_order(rows, dtype):
     if w4a_kernels.w4a_fp8_unavailable_reason(torch.device("cuda")) is not None:
         pytest.skip(w4a_kernels.w4a_fp8_unavailable_reason(torch.device("cuda")))
-    words = w4a_kernels.w4a_fp8_operand(rows) == "words"
+    words = dispatch.w4a_fp8_operand(rows) == "words"
     # words: exact products on FP16 tensor cores, FP32 sums; E4M3 tiles: Hopper's FP8 MMA
     # truncates inside a group (about 13 fraction bits)
     _check_triton("cuda", rows, dtype, chunk_bits=None if words else 13)
@@ -470,5 +470,5 @@ def test_interpreter_suite():
 def test_interpreted_triton_route_is_the_reference_up_to_summation_order():
     # one row reads the words, 65 rows the staged E4M3 operand (both FP32 sums here)
     for rows in (1, 65):
-        assert (w4a_kernels.w4a_fp8_operand(rows) == "words") == (rows == 1)
+        assert (dispatch.w4a_fp8_operand(rows) == "words") == (rows == 1)
         _check_triton("cpu", rows, torch.bfloat16, chunk_bits=None)

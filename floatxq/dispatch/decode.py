@@ -7,6 +7,7 @@ import torch
 
 from floatxq.formats import MODEL_DTYPES
 from floatxq.kernels._triton import triton_unavailable_reason
+from floatxq.kernels.w4a16 import DEFAULT_W4A16_TUNING, W4A16Route, W4A16Tuning
 
 __all__ = [
     "FP4_DECODE_ROUTES",
@@ -14,6 +15,7 @@ __all__ = [
     "fp4_decode_route",
     "gptq_route",
     "torchao_missing",
+    "w4a16_route",
 ]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -81,6 +83,18 @@ def fp4_decode_route(
     return route, reason
 
 
+def w4a16_route(rows: int, tuning: W4A16Tuning = DEFAULT_W4A16_TUNING) -> W4A16Route:
+    """The faster W4A16 kernel route for an ``rows``-row call: ``"w4a16_fused"`` (one launch
+    decoding in registers) up to ``tuning.fused_max_rows`` rows, else ``"w4a16_decode_gemm"``
+    (decode once, then the library GEMM at its full rate). Measured crossover: RESULTS.md.
+
+    Example:
+      >>> w4a16_route(1), w4a16_route(4096)
+      ('w4a16_fused', 'w4a16_decode_gemm')
+    """
+    return "w4a16_fused" if rows <= tuning.fused_max_rows else "w4a16_decode_gemm"
+
+
 def gptq_route(device: torch.device, dtype: torch.dtype, rows: int) -> tuple[str, str | None]:
     """``(route, reason)`` of a ``GPTQLinear`` call of ``rows`` rows: ``"w4a16_fused"`` or
     ``"w4a16_decode_gemm"`` (the W4A16 kernels, by row count) where Triton runs on CUDA for
@@ -90,8 +104,6 @@ def gptq_route(device: torch.device, dtype: torch.dtype, rows: int) -> tuple[str
       >>> gptq_route(torch.device("cpu"), torch.float16, 4)
       ('dequant_matmul', 'x is on cpu; the W4A16 kernels run on CUDA')
     """
-    from floatxq.kernels.w4a16 import w4a16_route
-
     if device.type != "cuda":
         return GPTQ_DECODE_ROUTE, f"x is on {device}; the W4A16 kernels run on CUDA"
     if dtype not in _HALF_DTYPES:

@@ -1,17 +1,25 @@
 """W4A routes: the W4A-FP8 and W4A-NVFP4 GEMMs, the NVFP4 accumulator, the activation packers."""
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from floatxq._typing import Float, Tensor
+from floatxq._typing import Float, Shaped, Tensor
 from floatxq.dispatch.preference import W4A_FP8_ROUTES, W4A_NVFP4_ROUTES
 from floatxq.formats import MODEL_DTYPES, NVFP4RecipeName, W4AActivationMode
 from floatxq.kernels._triton import (
     capability_shortfall,
     triton_interpret_enabled,
     triton_unavailable_reason,
+)
+from floatxq.kernels.nvfp4 import DEFAULT_NVFP4_TUNING, NVFP4Tuning
+from floatxq.kernels.w4a_fp8 import (
+    DEFAULT_W4A_FP8_TUNING,
+    W4AFP8Route,
+    W4AFP8Tuning,
+    blockwise_unavailable_reason,
 )
 from floatxq.w4a import activation as _activation
 from floatxq.w4a.activation import W4AActivation
@@ -20,10 +28,13 @@ from floatxq.w4a.linear import w4a_nvfp4_accumulate_group
 __all__ = [
     "fp8_pack_reason",
     "nvfp4_accumulator",
+    "nvfp4_operand",
     "nvfp4_pack_reason",
     "pack_activation",
     "stream_pack_reason",
     "w4a_fp8_carrier_route",
+    "w4a_fp8_gemm_route",
+    "w4a_fp8_operand",
     "w4a_fp8_route",
     "w4a_nvfp4_native_unavailable_reason",
     "w4a_nvfp4_route",
@@ -96,6 +107,57 @@ def w4a_fp8_carrier_route(requested: str, device: torch.device) -> tuple[str, st
         return "fp8_reference", "route='reference' was requested"
     reason = _w4a_fp8_unavailable(device)
     return ("fp8_triton", None) if reason is None else ("fp8_reference", reason)
+
+
+def w4a_fp8_operand(
+    rows: int, tuning: W4AFP8Tuning = DEFAULT_W4A_FP8_TUNING
+) -> Literal["words", "e4m3"]:
+    """Which weight form an ``rows``-row W4A-FP8 Triton GEMM reads fastest: the int32 words
+    (half a byte per weight: few rows are memory-bound) up to ``tuning.words_max_rows`` rows,
+    else the staged E4M3 operand (the FP8 tensor cores). Both give the same sums up to FP32
+    order.
+
+    Example:
+      >>> w4a_fp8_operand(1), w4a_fp8_operand(4096)
+      ('words', 'e4m3')
+    """
+    return "words" if rows <= tuning.words_max_rows else "e4m3"
+
+
+def w4a_fp8_gemm_route(
+    rows: int,
+    weight: Shaped[Tensor, "rows n"],
+    tuning: W4AFP8Tuning = DEFAULT_W4A_FP8_TUNING,
+) -> tuple[W4AFP8Route, str | None]:
+    """``(route, reason)``: the GEMM an ``rows``-row W4A-FP8 call on ``weight`` takes, and why
+    not cuBLAS.
+
+    ``"scaled_mm_blockwise"`` (cuBLAS's blockwise FP8 GEMM) from ``tuning.cublas_min_rows`` rows
+    on, where :func:`floatxq.kernels.w4a_fp8.blockwise_unavailable_reason` names no reason;
+    else ``"triton"`` with the reason. Both routes meet the same bound.
+
+    Example:
+      >>> w4a_fp8_gemm_route(1, torch.zeros(16, 32, dtype=torch.int32))
+      ('triton', '1 rows < 128: the Triton GEMM is faster')
+    """
+    if rows < tuning.cublas_min_rows:
+        return "triton", f"{rows} rows < {tuning.cublas_min_rows}: the Triton GEMM is faster"
+    reason = blockwise_unavailable_reason(rows, weight)
+    return ("triton", reason) if reason is not None else ("scaled_mm_blockwise", None)
+
+
+def nvfp4_operand(
+    rows: int, tuning: NVFP4Tuning = DEFAULT_NVFP4_TUNING
+) -> Literal["words", "e4m3"]:
+    """Which weight form an ``rows``-row W4A-NVFP4 emulation GEMM reads fastest: the int32
+    words up to ``tuning.words_max_rows`` rows, else the staged E4M3 operand (same sums up to
+    FP32 order).
+
+    Example:
+      >>> nvfp4_operand(1), nvfp4_operand(4096)
+      ('words', 'e4m3')
+    """
+    return "words" if rows <= tuning.words_max_rows else "e4m3"
 
 
 def w4a_nvfp4_native_unavailable_reason(device: torch.device) -> str | None:

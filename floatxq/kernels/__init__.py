@@ -1,4 +1,4 @@
-"""Triton twins of floatxq's pure functions, and the dispatchers that choose between them.
+"""Triton twins of floatxq's pure functions.
 
 Each kernel equals its pure reference bit for bit. Importing this package needs neither Triton
 nor CUDA: the Triton sources (``_*_jit`` modules) are imported on a kernel's first launch, and a
@@ -42,14 +42,12 @@ from floatxq.kernels.w4a16 import (
     W4A16Tuning,
     dequantize_gptq_kernel,
     w4a16_linear_kernel,
-    w4a16_route,
 )
 from floatxq.kernels.w4a_fp8 import (
     W4AFP8Tuning,
     fp8_linear,
     fp8_linear_prepacked,
     fp8_pack,
-    w4a_fp8_operand,
     w4a_fp8_unavailable_reason,
 )
 
@@ -81,7 +79,5 @@ __all__ = [
     "triton_interpret_enabled",
     "triton_unavailable_reason",
     "w4a16_linear_kernel",
-    "w4a16_route",
-    "w4a_fp8_operand",
     "w4a_fp8_unavailable_reason",
 ]

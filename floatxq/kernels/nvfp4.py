@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +89,7 @@ class NVFP4Tuning:
     pack_warps: int = 4
     words_max_rows: int = 64
     """Largest row count for which the GEMM reads the int32 words when it is given them (above
-    it the staged E4M3 operand is faster; callers holding both pick with :func:`nvfp4_operand`)."""
+    it the staged E4M3 operand is faster; :func:`floatxq.dispatch.nvfp4_operand` picks)."""
     words_block_n: int = 64
     words_warps: int = 4
     words_stages: int = 3
@@ -242,20 +242,6 @@ def nvfp4_pack_and_swizzle(
     with guard:
         _launchers(interpret)[0](key, grid, args, _options(interpret, tuning.pack_warps), index)
     return packed.view(_FP4X2), scales.view(_E4M3)
-
-
-def nvfp4_operand(
-    rows: int, tuning: NVFP4Tuning = DEFAULT_NVFP4_TUNING
-) -> Literal["words", "e4m3"]:
-    """Which weight form an ``rows``-row GEMM reads fastest: ``"words"`` or ``"e4m3"``.
-
-    Numerics: none (both forms give the same sums up to FP32 order).
-
-    Example:
-      >>> nvfp4_operand(1), nvfp4_operand(4096)
-      ('words', 'e4m3')
-    """
-    return "words" if rows <= tuning.words_max_rows else "e4m3"
 
 
 def nvfp4_linear_prepacked(

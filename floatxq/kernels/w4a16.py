@@ -5,7 +5,8 @@ weight element is decoded exactly as :func:`floatxq.dequantize_gptq` decodes it 
 product ``scale · (code - zero)`` rounded once to ``x``'s float16/bfloat16), so the kernels
 multiply the very operands of the reference and differ from it only in FP32 summation order.
 
-Two routes, by row count (:func:`w4a16_route`):
+Two routes (the caller picks; :func:`floatxq.dispatch.w4a16_route` names the faster for a row
+count):
 
 ``w4a16_fused`` (decode-sized calls)
     one launch: each program streams its ``BLOCK_K × BLOCK_N`` tiles of the packed words
@@ -45,10 +46,10 @@ __all__ = [
     "W4A16Tuning",
     "dequantize_gptq_kernel",
     "w4a16_linear_kernel",
-    "w4a16_route",
 ]
 
 W4A16Route = Literal["w4a16_fused", "w4a16_decode_gemm"]
+W4A16_ROUTES = ("w4a16_fused", "w4a16_decode_gemm")
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -67,7 +68,8 @@ class W4A16Tuning:
     """
 
     fused_max_rows: int = 64
-    """Largest row count for the fused route (above it: decode, then the library GEMM)."""
+    """Largest row count for which :func:`floatxq.dispatch.w4a16_route` picks the fused route
+    (above it: decode, then the library GEMM)."""
     block_n: int = 64
     block_k: int = 128
     warps: int = 4
@@ -96,16 +98,6 @@ def _tuning_key(tuning: W4A16Tuning) -> W4A16Tuning | None:
     """The tuning's part of a plan key: ``None`` for the default (hashing a record field by
     field costs microseconds a decode-sized call should not pay)."""
     return None if tuning is DEFAULT_W4A16_TUNING else tuning
-
-
-def w4a16_route(rows: int, tuning: W4A16Tuning = DEFAULT_W4A16_TUNING) -> W4A16Route:
-    """The W4A16 route for an ``rows``-row call.
-
-    Example:
-      >>> w4a16_route(1), w4a16_route(4096)
-      ('w4a16_fused', 'w4a16_decode_gemm')
-    """
-    return "w4a16_fused" if rows <= tuning.fused_max_rows else "w4a16_decode_gemm"
 
 
 @functools.cache
@@ -234,15 +226,16 @@ def w4a16_linear_kernel(
       bits, format: as :func:`floatxq.dequantize_gptq`.
       group_size: the contiguous group size the caller guarantees, or None (gather by
         ``g_idx``; see :func:`dequantize_gptq_kernel`).
-      route: ``"w4a16_fused"`` or ``"w4a16_decode_gemm"``; None picks by rows
-        (:func:`w4a16_route`).
+      route: ``"w4a16_fused"`` (also for None) or ``"w4a16_decode_gemm"``;
+        :func:`floatxq.dispatch.w4a16_route` names the faster for a row count.
       tuning: launch shapes.
 
     Returns:
       ``(m, n)`` in ``x.dtype``.
 
     Raises:
-      TypeError, ValueError: wrong dtypes, shapes, devices (as the pure function).
+      TypeError, ValueError: wrong dtypes, shapes, devices (as the pure function); an unknown
+        route.
       RuntimeError: Triton missing.
 
     Numerics: the reference's decoded operands (bit for bit), FP32 accumulation in another
@@ -250,6 +243,8 @@ def w4a16_linear_kernel(
     GEMM, one rounding.
     """
     where = "w4a16_linear_kernel"
+    if route is not None and route not in W4A16_ROUTES:
+        raise ValueError(f"{where}: route must be None or one of {W4A16_ROUTES}, got {route!r}")
     if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in _DTYPES:
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{where}: x must be a 2-D float16/bfloat16 tensor, got {got}")
@@ -271,7 +266,7 @@ def _linear(
 ) -> Tensor:  # fmt: skip
     """The launch(es), arguments already checked (``GPTQLinear`` calls this directly)."""
     m = x.shape[0]
-    if (route or w4a16_route(m, tuning)) == "w4a16_decode_gemm":
+    if route == "w4a16_decode_gemm":
         w = _decode(packed, k, n, bits, v1, group, x.dtype, device, tuning)
         return F.linear(x, w.T, None if bias is None else bias.to(x.dtype))
     out = torch.empty((m, n), dtype=x.dtype, device=device)

@@ -20,8 +20,10 @@ The GEMM reads its weight in one of two forms, each faster at its own size:
 
 Both accumulate each 128-wide group in a fresh FP32 tile, multiply it by the group's scales,
 add the groups in ascending order, then apply the token scale once and the bias.
-:func:`w4a_fp8_operand` says which form a row count should use (measured crossover,
-``benchmarks/RESULTS.md``). Launch shapes come from a frozen :class:`W4AFP8Tuning`.
+:func:`floatxq.dispatch.w4a_fp8_operand` says which form a row count should use (measured
+crossover, ``benchmarks/RESULTS.md``) and :func:`floatxq.dispatch.w4a_fp8_gemm_route` whether
+cuBLAS's blockwise FP8 GEMM takes the call instead; the kernels run the route they are given.
+Launch shapes come from a frozen :class:`W4AFP8Tuning`.
 """
 
 import dataclasses
@@ -47,15 +49,15 @@ from floatxq.w4a.linear import W4A_OUTPUT_DTYPES, _check_operands
 __all__ = [
     "DEFAULT_W4A_FP8_TUNING",
     "W4AFP8Tuning",
+    "blockwise_unavailable_reason",
     "fp8_linear",
     "fp8_linear_prepacked",
     "fp8_pack",
-    "w4a_fp8_gemm_route",
-    "w4a_fp8_operand",
     "w4a_fp8_unavailable_reason",
 ]
 
 W4AFP8Route = Literal["triton", "scaled_mm_blockwise"]
+W4A_FP8_GEMM_ROUTES = ("triton", "scaled_mm_blockwise")
 
 _MIN_CAPABILITY = (8, 9)
 """FP8 tensor cores and the E4M3 conversion instruction: Ada (SM 8.9) and newer."""
@@ -78,7 +80,9 @@ class W4AFP8Tuning:
     """
 
     words_max_rows: int = 64
-    """Largest row count that reads the int32 words (above it: the staged E4M3 operand)."""
+    """Largest row count that reads the int32 words (above it: the staged E4M3 operand), as
+    :func:`floatxq.dispatch.w4a_fp8_operand` picks; also the largest that gets the split-K
+    launch shapes."""
     words_block_n: int = 64
     """Output columns per program on the words form."""
     words_warps: int = 4
@@ -97,8 +101,8 @@ class W4AFP8Tuning:
     """Widest chunk of a row :func:`fp8_pack` holds at once (longer rows are read twice)."""
     pack_warps: int = 8
     cublas_min_rows: int = 128
-    """From this many rows on (SM 9.0+, staged E4M3 operand) cuBLAS's blockwise FP8 GEMM runs
-    instead of the Triton one."""
+    """From this many rows on :func:`floatxq.dispatch.w4a_fp8_gemm_route` picks cuBLAS's
+    blockwise FP8 GEMM (where it runs) over the Triton one."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -113,20 +117,6 @@ class W4AFP8Tuning:
 
 
 DEFAULT_W4A_FP8_TUNING = W4AFP8Tuning()
-
-
-def w4a_fp8_operand(
-    rows: int, tuning: W4AFP8Tuning = DEFAULT_W4A_FP8_TUNING
-) -> Literal["words", "e4m3"]:
-    """Which weight form an ``rows``-row call reads fastest: ``"words"`` or ``"e4m3"``.
-
-    Numerics: none (both forms give the same sums up to FP32 order).
-
-    Example:
-      >>> w4a_fp8_operand(1), w4a_fp8_operand(4096)
-      ('words', 'e4m3')
-    """
-    return "words" if rows <= tuning.words_max_rows else "e4m3"
 
 
 def w4a_fp8_unavailable_reason(device: torch.device) -> str | None:
@@ -235,22 +225,27 @@ def fp8_linear(
         ``float8_e4m3fn (k, n)`` operand (see :func:`floatxq.centered_weight`).
       scales: ``(k/128, n)`` GPTQ group scales (any floating dtype).
       bias: ``(n,)`` floating or None.
-      route: ``"triton"`` (the grouped Triton GEMM), ``"scaled_mm_blockwise"`` (cuBLAS, staged
-        E4M3 operand only) or None: :func:`w4a_fp8_gemm_route` decides.
+      route: ``"triton"`` (the grouped Triton GEMM; also for None, as GPT-QModel's kernel) or
+        ``"scaled_mm_blockwise"`` (cuBLAS, staged E4M3 operand only; refused where
+        :func:`blockwise_unavailable_reason` names a reason).
+        :func:`floatxq.dispatch.w4a_fp8_gemm_route` names the faster for a row count.
       tuning: launch shapes.
 
     Returns:
       ``(m, n)`` in ``x.dtype``.
 
     Raises:
-      TypeError, ValueError: as :func:`floatxq.w4a_fp8_linear` (no finiteness checks).
-      RuntimeError: Triton missing, or a GPU below SM 8.9.
+      TypeError, ValueError: as :func:`floatxq.w4a_fp8_linear` (no finiteness checks); an
+        unknown route.
+      RuntimeError: Triton missing, a GPU below SM 8.9, or ``"scaled_mm_blockwise"`` where it
+        cannot run.
 
     Numerics: :func:`floatxq.w4a_fp8_linear` up to FP32 summation order (within a group,
     across K splits) and, on FP8 tensor cores, their truncating accumulation of a group's 128
     products (docs/numerics.md states the bound the tests hold it to).
     """
     where = "fp8_linear"
+    _check_route(route, where)
     if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in W4A_OUTPUT_DTYPES:
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{where}: x must be a 2-D float16/bfloat16/float32 tensor, got {got}")
@@ -292,6 +287,7 @@ def fp8_linear_prepacked(
     :func:`fp8_linear`).
     """
     where = "fp8_linear_prepacked"
+    _check_route(route, where)
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.float8_e4m3fn or codes.ndim != 2:
         raise TypeError(f"{where}: codes must be a 2-D float8_e4m3fn (m, k) tensor")
     m, k = codes.shape
@@ -316,36 +312,37 @@ def _blockwise_api() -> tuple[Any, Any] | None:
     return (fn, kind) if fn is not None and kind is not None else None
 
 
-def w4a_fp8_gemm_route(
-    rows: int,
-    weight: Shaped[Tensor, "rows n"],
-    tuning: W4AFP8Tuning = DEFAULT_W4A_FP8_TUNING,
-) -> tuple[W4AFP8Route, str | None]:
-    """``(route, reason)``: the GEMM an ``rows``-row call on ``weight`` takes, and why not cuBLAS.
+def blockwise_unavailable_reason(rows: int, weight: Shaped[Tensor, "rows n"]) -> str | None:
+    """Why cuBLAS's blockwise FP8 GEMM cannot take an ``rows``-row call on ``weight`` (``None``:
+    it can).
 
-    ``"scaled_mm_blockwise"`` (cuBLAS's FP8 GEMM with one scale per 1×128 block of each
-    operand: the token scale repeated along K for ``x``, the GPTQ group scale for each output
-    column) from ``tuning.cublas_min_rows`` rows on (a multiple of 4: cuBLAS refused 129 rows
-    on an H200), for the staged E4M3 operand stored K-contiguous, on SM 9.0+ with a torch
-    that has ``F.scaled_mm`` and ``BlockWise1x128``; else ``"triton"`` with the reason.
+    The GEMM (``F.scaled_mm`` with one scale per 1×128 block of each operand: the token scale
+    repeated along K for ``x``, the GPTQ group scale for each output column) needs a multiple of
+    4 rows (cuBLAS refused 129 on an H200), the staged E4M3 operand stored K-contiguous, a torch
+    with ``F.scaled_mm`` and ``BlockWise1x128``, and SM 9.0+.
 
-    Numerics: none (both routes meet the same bound).
+    Numerics: none.
     """
-    if rows < tuning.cublas_min_rows:
-        return "triton", f"{rows} rows < {tuning.cublas_min_rows}: the Triton GEMM is faster"
     if rows % 4:
-        return "triton", f"{rows} rows: cuBLAS's token-scale grid needs a multiple of 4 rows"
+        return f"{rows} rows: cuBLAS's token-scale grid needs a multiple of 4 rows"
     if weight.dtype != torch.float8_e4m3fn or weight.stride(0) != 1:
-        return "triton", "cuBLAS takes the staged E4M3 operand stored K-contiguous"
+        return "cuBLAS takes the staged E4M3 operand stored K-contiguous"
     if _blockwise_api() is None:
-        return "triton", "this torch has no F.scaled_mm with BlockWise1x128 scales"
+        return "this torch has no F.scaled_mm with BlockWise1x128 scales"
     if weight.device.type != "cuda":
-        return "triton", f"the weight is on {weight.device}"
+        return f"the weight is on {weight.device}"
     index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
     cap = fp8_weight._capability(index)
     if cap < (9, 0):
-        return "triton", f"SM {cap[0]}.{cap[1]} < 9.0: cuBLAS's blockwise FP8 GEMM needs Hopper"
-    return "scaled_mm_blockwise", None
+        return f"SM {cap[0]}.{cap[1]} < 9.0: cuBLAS's blockwise FP8 GEMM needs Hopper"
+    return None
+
+
+def _check_route(route: object, where: str) -> None:
+    if route is not None and route not in W4A_FP8_GEMM_ROUTES:
+        raise ValueError(
+            f"{where}: route must be None or one of {W4A_FP8_GEMM_ROUTES}, got {route!r}"
+        )
 
 
 def _run(
@@ -360,15 +357,12 @@ def _run(
     *,
     where: str,
 ) -> Tensor:
-    if route not in (None, "triton", "scaled_mm_blockwise"):
-        raise ValueError(
-            f"{where}: route must be None, 'triton' or 'scaled_mm_blockwise', got {route!r}"
-        )
-    chosen, reason = w4a_fp8_gemm_route(codes.shape[0], weight, tuning)
-    if route == "scaled_mm_blockwise" and chosen != route:
-        raise RuntimeError(f"{where}: route 'scaled_mm_blockwise' cannot run here: {reason}")
-    if (route or chosen) == "scaled_mm_blockwise" and codes.shape[0] and weight.shape[1]:
-        return _blockwise(codes, row_scale, weight, scales, bias, output_dtype)
+    if route == "scaled_mm_blockwise":
+        reason = blockwise_unavailable_reason(codes.shape[0], weight)
+        if reason is not None:
+            raise RuntimeError(f"{where}: route 'scaled_mm_blockwise' cannot run here: {reason}")
+        if codes.shape[0] and weight.shape[1]:
+            return _blockwise(codes, row_scale, weight, scales, bias, output_dtype)
     return _gemm(codes, row_scale, weight, scales, bias, output_dtype, tuning)
 
 

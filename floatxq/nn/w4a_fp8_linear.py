@@ -48,6 +48,14 @@ def w4a_fp8_ineligibility(module: GPTQLinear) -> str | None:
     return w4a_ineligibility(module, gemm="W4A-FP8", where="w4a_fp8_ineligibility")
 
 
+def _operand(module: W4ALinear, rows: int, staged: Tensor, *, words: bool) -> tuple[Tensor, str]:
+    """``(weight, GEMM route)`` of an ``rows``-row kernel call: the int32 words where they are
+    fastest (and ``words`` allows them), else the staged operand; then the GEMM."""
+    if words and dispatch.w4a_fp8_operand(rows) == "words":
+        return module.qweight, "triton"
+    return staged, dispatch.w4a_fp8_gemm_route(rows, staged)[0]
+
+
 def _fp8_gemm(
     module: W4ALinear,
     codes: Tensor,
@@ -57,16 +65,18 @@ def _fp8_gemm(
     *,
     words: bool = True,
 ) -> Tensor:
-    """The W4A-FP8 GEMM of E4M3 token codes over ``module``'s staged weight: the Triton GEMM
+    """The W4A-FP8 GEMM of E4M3 token codes over ``module``'s staged weight: the kernels
     (``route`` ``"triton"``: the int32 words for few rows when ``words``, else the staged
-    operand) or the pure :func:`floatxq.w4a_fp8_linear_prepacked`."""
+    operand through the GEMM :func:`floatxq.dispatch.w4a_fp8_gemm_route` picks) or the pure
+    :func:`floatxq.w4a_fp8_linear_prepacked`."""
     staged = module._staged()
     if route == "triton":
-        from floatxq.kernels.w4a_fp8 import fp8_linear_prepacked, w4a_fp8_operand
+        from floatxq.kernels.w4a_fp8 import fp8_linear_prepacked
 
-        words = words and w4a_fp8_operand(codes.shape[0]) == "words"
-        weight = module.qweight if words else staged
-        return fp8_linear_prepacked(codes, row_scale, weight, module.scales, module.bias, dtype)
+        weight, gemm = _operand(module, codes.shape[0], staged, words=words)
+        return fp8_linear_prepacked(
+            codes, row_scale, weight, module.scales, module.bias, dtype, route=gemm
+        )
     return w4a_fp8_linear_prepacked(
         codes, row_scale, staged, module.scales, module.bias, output_dtype=dtype
     )
@@ -132,11 +142,10 @@ class W4AFP8Linear(W4ALinear):
         staged = self._staged()
         route, reason = dispatch.w4a_fp8_route(self.route, x.device)
         if route == "triton":
-            from floatxq.kernels.w4a_fp8 import fp8_linear, w4a_fp8_operand
+            from floatxq.kernels.w4a_fp8 import fp8_linear
 
-            words = w4a_fp8_operand(x2d.shape[0]) == "words"
-            weight = self.qweight if words else staged
-            out = fp8_linear(x2d, weight, self.scales, self.bias)
+            weight, gemm = _operand(self, x2d.shape[0], staged, words=True)
+            out = fp8_linear(x2d, weight, self.scales, self.bias, route=gemm)
         else:
             out = w4a_fp8_linear(x2d, staged, self.scales, self.bias)
         self._set_last(route, reason)

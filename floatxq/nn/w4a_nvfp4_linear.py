@@ -297,9 +297,8 @@ class W4ANVFP4Linear(W4ALinear):
             weight = staged
             if route == "emulation":
                 from floatxq.kernels.nvfp4 import nvfp4_linear_prepacked as gemm
-                from floatxq.kernels.nvfp4 import nvfp4_operand
 
-                if nvfp4_operand(rows) == "words":  # few rows: half the bytes to stream
+                if dispatch.nvfp4_operand(rows) == "words":  # few rows: half the bytes to stream
                     weight = self.qweight
             else:
                 gemm = w4a_nvfp4_linear_prepacked
