@@ -5,7 +5,10 @@ kind of object or dtype, ``ValueError`` for a wrong value or shape) with a messa
 calling function (``where``), the argument (``name``), what was received and what is accepted.
 """
 
+import json
+import math
 import numbers
+import re
 from typing import Any
 
 import torch
@@ -200,3 +203,79 @@ def fp8_scale_shape(
             f"{[br, bc]} (block rows index output rows); floatxq never pads"
         )
     return (rows // br, cols // bc)
+
+
+JSON_MAX_DEPTH = 64
+"""Deepest nesting of objects and arrays a metadata document may have (real ones use < 10)."""
+JSON_MAX_BYTES = 100 * 1024 * 1024
+"""Largest metadata document read (safetensors' own header limit)."""
+JSON_MAX_INT_DIGITS = 30
+"""Longest integer literal accepted (byte counts and sizes need under 20 digits)."""
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def bounded_json_loads(
+    text: str | bytes,
+    *,
+    where: str,
+    error: type[Exception] = ValueError,
+    max_depth: int = JSON_MAX_DEPTH,
+    max_bytes: int = JSON_MAX_BYTES,
+) -> Any:
+    """``json.loads`` for untrusted metadata, failing with ``error`` (naming ``where``) instead
+    of ``RecursionError``, ``OverflowError`` or a bare ``JSONDecodeError``.
+
+    Refused: more than ``max_bytes`` bytes, nesting deeper than ``max_depth``, an integer of
+    more than ``JSON_MAX_INT_DIGITS`` digits, a non-finite number (``NaN``, ``Infinity``, or a
+    float literal that overflows), text that is not UTF-8 or not JSON.
+
+    Example:
+      >>> bounded_json_loads('{"a": [1, 2.5]}', where="config.json")
+      {'a': [1, 2.5]}
+      >>> bounded_json_loads("[" * 100 + "]" * 100, where="config.json")
+      Traceback (most recent call last):
+      ...
+      ValueError: config.json: JSON nested deeper than 64 levels
+    """
+    if isinstance(text, bytes | bytearray):
+        if len(text) > max_bytes:
+            raise error(f"{where}: {len(text)} bytes of JSON, more than the {max_bytes} read")
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise error(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    elif not isinstance(text, str):
+        raise error(f"{where}: expected JSON text, got {type(text).__name__}")
+    elif len(text) > max_bytes:
+        raise error(f"{where}: {len(text)} characters of JSON, more than the {max_bytes} read")
+    depth = deepest = 0
+    for match in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if match.group() in "[{" else -1
+        deepest = max(deepest, depth)
+        if deepest > max_depth:
+            raise error(f"{where}: JSON nested deeper than {max_depth} levels")
+
+    def _int(literal: str) -> int:
+        if len(literal.lstrip("-")) > JSON_MAX_INT_DIGITS:
+            raise error(
+                f"{where}: an integer of {len(literal.lstrip('-'))} digits (at most "
+                f"{JSON_MAX_INT_DIGITS} are read)"
+            )
+        return int(literal)
+
+    def _float(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            raise error(f"{where}: the number {literal[:40]} overflows a float")
+        return value
+
+    def _constant(name: str) -> float:
+        raise error(f"{where}: {name} is not a finite number; JSON metadata must not hold it")
+
+    try:
+        return json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
+    except json.JSONDecodeError as exc:
+        raise error(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:  # (the bracket count above makes this unreachable; kept as a net)
+        raise error(f"{where}: JSON nested too deeply") from None

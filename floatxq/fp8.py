@@ -468,9 +468,10 @@ def direct_to_inverse_scale(scale: Float[Tensor, "*shape"]) -> Float32[Tensor, "
     (≈ 8.5e37), as GPT-QModel's loader does, so its all-zero region still decodes to zeros.
 
     Raises:
-      ValueError: a negative or non-finite direct scale (or a float64 one beyond FP32's range),
-        or a positive one below ``1/FLT_MAX`` (≈ 2.9e-39) whose inverse overflows FP32 (every
-        ``scale_inv`` floatxq holds is finite).
+      ValueError: a negative or non-finite direct scale (or a float64 one beyond FP32's range,
+        or a positive float64 one that rounds to 0 in FP32), or a positive one below
+        ``1/FLT_MAX`` (≈ 2.9e-39) whose inverse overflows FP32 (every ``scale_inv`` floatxq
+        holds is finite).
       TypeError: a non-floating or meta tensor.
 
     Numerics: FP32 IEEE division, no rounding beyond it.
@@ -486,6 +487,12 @@ def direct_to_inverse_scale(scale: Float[Tensor, "*shape"]) -> Float32[Tensor, "
     require_finite(s, name="scale", where=where)
     if s.numel() and bool((s < 0).any()):
         raise ValueError("direct_to_inverse_scale: scale has negative entries; scales are >= 0")
+    if scale.dtype != torch.float32 and s.numel() and bool(((scale > 0) & (s == 0)).any()):
+        lost = scale[(scale > 0) & (s == 0)][:4].tolist()
+        raise ValueError(
+            f"direct_to_inverse_scale: scale has positive {scale.dtype} entries that round to 0 "
+            f"in float32 (below ~7e-46), e.g. {lost}; a zero scale would mean an all-zero region"
+        )
     inverse = fp32_reciprocal(s)
     if s.numel() and bool(((s > 0) & torch.isinf(inverse)).any()):
         raise ValueError(

@@ -325,3 +325,20 @@ def test_token_non_finite_rejected(x, bad, data):
             assert "NaN or infinity" in str(err)
         else:
             raise AssertionError(f"{fn.__name__} accepted non-finite input")
+
+
+@given(st.lists(st.floats(min_value=0.0, max_value=1e30, allow_subnormal=True), max_size=6))
+def test_float64_direct_scales_are_inverted_exactly_or_refused_never_flushed(values):
+    """A positive float64 direct scale is never read as 0 (which would map to ``1/FLT_MIN`` and
+    decode its region as zeros): if FP32 flushes it, or its inverse overflows, it is refused."""
+    s = torch.tensor(values, dtype=torch.float64)
+    s32 = s.to(torch.float32)
+    lost = bool(((s > 0) & ((s32 == 0) | torch.isinf(1.0 / s32))).any())
+    try:
+        inverse = fq.direct_to_inverse_scale(s)
+    except ValueError as err:
+        assert lost, f"refused {values}: {err}"
+        return
+    assert not lost, f"accepted {values}"
+    assert bool(torch.isfinite(inverse).all()) and bool((inverse > 0).all())
+    assert_bitwise_equal(inverse[s == 0], torch.full_like(inverse[s == 0], 1 / 2.0**-126))

@@ -205,6 +205,26 @@ def test_quantize_dequantize_quantize_is_idempotent(x, e):
             assert_bitwise_equal(again_codes[kept], torch.where(codes == 8, 0, codes)[kept])
 
 
+@given(
+    st.floats(min_value=0.0, max_value=1e-30, allow_subnormal=True),
+    st.sampled_from([None, torch.float16, torch.bfloat16, torch.float32]),
+    st.sampled_from(RECIPES),
+)
+def test_global_scale_is_positive_and_finite_for_every_tiny_amax(amax, grid, recipe):
+    """A positive amax, however small, never gives a global scale of 0 (which every consumer
+    refuses): the quotient is held at FP32's smallest subnormal; the dynamic scale agrees."""
+    a = torch.tensor(amax, dtype=torch.float32)
+    g = fq.nvfp4_global_scale(a, grid_dtype=grid, recipe=recipe)
+    assert bool(torch.isfinite(g)) and float(g) > 0
+    if float(a) > 0:
+        assert float(g) >= 2.0**-149
+    x = torch.full((1, 16), float(a), dtype=grid or torch.float32)
+    if float(x.abs().amax()) == float(a):
+        assert_bitwise_equal(fq.nvfp4_dynamic_global_scale(x, recipe=recipe), g)
+    q = fq.nvfp4_quantize(x, recipe=recipe)
+    assert bool(torch.isfinite(fq.nvfp4_dequantize(*q, dtype=torch.float32)).all())
+
+
 @ALL_RECIPES
 @given(spread_matrices(block=(1, 16), max_blocks=(3, 3), dtype=torch.bfloat16))
 def test_dynamic_global_scale_is_the_calibrated_one_on_the_input_grid(x):

@@ -35,6 +35,7 @@ from floatxq._checks import (
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor, UInt8, checked_record
 from floatxq.formats import (
     FLOAT32_MAX,
+    FLOAT32_SMALLEST_SUBNORMAL,
     FP8_E4M3_MAX,
     MODEL_DTYPES,
     NVFP4_BLOCK,
@@ -170,7 +171,9 @@ def nvfp4_global_scale(
 
     ``amax / (448 * d)`` (one FP32 division by 2688 or 1792) for ``amax > 0``, else 1, with
     ``d = 6`` for ``nvidia`` and the headroom recipes and ``d = 4`` otherwise (so the amax→4
-    candidate of the largest block lands at block scale 448 and value 6 stays as headroom).
+    candidate of the largest block lands at block scale 448 and value 6 stays as headroom). A
+    positive ``amax`` whose quotient underflows (below about ``2.5e-42``) gets FP32's smallest
+    subnormal ``2**-149``, so tiny finite tensors still quantize (never a scale of 0).
 
     Args:
       amax: the tensor's largest magnitude (finite, ≥ 0).
@@ -200,7 +203,17 @@ def nvfp4_global_scale(
     v = real_scalar(amax, name="amax", where="nvfp4_global_scale", device=device)
     if not bool(torch.isfinite(v) & (v >= 0)):
         raise ValueError(f"nvfp4_global_scale: amax must be finite and >= 0, got {v.item()!r}")
-    scale = torch.where(v > 0, v / torch.full_like(v, FP8_E4M3_MAX * divisor), torch.ones_like(v))
+    return _scale_of_amax(v, divisor, grid_dtype)
+
+
+def _scale_of_amax(v: Tensor, divisor: float, grid_dtype: torch.dtype | None) -> Tensor:
+    """``v / (448 · divisor)`` for ``v > 0`` (at least FP32's smallest subnormal: a positive
+    ``amax`` below about ``2.5e-42`` would otherwise divide to 0), else 1; then the optional
+    rounding through ``grid_dtype`` (a value that rounds to 0 keeps its FP32 value)."""
+    quotient = (v / torch.full_like(v, FP8_E4M3_MAX * divisor)).clamp_min(
+        FLOAT32_SMALLEST_SUBNORMAL
+    )
+    scale = torch.where(v > 0, quotient, torch.ones_like(v))
     if grid_dtype is not None:
         rounded = scale.to(grid_dtype).to(torch.float32)
         scale = torch.where(rounded > 0, rounded, scale)
@@ -212,13 +225,7 @@ def _device_global_scale(
 ) -> Float32[Tensor, ""]:
     """:func:`nvfp4_global_scale` of an ``amax`` tensor without reading it on the host (no
     checks: a non-finite ``amax`` gives a non-finite scale, which the kernels mark as NaN)."""
-    v = amax.to(torch.float32)
-    divisor = torch.full_like(v, FP8_E4M3_MAX * _divisor(recipe))
-    scale = torch.where(v > 0, v / divisor, torch.ones_like(v))
-    if grid_dtype is not None:
-        rounded = scale.to(grid_dtype).to(torch.float32)
-        scale = torch.where(rounded > 0, rounded, scale)
-    return scale
+    return _scale_of_amax(amax.to(torch.float32), _divisor(recipe), grid_dtype)
 
 
 def nvfp4_dynamic_global_scale(
