@@ -215,6 +215,36 @@ _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _JSON_BRACKET = re.compile(r"[\[\]{}]")
 
 
+class _JSONNumbers:
+    """The number hooks of :func:`bounded_json_loads` for one call (a class, not closures: no
+    per-call function objects)."""
+
+    __slots__ = ("error", "where")
+
+    def __init__(self, where: str, error: type[Exception]) -> None:
+        self.where, self.error = where, error
+
+    def integer(self, literal: str) -> int:
+        digits = len(literal.lstrip("-"))
+        if digits > JSON_MAX_INT_DIGITS:
+            raise self.error(
+                f"{self.where}: an integer of {digits} digits (at most {JSON_MAX_INT_DIGITS} "
+                f"are read)"
+            )
+        return int(literal)
+
+    def real(self, literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            raise self.error(f"{self.where}: the number {literal[:40]} overflows a float")
+        return value
+
+    def constant(self, name: str) -> float:
+        raise self.error(
+            f"{self.where}: {name} is not a finite number; JSON metadata must not hold it"
+        )
+
+
 def bounded_json_loads(
     text: str | bytes,
     *,
@@ -222,13 +252,15 @@ def bounded_json_loads(
     error: type[Exception] = ValueError,
     max_depth: int = JSON_MAX_DEPTH,
     max_bytes: int = JSON_MAX_BYTES,
+    object_pairs_hook: Any = None,
 ) -> Any:
     """``json.loads`` for untrusted metadata, failing with ``error`` (naming ``where``) instead
     of ``RecursionError``, ``OverflowError`` or a bare ``JSONDecodeError``.
 
     Refused: more than ``max_bytes`` bytes, nesting deeper than ``max_depth``, an integer of
     more than ``JSON_MAX_INT_DIGITS`` digits, a non-finite number (``NaN``, ``Infinity``, or a
-    float literal that overflows), text that is not UTF-8 or not JSON.
+    float literal that overflows), text that is not UTF-8 or not JSON. ``object_pairs_hook`` is
+    passed to ``json.loads`` (what it raises propagates).
 
     Example:
       >>> bounded_json_loads('{"a": [1, 2.5]}', where="config.json")
@@ -255,26 +287,15 @@ def bounded_json_loads(
         deepest = max(deepest, depth)
         if deepest > max_depth:
             raise error(f"{where}: JSON nested deeper than {max_depth} levels")
-
-    def _int(literal: str) -> int:
-        if len(literal.lstrip("-")) > JSON_MAX_INT_DIGITS:
-            raise error(
-                f"{where}: an integer of {len(literal.lstrip('-'))} digits (at most "
-                f"{JSON_MAX_INT_DIGITS} are read)"
-            )
-        return int(literal)
-
-    def _float(literal: str) -> float:
-        value = float(literal)
-        if not math.isfinite(value):
-            raise error(f"{where}: the number {literal[:40]} overflows a float")
-        return value
-
-    def _constant(name: str) -> float:
-        raise error(f"{where}: {name} is not a finite number; JSON metadata must not hold it")
-
+    numbers = _JSONNumbers(where, error)
     try:
-        return json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
+        return json.loads(
+            text,
+            parse_int=numbers.integer,
+            parse_float=numbers.real,
+            parse_constant=numbers.constant,
+            object_pairs_hook=object_pairs_hook,
+        )
     except json.JSONDecodeError as exc:
         raise error(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     except RecursionError:  # (the bracket count above makes this unreachable; kept as a net)

@@ -6,12 +6,15 @@ the library's own errors (bad values, unreadable or damaged files, unusable devi
 around the calls that can raise them, keeping the library's message.
 """
 
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import typer
 
 app = typer.Typer(
@@ -29,6 +32,14 @@ GENERATED_SOURCES: tuple[str, ...] = ("normal", "student_t3", "outliers")
 # model work on a device (torch's device errors, an already-quantized model).
 INPUT_ERRORS: tuple[type[Exception], ...] = (ValueError, TypeError, OSError)
 DEVICE_ERRORS: tuple[type[Exception], ...] = (*INPUT_ERRORS, RuntimeError)
+# An exit already decided (``_fail`` printed its line): typer's and click's Exit and Abort are
+# RuntimeErrors, so ``DEVICE_ERRORS`` would catch them and print a second ``error: Exit`` line.
+DECIDED_EXITS: tuple[type[Exception], ...] = (
+    typer.Exit,
+    typer.Abort,
+    click.exceptions.Exit,
+    click.exceptions.Abort,
+)
 
 
 def _fail(message: str) -> "typer.Exit":
@@ -40,6 +51,23 @@ def _fail(message: str) -> "typer.Exit":
 def _fail_from(exc: Exception) -> "typer.Exit":
     """``_fail`` with a library exception's own message (its type name when it has none)."""
     return _fail(str(exc).strip() or type(exc).__name__)
+
+
+@contextlib.contextmanager
+def _reported(kinds: tuple[type[Exception], ...] = INPUT_ERRORS) -> Iterator[None]:
+    """Around library calls: an exception of ``kinds`` becomes one ``error:`` line and exit 2;
+    an exit already decided inside (a ``_fail``) passes through as it is."""
+    try:
+        yield
+    except DECIDED_EXITS:
+        raise
+    except kinds as exc:
+        raise _fail_from(exc) from None
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    """``text`` cut to ``limit`` characters for a message (user input can be megabytes)."""
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 def _check_device(device: str | None) -> None:
@@ -110,12 +138,14 @@ def _calibration(spec: str, *, samples: int, seq_len: int) -> list:
     lines = [line for line in text.splitlines() if line.strip()]
     if path.suffix.lower() != ".jsonl":
         return lines[:samples]
+    from floatxq._checks import bounded_json_loads
+
     out = []
     for number, line in enumerate(lines[:samples], start=1):
         try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise _fail(f"--calibration {spec}: line {number} is not JSON ({exc.msg})") from None
+            item = bounded_json_loads(line, where=f"--calibration {spec}: line {number}")
+        except ValueError as exc:
+            raise _fail(str(exc)) from None
         if isinstance(item, dict) and "text" in item:
             item = item["text"]
         if not isinstance(item, (str, dict, list)):
@@ -160,12 +190,11 @@ def demo(
             f"{100 * r.top1_agreement:>6.2f}% {r.bytes / 1e6:>8.2f} {r.seconds:>8.2f}"
         )
     try:
-        plot_demo(report, str(png))
+        with _reported():
+            plot_demo(report, str(png))
         typer.echo(f"\nchart: {png}")
     except ImportError:
         typer.echo("\n(matplotlib is not installed: pip install 'floatxq[plot]' for the chart)")
-    except INPUT_ERRORS as exc:
-        raise _fail_from(exc) from None
     typer.echo(f"done in {time.perf_counter() - start:.1f} s")
 
 
@@ -232,7 +261,7 @@ def quantize(
         _check_at_least("--batch-size", batch_size, 1)
     if layout is None:
         layout = "gptq" if policy is not None else "compressed-tensors"
-    try:
+    with _reported(DEVICE_ERRORS):
         normalize_layout(layout)
         dynamic = {f"-:{pattern}": {} for pattern in exclude or ()} or None
         if chosen == "gptq":
@@ -259,17 +288,13 @@ def quantize(
         # --device) and a native FP8/NVFP4 source is requantized instead of refused.
         gptq = chosen == "gptq"
         source = _source_model(model, device=device, quantize_config=config if gptq else None)
-    except DEVICE_ERRORS as exc:
-        raise _fail_from(exc) from None
     if source.quantized:
         raise _fail(f"quantize: {model} is already quantized; pass the unquantized model")
-    try:
+    with _reported(DEVICE_ERRORS):
         source.quantize_config = config
         start = time.perf_counter()
         source.quantize(cal, batch_size=batch_size, progress=True)
         written = source.save(out, layout=layout, overwrite=overwrite)
-    except DEVICE_ERRORS as exc:
-        raise _fail_from(exc) from None
     what = (
         f"gptq {config.bits}-bit, group {config.group_size}"
         if isinstance(config, floatxq.GPTQConfig)
@@ -284,17 +309,26 @@ def quantize(
 
 
 def _activation_policy(spec: str) -> Any:
-    """``--activation``: a mode name or the policy's JSON object."""
+    """``--activation``: a mode name or the policy's JSON (read by ``bounded_json_loads``: no
+    deep nesting, huge integers or non-finite numbers)."""
     import floatxq
+    from floatxq._checks import bounded_json_loads
 
     text = spec.strip()
+    if text[:1] in ("{", "["):
+        try:
+            value = bounded_json_loads(text, where="--activation")
+        except ValueError as exc:
+            detail = str(exc).removeprefix("--activation: ")
+            raise _fail(
+                f"--activation {_shown(spec)} is not JSON floatxq accepts: {detail}"
+            ) from None
+    else:
+        value = text.lower()
     try:
-        value = json.loads(text) if text.startswith("{") else text.lower()
         return floatxq.ActivationConfig.from_value(value)
-    except json.JSONDecodeError as exc:
-        raise _fail(f"--activation {spec!r} is not JSON ({exc.msg})") from None
     except (TypeError, ValueError) as exc:
-        raise _fail(f"--activation {spec!r}: {exc}") from None
+        raise _fail(f"--activation {_shown(spec)}: {exc}") from None
 
 
 @app.command()
@@ -303,10 +337,8 @@ def inspect(path: Path = typer.Argument(..., help="A model directory.")) -> None
     from floatxq.interop.inspect import inspect_checkpoint
     from floatxq.interop.layouts import READ_LAYOUTS, SCALE_CONVENTIONS
 
-    try:
+    with _reported():
         report = inspect_checkpoint(path)
-    except INPUT_ERRORS as exc:
-        raise _fail_from(exc) from None
     typer.echo(f"path:        {report.path}")
     typer.echo(f"model type:  {report.model_type}")
     typer.echo(f"layout:      {report.layout}: {READ_LAYOUTS.get(report.layout, '')}")
@@ -344,24 +376,28 @@ def eval_(
     _check_at_least("--windows", windows, 1)
     _check_at_least("--seq-len", seq_len, 2)
     _check_device(device)
-    try:
+    with _reported(DEVICE_ERRORS):
         candidate = _source_model(model, device=device).model
         ref = _source_model(reference, device=device).model if reference else None
-    except DEVICE_ERRORS as exc:
-        raise _fail_from(exc) from None
     for name, m in ((model, candidate), (reference, ref)):
         limit = getattr(getattr(m, "config", None), "max_position_embeddings", None)
         if isinstance(limit, int) and seq_len > limit:
             raise _fail(
                 f"--seq-len {seq_len} is longer than {name}'s max_position_embeddings ({limit})"
             )
-    try:
+    with _reported(DEVICE_ERRORS):
         vocab = int(getattr(getattr(candidate, "config", None), "vocab_size", 0) or 0)
+        if ref is not None:  # named before the windows: they are tokenized for the candidate
+            theirs = getattr(getattr(ref, "config", None), "vocab_size", None)
+            if isinstance(theirs, int) and vocab and theirs != vocab:
+                raise _fail(
+                    f"eval: {model} has a vocabulary of {vocab} tokens (vocab_size) and "
+                    f"--reference {reference} {theirs}; KL and top-1 need a reference of the "
+                    f"same vocabulary (the same tokenizer)"
+                )
         model_dir = None if model == TINY else model
         ids = heldout_windows(model_dir, vocab_size=vocab, seq_len=seq_len, max_windows=windows)
         report = evaluate_lm(candidate, ids, reference=ref)
-    except DEVICE_ERRORS as exc:
-        raise _fail_from(exc) from None
     typer.echo(f"tokens:      {report.tokens}")
     typer.echo(f"perplexity:  {report.perplexity:.4f}")
     if report.kl_divergence is not None:
@@ -396,11 +432,9 @@ def recipes(
             import matplotlib
         except ImportError:
             raise _fail("--png needs matplotlib: pip install 'floatxq[plot]'") from None
-    try:
+    with _reported():
         x = _recipe_input(source, tensor, size)
         report = floatxq.recipes_report(x)
-    except INPUT_ERRORS as exc:
-        raise _fail_from(exc) from None
     typer.echo(
         f"NVFP4 recipes on {source}{f':{tensor}' if tensor else ''} {tuple(x.shape)} {x.dtype}"
     )
@@ -421,9 +455,8 @@ def recipes(
         ax.set_title(f"NVFP4 recipes: {source} {tuple(x.shape)}")
         fig.tight_layout()
         try:  # without a suffix matplotlib would write png + ".png" instead of png
-            fig.savefig(png, dpi=110, format=png.suffix[1:].lower() or "png")
-        except INPUT_ERRORS as exc:
-            raise _fail_from(exc) from None
+            with _reported():
+                fig.savefig(png, dpi=110, format=png.suffix[1:].lower() or "png")
         finally:
             plt.close(fig)
         typer.echo(f"chart: {png}")

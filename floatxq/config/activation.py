@@ -37,6 +37,16 @@ def _fp8_without_recipe(recipe: object, *, where: str) -> None:
         )
 
 
+def _recipe_name_or_none(recipe: object, *, where: str) -> None:
+    """An NVFP4 stream's recipe is a name or None (the default); ``False``, ``""`` or ``0`` are
+    refused rather than read as "no recipe"."""
+    if recipe is not None and (not isinstance(recipe, str) or not recipe):
+        raise ValueError(
+            f"{where}: recipe must be an NVFP4 recipe name (a non-empty string), or None for the "
+            f"default {NVFP4_DEFAULT_RECIPE!r}; got {recipe!r:.80}"
+        )
+
+
 def _unknown_fields(payload: Mapping[str, Any], allowed: tuple[str, ...], *, where: str) -> None:
     extra = sorted(set(payload) - set(allowed))
     if extra:
@@ -163,10 +173,16 @@ def _fp32_global_scales(
             raise ValueError(
                 f"{where}: global_scales[{key!r}] must be a positive finite number, got {value!r}"
             )
-        fp32 = float(torch.tensor(float(value), dtype=torch.float32).item())
+        try:
+            fp32 = float(torch.tensor(float(value), dtype=torch.float32).item())
+        except OverflowError:  # an int beyond float64's range
+            fp32 = float("inf")
         if not (fp32 > 0 and fp32 != float("inf")):
+            shown = (
+                f"an int of {value.bit_length()} bits" if isinstance(value, int) else repr(value)
+            )
             raise ValueError(
-                f"{where}: global_scales[{key!r}] = {value!r} is {fp32!r} in FP32; it must stay "
+                f"{where}: global_scales[{key!r}] = {shown} is {fp32!r} in FP32; it must stay "
                 f"positive and finite"
             )
         out[str.__str__(key)] = fp32
@@ -234,6 +250,7 @@ class ActivationConfig:
             for name in ("recipe", "attention", "mlp", "global_scales"):
                 set_field(self, name, None)
             return
+        _recipe_name_or_none(recipe, where=where)
         set_field(self, "recipe", normalize_nvfp4_recipe(recipe or NVFP4_DEFAULT_RECIPE))
         if isinstance(attention, Mapping):
             payload = _payload(attention, where=f"{where}.attention")
@@ -293,6 +310,10 @@ class ActivationConfig:
         _unknown_fields(payload, _ACTIVATION_FIELDS, where=where)
         if "mode" not in payload:
             raise ValueError(f"{where}: 'mode' is required")
+        if payload["mode"] == "w4afp8":  # (refused here, before the annotations see a non-str)
+            _fp8_without_recipe(payload.get("recipe"), where=where)
+        else:
+            _recipe_name_or_none(payload.get("recipe"), where=where)
         return cls(**dict(payload))
 
     def to_dict(self) -> dict[str, Any]:

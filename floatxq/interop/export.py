@@ -14,8 +14,9 @@ its own fine-grained FP8, where that tensor multiplies. So a save picks a layout
 * ``gptq``: GPTQ modules byte for byte in GPT-QModel's layout.
 
 A model a layout cannot hold is refused with a ``ValueError`` naming the module and the layouts
-that hold it, never written approximately. ``docs/interop.md`` has the table of tensors, payloads
-and readers. Biases: ``hf`` and ``compressed-tensors`` write FP8 / NVFP4 biases in the model's
+that hold it, never written approximately; what ``floatxq.load`` would refuse is refused here
+(``docs/checkpoint-safety.md``). ``docs/interop.md`` has the table of tensors, payloads and
+readers. Biases: ``hf`` and ``compressed-tensors`` write FP8 / NVFP4 biases in the model's
 dtype (the floating dtype of most parameters, what transformers loads a dense bias into);
 ``gptqmodel`` keeps the stored float16 bias; GPTQ modules keep theirs in every layout.
 
@@ -30,6 +31,7 @@ else ``|fl(1/s) - 1/s| <= 2**-24 * |1/s|``, so a multiplying reader's decode lie
 import typing
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -39,6 +41,7 @@ from floatxq._typing import Float, Float32, Tensor
 from floatxq.config import FP8Config, GPTQConfig
 from floatxq.formats import ACTIVATION_SCALE_BITS
 from floatxq.fp8 import fp32_reciprocal
+from floatxq.interop.checkpoint import CheckpointError
 from floatxq.interop.export_gptq import (
     _check_dynamic_activation_scale,
     _check_no_activation_policy,
@@ -50,10 +53,19 @@ from floatxq.interop.export_gptq import (
     _gptq_state,
     _GptqFacts,
     _refuse,
+    output_embedding_names,
     stream_scale_entry,
 )
+from floatxq.interop.layouts import LayoutDecision
 from floatxq.interop.payload import fp8_config_to_payload, gptq_config_to_payload
+from floatxq.interop.readers import (
+    ModuleSource,
+    module_sources,
+    read_module,
+    refuse_activation_scales,
+)
 from floatxq.nn.fp8_linear import TorchFP8Linear
+from floatxq.w4a.activation import global_scale_bits_problem
 
 __all__ = [
     "CHECKPOINT_LAYOUTS",
@@ -242,7 +254,7 @@ def _require_quantized(layout: str, modules: _Modules) -> None:
 def _check_no_gptq(layout: str, modules: _Modules, why: str) -> None:
     if modules.gptq:
         name, module = modules.gptq[0]
-        facts = _gptq_facts(module)
+        facts = _gptq_facts(module, name)
         raise _refuse(layout, name, _describe_gptq(module), why, _gptq_layouts(module, facts))
 
 
@@ -465,11 +477,8 @@ def export_layout(
 
     Reads the model's ``TorchFP8Linear`` / ``TorchFP4Linear`` / ``GPTQLinear`` and dense
     ``nn.Linear`` modules and returns new tensors and dicts; the model is not changed. What each
-    layout writes (tensor names, shapes, payload keys) is the table in ``docs/interop.md``. For
-    ``gptq`` the config must describe every module as readers take it: its bits and group size,
-    ``sym`` only when every zero point is ``2**(bits-1)``, ``desc_act`` when ``g_idx`` reorders
-    the groups, no zero point of 0 in v1 ``gptq``; an NVFP4 activation policy keeps each
-    W4A-NVFP4 module's ``activation_global_scale_bits``.
+    layout writes (tensor names, shapes, payload keys) is the table in ``docs/interop.md``; for
+    ``gptq`` the config must describe every module as readers take it (``docs/gptq.md``).
 
     Args:
       model: the quantized model.
@@ -477,14 +486,17 @@ def export_layout(
         (and ``gptqmodel`` with GPTQ modules); unused by the others.
       layout: a name :func:`normalize_layout` accepts.
 
+    Every module's tensors pass the checks ``load`` runs (:func:`~floatxq.interop.readers.
+    read_module`) before they are returned.
     Raises:
       ValueError: an unknown layout; a module the layout cannot hold (named, with the layouts
         that hold it); a W4A activation policy outside ``gptq`` / ``gptqmodel``; a GPTQ config
         that misdescribes a module, or scales float16 cannot hold; no quantized module.
+      CheckpointError: (a ValueError) a tensor ``floatxq.load`` would refuse: the module, the
+        tensor and what is wrong with it named.
       TypeError: ``gptqmodel`` or ``gptq`` without the config its payload is written from.
 
-    Numerics: as the module docstring; FP8 / NVFP4 biases are rounded once into the model dtype.
-
+    Numerics: as the module docstring (FP8 / NVFP4 biases rounded once into the model dtype).
     Example:
       >>> model = nn.Sequential(TorchFP8Linear.from_linear(nn.Linear(64, 32)), nn.Linear(32, 8))
       >>> out = export_layout(model, FP8Config(), "ct")
@@ -493,6 +505,13 @@ def export_layout(
     """
     name = normalize_layout(layout)
     modules = _modules(model)
+    exported = _export(model, modules, quantize_config, name)
+    _check_loadable(model, modules, exported, quantize_config, name)
+    return exported
+
+
+def _export(model: nn.Module, modules: _Modules, quantize_config: Any, name: str) -> LayoutExport:
+    """:func:`export_layout` before its check that load reads the result back."""
     if name == "gptq" or (name == "gptqmodel" and modules.gptq):
         if not modules.gptq:
             _require_quantized(name, modules)
@@ -533,6 +552,117 @@ def export_layout(
         modules,
         "compressed-tensors' float-quantized FP8 holds float8_e4m3fn linear weights",
     )
-    facts = {module_name: _gptq_facts(module) for module_name, module in modules.gptq}
+    facts = {module_name: _gptq_facts(module, module_name) for module_name, module in modules.gptq}
     state = _converted_state(model, modules, name, facts)
     return LayoutExport(state, _ct_payload(modules, facts), None)
+
+
+# --------------------------------------------------------------------------------------------
+# What load reads back
+# --------------------------------------------------------------------------------------------
+
+_SAVED = "the files being saved"
+"""Where the readers' messages say the tensors are (nothing is on disk yet)."""
+
+
+def _read_decision(exported: LayoutExport, layout: str, config: Any) -> LayoutDecision:
+    """The layout ``load`` decides for ``exported``'s payload (a GPTQ payload is read as
+    ``gptq``, in its config's format, whatever layout name wrote it)."""
+    if exported.quantization_config.get("quant_method") == "gptq":
+        scheme = config.format if isinstance(config, GPTQConfig) else "gptq"
+        return LayoutDecision("gptq", "gptq", None, scheme, "save")
+    return LayoutDecision(layout, layout, None, None, "save")
+
+
+def _module_payload(payload: dict[str, Any], name: str) -> dict[str, Any]:
+    """``payload`` with only the compressed-tensors config groups that target module ``name``:
+    each module's tensors are checked against its own scheme (compressed-tensors reads a row and
+    a block FP8 group side by side; floatxq's reader takes one block size per checkpoint)."""
+    groups = payload.get("config_groups")
+    if not isinstance(groups, Mapping):
+        return payload
+    own = {
+        key: group
+        for key, group in groups.items()
+        if group.get("targets") == ["Linear"] or name in group.get("targets", ())
+    }
+    return {**payload, "config_groups": own}
+
+
+def _reader_hint(module: nn.Module, layout: str) -> str:
+    """What the module's own buffer is, when the layout writes another tensor from it."""
+    if isinstance(module, TorchFP8Linear) and layout in ("compressed-tensors", "hf"):
+        stored = "weight_scale_inv" if layout == "hf" else "weight_scale"
+        return (
+            f" ({layout!r} writes {stored} as the FP32 reciprocal of the module's "
+            f"weight_scale_inv, which holds values in "
+            f"[{float(module.weight_scale_inv.min())}, {float(module.weight_scale_inv.max())}])"
+        )
+    return ""
+
+
+def _check_loadable(
+    model: nn.Module,
+    modules: _Modules,
+    exported: LayoutExport,
+    config: Any,
+    layout: str,
+) -> None:
+    """Refuse, before anything is written, what :func:`floatxq.load` would refuse to read back:
+    each quantized module's tensors as ``exported`` holds them go through the reader load runs
+    (:func:`floatxq.interop.readers.read_module`, the module built and dropped; under
+    compressed-tensors against its own config group), each W4A-NVFP4 activation global scale
+    through load's check (0.0, or positive and finite), and the tensor names through its refusal
+    of static activation scales.
+
+    Raises:
+      CheckpointError: naming the module, the tensor and what is wrong.
+    """
+    decision = _read_decision(exported, layout, config)
+    refuse_activation_scales(decision, list(exported.state), Path(_SAVED))
+    weights: dict[str, Tensor] = {}
+    for key, tensor in exported.state.items():
+        prefix, _, leaf = key.rpartition(".")
+        if leaf != ACTIVATION_SCALE_BITS:
+            weights[key] = tensor
+            continue
+        why = global_scale_bits_problem(tensor)  # load takes these out before the modules
+        if why is not None:
+            raise CheckpointError(
+                f"export: module {prefix!r} holds an {ACTIVATION_SCALE_BITS} that floatxq.load "
+                f"refuses, so layout {layout!r} is not written: {why}"
+            )
+    heads = output_embedding_names(model)
+    by_name = dict(modules.quantized)
+    sources, _ = module_sources(weights, list(by_name), layout=decision.layout)
+    dtype = _model_dtype(model) or torch.bfloat16
+    for found in sources:
+        # on the CPU, as load reads them (one module at a time; the readers build CPU tensors)
+        source = ModuleSource(found.name, {k: v.detach().cpu() for k, v in found.tensors.items()})
+        module = by_name[source.name]
+        declared, gptq = None, None
+        resolved = getattr(config, "resolve", None)
+        head = source.name in heads and not getattr(config, "lm_head", False)
+        resolved = None if resolved is None or head else resolved(source.name)
+        if isinstance(resolved, GPTQConfig):
+            gptq = resolved
+        elif isinstance(resolved, FP8Config):
+            declared = (resolved.weight_scale_method, resolved.weight_block_size)
+        shape = (module.out_features, module.in_features)
+        original = nn.Linear(shape[1], shape[0], bias=False, device="meta")
+        try:
+            read_module(
+                decision,
+                source,
+                original,
+                qconfig=_module_payload(exported.quantization_config, source.name),
+                dtype=dtype,
+                file=_SAVED,
+                declared=declared,
+                gptq=gptq,
+            )
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"export: module {source.name!r} holds tensors that floatxq.load refuses, so "
+                f"layout {layout!r} is not written: {exc}{_reader_hint(module, decision.layout)}"
+            ) from None

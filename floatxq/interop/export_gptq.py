@@ -15,6 +15,8 @@ from torch import nn
 from floatxq._typing import Float, Int32, Tensor
 from floatxq.config import GPTQConfig
 from floatxq.formats import ACTIVATION_SCALE_BITS
+from floatxq.interop.checkpoint import CheckpointError
+from floatxq.w4a.activation import global_scale_bits_problem
 
 __all__ = ["STREAM_SCALES_MODULE", "output_embedding_names"]
 
@@ -45,8 +47,16 @@ class _GptqFacts(NamedTuple):
     """``(group, output column)`` of the first logical zero point equal to 0, or None."""
 
 
-def _gptq_facts(module: nn.Module) -> _GptqFacts:
-    zeros = module.unpacked().zeros
+def _gptq_facts(module: nn.Module, name: str | None = None) -> _GptqFacts:
+    """What ``module``'s buffers hold. Buffers that cannot be unpacked (NaN or infinite scales,
+    words of the wrong shape; floatxq.load refuses them too) raise a CheckpointError (a
+    ValueError) naming module ``name``, when given."""
+    try:
+        zeros = module.unpacked().zeros
+    except ValueError as exc:
+        if name is None:
+            raise
+        raise CheckpointError(f"export: module {name!r} cannot be written: {exc}") from None
     symmetric = bool((zeros == (1 << (module.bits - 1))).all())
     rows = torch.arange(module.in_features, device=module.g_idx.device, dtype=torch.int64)
     expected = rows * 0 if module.group_size == -1 else rows // module.group_size
@@ -130,7 +140,7 @@ def _gptq_module_tensors(
             f"bits={resolved.bits}, group_size={resolved.group_size}; the saved config would "
             f"misdescribe it (add a dynamic rule for it)"
         )
-    facts = _gptq_facts(module)
+    facts = _gptq_facts(module, name)
     mid = 1 << (module.bits - 1)
     if resolved.sym and not facts.symmetric:
         raise ValueError(
@@ -200,8 +210,9 @@ def stream_scale_entry(
     ``config``'s activation policy carries it: a calibrated scale is refused rather than dropped.
 
     Raises:
-      ValueError: a calibrated producer scale that ``config.activation.global_scales`` lacks or
-        holds with another FP32 value.
+      ValueError: a producer scale that is neither 0.0 (dynamic) nor positive and finite, or a
+        calibrated one that ``config.activation.global_scales`` lacks or holds with another FP32
+        value.
     """
     prefix, _, leaf = key.rpartition(".")
     if prefix.rpartition(".")[2] != STREAM_SCALES_MODULE:
@@ -210,6 +221,12 @@ def stream_scale_entry(
         return True  # dynamic: nothing to keep
     value = float(tensor.view(torch.float32))
     producer = getattr(model.get_submodule(prefix), "producers", {}).get(leaf, key)
+    why = global_scale_bits_problem(tensor)
+    if why is not None:
+        raise ValueError(
+            f"export: layout {layout!r}: the installed W4A stream's {key} (producer "
+            f"{producer!r}) is no activation global scale floatxq.load accepts: {why}"
+        )
     activation = getattr(config, "activation", None)
     scales = getattr(activation, "global_scales", None) or {}
     stored = scales.get(producer)

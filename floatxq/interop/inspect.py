@@ -87,11 +87,16 @@ def _declared_block(qconfig: dict[str, Any] | None) -> tuple[int, int] | None:
     if not qconfig:
         return None
     candidates = [qconfig.get("weight_block_size")]
-    for group in (qconfig.get("config_groups") or {}).values():
+    groups = qconfig.get("config_groups")
+    for group in groups.values() if isinstance(groups, dict) else ():
         if isinstance(group, dict) and isinstance(group.get("weights"), dict):
             candidates.append(group["weights"].get("block_structure"))
-    for value in candidates:
-        if isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value):
+    for value in candidates:  # decide_layout has refused a block that is not two positive ints
+        if (
+            isinstance(value, list)
+            and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+        ):
             return (value[0], value[1])
     return None
 

@@ -16,16 +16,19 @@ Anything left undecided, or metadata that contradicts itself, is refused with
 modules are then read is :mod:`floatxq.interop.readers`; ``docs/interop.md`` has the table.
 """
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from floatxq.config import GPTQConfig
+from floatxq.config import FP8Config, GPTQConfig
 from floatxq.interop.checkpoint import CONFIG_FILE, QUANTIZE_CONFIG_FILE, CheckpointError
-from floatxq.interop.payload import gptq_config_from_payload, payload_method
-from floatxq.interop.shards import TensorInfo, read_json
+from floatxq.interop.payload import (
+    fp8_config_from_payload,
+    gptq_config_from_payload,
+    payload_method,
+)
+from floatxq.interop.shards import TensorInfo, bounded_json, read_json
 
 SIDECAR_FILE = "hf_quant_config.json"
 GPTQMODEL_MARKER_PREFIX = "unsupported"
@@ -95,6 +98,19 @@ class LayoutDecision(NamedTuple):
     """Which file and field decided it."""
 
 
+_SIZE_LIMIT = 2**31 - 1
+"""The largest size (bits, group size, block edge) a payload may give: int32's range."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _lower(value: Any) -> str:
     return str.lower(str.strip(str(value))) if value is not None else ""
 
@@ -156,11 +172,13 @@ def _decide_fp8(
             )
     fmt = qconfig.get("format", qconfig.get("fmt"))
     if inverse:
+        read_fp8_config(root, qconfig, quantize_config)  # refused here, for load and inspect alike
         evidence = (
             f"{root / QUANTIZE_CONFIG_FILE if quantize_config is not None else config_file}: "
             f"quant_method fp8 with GPT-QModel's keys"
         )
         return LayoutDecision("gptqmodel", "floatxq_fp8", "fp8", _lower(fmt) or None, evidence)
+    _check_block_pair(qconfig.get("weight_block_size"), f"{config_file} weight_block_size")
     return LayoutDecision(
         "hf",
         "deepseek_fp8",
@@ -168,6 +186,62 @@ def _decide_fp8(
         _lower(fmt) or "e4m3",
         f"{config_file}: quant_method fp8 without GPT-QModel's keys (transformers' format)",
     )
+
+
+def _check_block_pair(value: Any, where: str) -> None:
+    """``None`` or two positive ints (a block size); else a CheckpointError naming ``where``."""
+    if value is None:
+        return
+    if not (
+        isinstance(value, list | tuple)
+        and len(value) == 2
+        and all(_is_int(v) and 0 < v <= _SIZE_LIMIT for v in value)
+    ):
+        raise CheckpointError(
+            f"load: {where} must be two positive ints (at most {_SIZE_LIMIT}), got {_short(value)}"
+        )
+
+
+def read_fp8_config(
+    root: str | os.PathLike[str],
+    qconfig: Mapping[str, Any],
+    quantize_config: Mapping[str, Any] | None,
+) -> FP8Config:
+    """The FP8Config of a floatxq / GPT-QModel FP8 directory, from both of its payloads.
+
+    GPT-QModel reads ``quantize_config.json`` first; floatxq reads both files (``config.json``
+    without floatxq's refusal marker) and refuses them when they describe different configs, so
+    neither file is silently ignored.
+
+    Raises:
+      CheckpointError: a payload floatxq does not read, or the two files disagree (naming both).
+
+    Numerics: none; metadata only.
+    """
+
+    def parse(file: Path, payload: Mapping[str, Any]) -> FP8Config:
+        try:
+            return fp8_config_from_payload(payload)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise CheckpointError(f"load: {file} quantization payload: {exc}") from None
+
+    base = Path(root)
+    config_file = base / CONFIG_FILE
+    payload = dict(qconfig)
+    scheme = payload.get("activation_scheme")
+    if isinstance(scheme, str) and _lower(scheme).startswith(GPTQMODEL_MARKER_PREFIX):
+        del payload["activation_scheme"]
+    from_config = parse(config_file, payload)
+    if quantize_config is None:
+        return from_config
+    quantize_file = base / QUANTIZE_CONFIG_FILE
+    from_quantize = parse(quantize_file, quantize_config)
+    if from_quantize != from_config:
+        raise CheckpointError(
+            f"load: {quantize_file} and {config_file} describe different FP8 configs "
+            f"({from_quantize!r} vs {from_config!r}); refusing to pick one"
+        )
+    return from_quantize
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,9 +284,11 @@ GPTQ_LOAD_FIELDS: tuple[str, ...] = (
     "lm_head",
     "format",
     "dynamic",
+    "activation",
 )
-"""The GPTQConfig fields that decide how a GPTQ checkpoint's tensors are read: ``config.json``
-and ``quantize_config.json`` must agree on each (solver settings and ``meta`` may differ)."""
+"""The GPTQConfig fields that decide how a GPTQ checkpoint's tensors are read and run (the W4A
+``activation`` policy with its global scales included): ``config.json`` and
+``quantize_config.json`` must agree on each (solver settings and ``meta`` may differ)."""
 
 
 def _gptq_payload(file: Path, payload: Mapping[str, Any]) -> GPTQConfig:
@@ -225,7 +301,7 @@ def _gptq_payload(file: Path, payload: Mapping[str, Any]) -> GPTQConfig:
     data = {k: v for k, v in payload.items() if k not in GPTQ_READER_KEYS}
     try:
         config = gptq_config_from_payload(data)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise CheckpointError(f"load: {file} GPTQ quantization payload: {exc}") from None
     return config
 
@@ -239,7 +315,9 @@ def read_gptq_config(
 
     ``config.json``'s ``quantization_config`` is read without :data:`GPTQ_READER_KEYS`;
     ``quantize_config.json`` (GPT-QModel's, which it reads first), when present, must be a GPTQ
-    payload agreeing with it on :data:`GPTQ_LOAD_FIELDS`, and is the one returned.
+    payload agreeing with it on :data:`GPTQ_LOAD_FIELDS`, and is the one returned. A W4A
+    ``activation`` policy in one file only is refused too: GPT-QModel and floatxq both write one
+    payload to both files (``config.quantization_config = quantize_config.to_dict()``).
 
     Raises:
       CheckpointError: a payload floatxq does not read (an unknown key or value, a packing format
@@ -260,17 +338,53 @@ def read_gptq_config(
             f"'gptq'; the two files contradict each other"
         )
     from_quantize = _gptq_payload(quantize_file, quantize_config)
+    mine, theirs = from_quantize.activation, from_config.activation
+    if (mine is None) != (theirs is None):
+        has, lacks = (quantize_file, base / CONFIG_FILE) if theirs is None else (
+            base / CONFIG_FILE, quantize_file)  # fmt: skip
+        raise CheckpointError(
+            f"load: {has} declares the W4A activation policy (field 'activation') "
+            f"{_policy_summary(mine or theirs)}, but {lacks} declares none (plain W4A16); both "
+            f"writers put one payload in both files, so one was edited: refusing to pick one"
+        )
     differ = [
         f"{field}: {getattr(from_quantize, field)!r} vs {getattr(from_config, field)!r}"
         for field in GPTQ_LOAD_FIELDS
-        if getattr(from_quantize, field) != getattr(from_config, field)
+        if field != "activation" and getattr(from_quantize, field) != getattr(from_config, field)
     ]
+    if mine is not None and theirs is not None and mine != theirs:
+        differ += _policy_differences(mine.to_dict(), theirs.to_dict())
     if differ:
         raise CheckpointError(
             f"load: {quantize_file} and {base / CONFIG_FILE} describe different GPTQ checkpoints "
             f"({'; '.join(differ)}); refusing to pick one"
         )
     return from_quantize
+
+
+def _policy_summary(policy: Any) -> str:
+    stored = dict(policy.to_dict())
+    scales = stored.pop("global_scales", None)
+    return f"{stored}" + (f" with {len(scales)} global scales" if scales else "")
+
+
+def _policy_differences(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
+    """``activation.<field>: A vs B`` for each field of two stored policies that differs (the
+    first few differing producers of ``global_scales``)."""
+    out = []
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key), theirs.get(key)
+        if a == b:
+            continue
+        if key == "global_scales" and isinstance(a, Mapping) and isinstance(b, Mapping):
+            names = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
+            out += [
+                f"activation.global_scales[{n!r}]: {a.get(n)!r} vs {b.get(n)!r}" for n in names[:3]
+            ]
+            out += [f"... {len(names) - 3} more global scales"] if len(names) > 3 else []
+        else:
+            out.append(f"activation.{key}: {a!r} vs {b!r}")
+    return out
 
 
 def _decide_gptq(
@@ -282,7 +396,91 @@ def _decide_gptq(
     return LayoutDecision("gptq", "gptq", None, config.format, evidence)
 
 
+# ----------------------------------------------------------------------------------------------
+# compressed-tensors
+# ----------------------------------------------------------------------------------------------
+
+_CT_STRINGS = ("format", "quant_method", "quantization_status", "version")
+_CT_ARG_STRINGS = ("strategy", "type", "observer")
+
+
+def _ct_refuse(where: str, field: str, value: Any, wanted: str) -> CheckpointError:
+    return CheckpointError(f"load: {where}.{field} is {_short(value)}; {wanted}")
+
+
+def _check_ct_args(where: str, args: Mapping[str, Any]) -> None:
+    """One compressed-tensors ``QuantizationArgs`` dict: each field floatxq reads has its kind."""
+    bits = args.get("num_bits")
+    if bits is not None and not (_is_int(bits) and 1 <= bits <= 64):
+        raise _ct_refuse(where, "num_bits", bits, "expected an int from 1 to 64")
+    size = args.get("group_size")
+    if size is not None and not (_is_int(size) and (0 < size <= _SIZE_LIMIT or size == -1)):
+        raise _ct_refuse(where, "group_size", size, f"expected None, -1 or 1..{_SIZE_LIMIT}")
+    _check_block_pair(args.get("block_structure"), f"{where}.block_structure")
+    for key in _CT_ARG_STRINGS:
+        if args.get(key) is not None and not isinstance(args[key], str):
+            raise _ct_refuse(where, key, args[key], "expected a string or null")
+    if args.get("symmetric") is not None and not isinstance(args["symmetric"], bool):
+        raise _ct_refuse(where, "symmetric", args["symmetric"], "expected true, false or null")
+    if not isinstance(args.get("dynamic"), bool | str | None):
+        raise _ct_refuse(where, "dynamic", args["dynamic"], "expected a bool, a string or null")
+    if not isinstance(args.get("actorder"), bool | str | None):
+        raise _ct_refuse(where, "actorder", args["actorder"], "expected a bool, a string or null")
+
+
+def _string_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def check_compressed_tensors_payload(file: Path, qconfig: Mapping[str, Any]) -> None:
+    """Check the kind of every compressed-tensors field floatxq reads, before any is used.
+
+    ``config_groups`` maps names to a scheme (a dict) or a preset's target list, each scheme's
+    ``weights`` / ``input_activations`` / ``output_activations`` is a dict or null with ints,
+    strings and bools where compressed-tensors has them; ``ignore`` and ``targets`` are lists of
+    strings; ``format`` and the other names are strings.
+
+    Raises:
+      CheckpointError: naming the file and the field (``config_groups['group_0'].weights
+        .num_bits``), the value found and what is accepted.
+    """
+    where = f"{file} quantization_config"
+    for key in _CT_STRINGS:
+        if qconfig.get(key) is not None and not isinstance(qconfig[key], str):
+            raise _ct_refuse(where, key, qconfig[key], "expected a string")
+    if qconfig.get("ignore") is not None and not _string_list(qconfig["ignore"]):
+        raise _ct_refuse(where, "ignore", qconfig["ignore"], "expected a list of module names")
+    groups = qconfig.get("config_groups")
+    if groups is not None and not isinstance(groups, Mapping):
+        raise _ct_refuse(where, "config_groups", groups, "expected an object of named schemes")
+    for name, group in (groups or {}).items():
+        field = f"{where}.config_groups[{name!r}]"
+        if _string_list(group):
+            continue  # a preset scheme's name with its targets
+        if not isinstance(group, Mapping):
+            raise CheckpointError(
+                f"load: {field} is {_short(group)}; expected a scheme object (or a preset's "
+                f"target list)"
+            )
+        if group.get("format") is not None and not isinstance(group["format"], str):
+            raise _ct_refuse(field, "format", group["format"], "expected a string")
+        if group.get("targets") is not None and not _string_list(group["targets"]):
+            raise _ct_refuse(field, "targets", group["targets"], "expected a list of strings")
+        for part in ("weights", "input_activations", "output_activations"):
+            args = group.get(part)
+            if args is not None and not isinstance(args, Mapping):
+                raise _ct_refuse(field, part, args, "expected a QuantizationArgs object or null")
+            if args is not None:
+                _check_ct_args(f"{field}.{part}", args)
+    kv = qconfig.get("kv_cache_scheme")
+    if kv is not None and not isinstance(kv, Mapping):
+        raise _ct_refuse(where, "kv_cache_scheme", kv, "expected an object or null")
+    if kv is not None:
+        _check_ct_args(f"{where}.kv_cache_scheme", kv)
+
+
 def _decide_compressed_tensors(root: Path, qconfig: Mapping[str, Any]) -> LayoutDecision:
+    check_compressed_tensors_payload(root / CONFIG_FILE, qconfig)
     formats = _ct_formats(qconfig)
     where = f"{root / CONFIG_FILE}: compressed-tensors format {sorted(formats)}"
     supported = {
@@ -411,43 +609,87 @@ def _modelopt_decision(
     return LayoutDecision("modelopt", convention, family, scheme, f"{where}: ModelOpt {scheme}")
 
 
-def _torchao_metadata(metadata: Mapping[str, str]) -> dict[str, Any] | None:
-    """torchao's per-tensor JSON metadata (by tensor-subclass name), or None."""
+def _torchao_metadata(
+    metadata: Mapping[str, str], root: str | os.PathLike[str] | None = None
+) -> dict[str, Any] | None:
+    """torchao's per-tensor JSON metadata (tensor name → its dict), or None without any.
+
+    Each value is bounded JSON (:func:`~floatxq.interop.shards.bounded_json`); ``tensor_names``
+    must be a list of strings and each entry it names an object.
+    """
     raw = metadata.get("tensor_names")
     if raw is None:
         return None
-    try:
-        names = json.loads(raw)
-    except json.JSONDecodeError:
+    where = f"load: {root}: safetensors __metadata__" if root is not None else "load: safetensors"
+    names = bounded_json(
+        raw,
+        refusal=f"{where} 'tensor_names' (torchao) is not valid JSON",
+        keys=f"{where} 'tensor_names'",
+        same_value_ok=False,
+    )
+    if not _string_list(names):
         raise CheckpointError(
-            "load: safetensors metadata 'tensor_names' (torchao) is not valid JSON"
-        ) from None
+            f"{where} 'tensor_names' (torchao) must be a list of tensor names, got {_short(names)}"
+        )
     found: dict[str, Any] = {}
-    for name in names if isinstance(names, list) else []:
+    for name in names:
         entry = metadata.get(name)
         if entry is None:
             raise CheckpointError(
-                f"load: torchao safetensors metadata names tensor {name!r} but has no entry for it"
+                f"{where} (torchao) names tensor {name!r} in 'tensor_names' but has no entry for it"
             )
-        try:
-            found[name] = json.loads(entry)
-        except json.JSONDecodeError:
+        value = bounded_json(
+            entry,
+            refusal=f"{where} {name!r} (torchao) is not valid JSON",
+            keys=f"{where} {name!r}",
+            same_value_ok=False,
+        )
+        if not isinstance(value, Mapping):
             raise CheckpointError(
-                f"load: torchao safetensors metadata for {name!r} is not valid JSON"
-            ) from None
+                f"{where} {name!r} (torchao) must be a JSON object, got {_short(value)}"
+            )
+        found[name] = value
     return found
+
+
+TORCHAO_NVFP4_BLOCK = 16
+"""The one block size of torchao's NVFP4Tensor (and of NVFP4): ``_data.block_size``."""
+
+
+def _check_torchao_entry(where: str, name: str, entry: Mapping[str, Any]) -> None:
+    """An NVFP4Tensor entry's ``_data`` fields floatxq reads, each of the kind torchao writes."""
+    data = entry.get("_data", {})
+    if not isinstance(data, Mapping):
+        raise CheckpointError(
+            f"{where} {name!r} (torchao) '_data' is {_short(data)}, not an object"
+        )
+    block = data.get("block_size", TORCHAO_NVFP4_BLOCK)
+    if not _is_int(block) or block != TORCHAO_NVFP4_BLOCK:
+        raise CheckpointError(
+            f"{where} {name!r} (torchao) declares block_size {_short(block)}; NVFP4 (and floatxq's "
+            f"reader of torchao's layout) uses blocks of {TORCHAO_NVFP4_BLOCK}"
+        )
+    swizzled = data.get("is_swizzled_scales", False)
+    if not isinstance(swizzled, bool):
+        raise CheckpointError(
+            f"{where} {name!r} (torchao) is_swizzled_scales is {_short(swizzled)}; expected true "
+            f"or false"
+        )
 
 
 def _torchao_decision(
     root: Path, metadata: Mapping[str, str] | None, family: str | None, *, declared: bool
 ) -> LayoutDecision:
-    entries = _torchao_metadata(metadata or {}) or {}
-    types = sorted({str(e.get("_type")) for e in entries.values() if isinstance(e, Mapping)})
+    entries = _torchao_metadata(metadata or {}, root) or {}
+    types = sorted({str(e.get("_type")) for e in entries.values()})
     if set(types) - {"NVFP4Tensor", "Tensor"}:
         raise CheckpointError(
             f"load: {root} holds torchao tensors of type(s) {types}; floatxq reads torchao's "
             f"NVFP4Tensor"
         )
+    for name, entry in entries.items():
+        if entry.get("_type") == "NVFP4Tensor":
+            _check_torchao_entry(f"load: {root}: safetensors __metadata__", name, entry)
     where = f"{root / CONFIG_FILE}: quant_method torchao" if declared else "safetensors metadata"
     return LayoutDecision("torchao", "torchao_nvfp4", family or "nvfp4", "NVFP4Tensor", where)
 
@@ -460,6 +702,8 @@ __all__ = [
     "SCALE_CONVENTIONS",
     "SIDECAR_FILE",
     "LayoutDecision",
+    "check_compressed_tensors_payload",
     "decide_layout",
+    "read_fp8_config",
     "read_gptq_config",
 ]

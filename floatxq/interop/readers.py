@@ -11,7 +11,8 @@ weights, one module at a time. Which layout a directory holds is decided first, 
 :class:`~floatxq.interop.checkpoint.CheckpointError` naming the tensor and its file.
 """
 
-import json
+import functools
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,10 +20,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from floatxq._checks import to_float32
 from floatxq.config import GPTQConfig
+from floatxq.config.rules import _check_rule_pattern
 from floatxq.formats import FP8_WEIGHT_DTYPES
 from floatxq.interop.checkpoint import CheckpointError
 from floatxq.interop.layouts import LayoutDecision, _lower
+from floatxq.interop.shards import bounded_json
 
 _ACTIVATION_SUFFIXES = (
     ".input_scale",
@@ -153,6 +157,42 @@ def _ct_block(qconfig: Mapping[str, Any], where: str) -> tuple[int, int] | None:
     return next(iter(blocks)) if blocks else None
 
 
+_CT_QUANTIZED_KEYS = frozenset(
+    {"weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_shape"}
+)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ignore_pattern(entry: str) -> "re.Pattern[str]":
+    return _check_rule_pattern(entry, entry.removeprefix("re:"))
+
+
+def _refuse_ignored(source: ModuleSource, original: nn.Module, ignore: Any, file: str) -> None:
+    """A compressed-tensors module whose tensors are quantized may not be one ``ignore`` names.
+
+    compressed-tensors' matching: an exact module name, ``re:<regex>`` matched from the start of
+    the name (its time bounded as a ``dynamic`` rule's is), or the name of a class in the
+    module's MRO (``"Linear"``).
+    """
+    for entry in ignore or ():
+        if entry.startswith("re:"):
+            try:
+                hit = _ignore_pattern(entry).match(source.name) is not None
+            except ValueError as exc:
+                raise CheckpointError(
+                    f"load: {file} quantization_config.ignore entry {entry[:80]!r}: {exc}"
+                ) from None
+        else:
+            hit = entry == source.name or entry in {c.__name__ for c in type(original).__mro__}
+        if hit:
+            raise CheckpointError(
+                f"load: {source.name} in {file} holds quantized tensors "
+                f"({', '.join(sorted(set(source.tensors) & _CT_QUANTIZED_KEYS))}), but the "
+                f"quantization_config's ignore entry {entry!r} leaves it unquantized; the "
+                f"metadata contradicts the tensors"
+            )
+
+
 def read_module(
     decision: LayoutDecision,
     source: ModuleSource,
@@ -183,11 +223,13 @@ def read_module(
     qconfig = qconfig or {}
     layout = decision.layout
     if layout == "gptq":
-        return _gptq_module(source, original, gptq, decision.scheme or "gptq", file)
+        return _gptq_module(source, original, gptq, decision.scheme or "gptq", file, dtype)
+    if layout == "compressed-tensors" and keys & _CT_QUANTIZED_KEYS:
+        _refuse_ignored(source, original, qconfig.get("ignore"), file)
     packed_words = source.tensors.get("weight_packed")
     if layout == "compressed-tensors" and packed_words is not None:
         if packed_words.dtype == torch.int32:
-            return _ct_int_module(source, original, qconfig, file)
+            return _ct_int_module(source, original, qconfig, file, dtype)
     fp8 = weight is not None and weight.dtype in FP8_WEIGHT_DTYPES
     if layout in ("gptqmodel", "hf"):
         if "weight_scale_inv" not in keys and not fp8:
@@ -219,7 +261,7 @@ def read_module(
     if layout == "comfy":
         if "comfy_quant" not in keys:
             return None
-        marker = _comfy_marker(source.tensors["comfy_quant"], where)
+        marker = _comfy_marker(source.tensors["comfy_quant"], source.name, file)
         if marker != "nvfp4":
             raise CheckpointError(
                 f"load: {where} Comfy format {marker!r} is not read by floatxq; accepted: 'nvfp4'"
@@ -314,18 +356,47 @@ def _require_tensor_shape(
         )
 
 
-def _check_gptq_scales_and_bias(source: ModuleSource, scale_key: str, where: str) -> None:
+_GPTQ_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_GPTQ_SCALE_KINDS = "floating: float16, bfloat16 or float32 (float64 where its values fit FP32)"
+
+
+def _check_gptq_scales_and_bias(
+    source: ModuleSource, scale_key: str, where: str, *, bits: int, dtype: torch.dtype
+) -> None:
+    """GPTQ scales in the dtypes producers write, positive and finite in FP32 (the dtype every
+    GPTQ route multiplies in), and small enough that the largest decoded weight,
+    ``scale · (2**bits - 1)``, stays finite in the model dtype; a bias finite in it."""
     scales = source.tensors[scale_key]
-    _require_dtype(source, scale_key, "GPTQ scales are floating", scales.is_floating_point(), where)
-    if scales.numel() and not bool(torch.isfinite(scales).all()):
+    name = f"{source.name}.{scale_key} in {where}"
+    ok = scales.dtype in _GPTQ_SCALE_DTYPES  # (isfinite has no FP8 kernel; ints are not scales)
+    _require_dtype(source, scale_key, f"GPTQ scales are {_GPTQ_SCALE_KINDS}", ok, where)
+    try:
+        fp32 = to_float32(scales, name=name, where="load")
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    good = torch.isfinite(fp32) & (fp32 > 0)
+    if fp32.numel() and not bool(good.all()):
         raise CheckpointError(
-            f"load: {source.name}.{scale_key} in {where} holds NaN or infinite scales"
+            f"load: {name} holds {int((~good).sum())} scale(s) that are NaN or infinite, zero or "
+            f"negative, such as {fp32[~good][:4].tolist()}; GPTQ scales are positive and finite"
+        )
+    span = (1 << bits) - 1  # the largest |code - zero|
+    largest = float(fp32.max()) if fp32.numel() else 0.0
+    if largest * span > torch.finfo(dtype).max:
+        raise CheckpointError(
+            f"load: {name} holds a scale of {largest:g}: with {bits}-bit codes (|code - zero| up "
+            f"to {span}) it decodes to weights beyond {dtype}'s range "
+            f"({torch.finfo(dtype).max:g})"
         )
     bias = source.tensors.get("bias")
     if bias is not None:
-        _require_dtype(source, "bias", "a bias is floating", bias.is_floating_point(), where)
-        if bias.numel() and not bool(torch.isfinite(bias).all()):
-            raise CheckpointError(f"load: {source.name}.bias in {where} holds NaN or infinity")
+        ok = bias.dtype in _GPTQ_SCALE_DTYPES
+        why = "a bias is floating (float16, bfloat16, float32, float64)"
+        _require_dtype(source, "bias", why, ok, where)
+        if bias.numel() and not bool(torch.isfinite(bias.to(dtype)).all()):
+            raise CheckpointError(
+                f"load: {source.name}.bias in {where} holds NaN or infinity (in {dtype})"
+            )
 
 
 def _build_gptq(
@@ -364,6 +435,7 @@ def _gptq_module(
     config: GPTQConfig | None,
     fmt: str,
     file: str,
+    dtype: torch.dtype,
 ) -> nn.Module | None:
     """A ``quant_method: gptq`` module (``qweight``, ``qzeros``, ``scales``, ``g_idx``) as a
     GPTQLinear holding the file's tensors, after checking them against the config."""
@@ -388,7 +460,6 @@ def _gptq_module(
     for key in ("qweight", "qzeros", "g_idx"):
         ok = source.tensors[key].dtype == torch.int32
         _require_dtype(source, key, "GPTQ checkpoints store it as int32", ok, file)
-    _check_gptq_scales_and_bias(source, "scales", file)
     out, rows = _linear_shape(original, where)
     per = 32 // bits
     groups = 1 if group_size == -1 else -(-rows // group_size)
@@ -405,6 +476,7 @@ def _gptq_module(
     _require_tensor_shape(source, "scales", (groups, out), why, file)
     _require_tensor_shape(source, "qzeros", (groups, out // per), why, file)
     _require_tensor_shape(source, "g_idx", (rows,), "the model's in_features", file)
+    _check_gptq_scales_and_bias(source, "scales", file, bits=bits, dtype=dtype)
     if rows and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
         raise CheckpointError(
             f"load: {source.name}.g_idx in {file} holds group indices "
@@ -480,7 +552,11 @@ def _ct_int_schemes(qconfig: Mapping[str, Any], where: str) -> list[_CtIntScheme
 
 
 def _ct_int_module(
-    source: ModuleSource, original: nn.Module, qconfig: Mapping[str, Any], file: str
+    source: ModuleSource,
+    original: nn.Module,
+    qconfig: Mapping[str, Any],
+    file: str,
+    dtype: torch.dtype,
 ) -> nn.Module:
     """A compressed-tensors ``pack-quantized`` module as a GPTQLinear (``gptq_v2`` zero words:
     compressed-tensors stores the zero point itself, as ``zp + 2**(bits-1)``)."""
@@ -497,7 +573,6 @@ def _ct_int_module(
             f"load: {source.name}.weight_shape in {file} is {shape.flatten().tolist()}, but the "
             f"model's weight is ({out}, {rows})"
         )
-    _check_gptq_scales_and_bias(source, "weight_scale", file)
     words = packed.shape[1] if packed.ndim == 2 else -1
     bits = 32 * words // rows if rows and words > 0 and (32 * words) % rows == 0 else -1
     if packed.ndim != 2 or packed.shape[0] != out or bits not in _GPTQ_READ_BITS:
@@ -512,6 +587,7 @@ def _ct_int_module(
             f"load: {source.name}.weight_scale in {file} has shape {tuple(scale.shape)}; "
             f"expected ({out}, groups) with groups dividing in={rows}"
         )
+    _check_gptq_scales_and_bias(source, "weight_scale", file, bits=bits, dtype=dtype)
     symmetric = "weight_zero_point" not in source.tensors
     declared = _ct_int_schemes(qconfig, f"{file} quantization_config")
     fits = [
@@ -629,13 +705,23 @@ def _mx_dense(
     return layer
 
 
-def _comfy_marker(marker: torch.Tensor, where: str) -> str:
-    try:
-        payload = json.loads(bytes(marker.to(torch.uint8).flatten().tolist()).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RuntimeError):
-        raise CheckpointError(f"load: {where}.comfy_quant is not UTF-8 JSON") from None
-    if not isinstance(payload, Mapping) or "format" not in payload:
-        raise CheckpointError(f"load: {where}.comfy_quant has no 'format'")
+def _comfy_marker(marker: torch.Tensor, name: str, file: str) -> str:
+    """The ``format`` of a ``<module>.comfy_quant`` marker: the UTF-8 bytes of a JSON object, a
+    1-D uint8 tensor (any other dtype is refused, not wrapped to bytes)."""
+    where = f"load: {name}.comfy_quant in {file}"
+    if marker.dtype != torch.uint8 or marker.ndim != 1:
+        raise CheckpointError(
+            f"{where} is a {marker.dtype} tensor of shape {tuple(marker.shape)}; Comfy's marker "
+            f"is the UTF-8 bytes of a JSON object, a 1-D uint8 tensor"
+        )
+    payload = bounded_json(
+        bytes(marker.tolist()),
+        refusal=f"{where} is not UTF-8 JSON",
+        keys=where,
+        same_value_ok=True,
+    )
+    if not isinstance(payload, Mapping) or not isinstance(payload.get("format"), str):
+        raise CheckpointError(f"{where} has no 'format' string (got {str(payload)[:60]!r})")
     return _lower(payload["format"])
 
 

@@ -11,7 +11,6 @@ checked field by field (dtype, shape, offsets, coverage of the file) before the 
 reader sees it, so every tensor read is exactly the bytes its header names.
 """
 
-import json
 import math
 import os
 import re
@@ -24,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 
+from floatxq._checks import bounded_json_loads
 from floatxq.interop.checkpoint import INDEX_FILE, SINGLE_SHARD_FILE, CheckpointError
 
 
@@ -101,18 +101,43 @@ def _open_regular(file: Path, what: str) -> tuple[Any, int]:
     return os.fdopen(fd, "rb"), st.st_size
 
 
-def _unique_keys(prefix: str, *, same_value_ok: bool) -> Any:
+class _UniqueKeys:
     """A ``json`` object hook refusing a key given twice (``same_value_ok``: unless equal)."""
 
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    def __init__(self, prefix: str, *, same_value_ok: bool) -> None:
+        self.prefix, self.same_value_ok = prefix, same_value_ok
+
+    def __call__(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in pairs:
-            if key in out and not (same_value_ok and out[key] == value):
-                raise CheckpointError(f"{prefix} gives key {key!r} twice")
+            if key in out and not (self.same_value_ok and out[key] == value):
+                raise CheckpointError(f"{self.prefix} gives key {key!r} twice")
             out[key] = value
         return out
 
-    return hook
+
+def bounded_json(raw: str | bytes, *, refusal: str, keys: str, same_value_ok: bool) -> Any:
+    """Parse untrusted JSON text from a checkpoint, every refusal a :class:`CheckpointError`.
+
+    :func:`~floatxq._checks.bounded_json_loads` first (nesting at most 64 deep, integers of at
+    most 30 digits, finite numbers, UTF-8, valid JSON; its refusal is ``f"{refusal} (why)"``),
+    then the keys of each object: one given twice is refused as ``f"{keys} gives key ... twice"``
+    (``same_value_ok``: unless both give one value).
+    """
+    try:
+        return bounded_json_loads(
+            raw, where=refusal, error=_Refusal, max_bytes=MAX_HEADER_BYTES,
+            object_pairs_hook=_UniqueKeys(keys, same_value_ok=same_value_ok),
+        )  # fmt: skip
+    except _Refusal as exc:
+        why = str(exc).removeprefix(f"{refusal}: ")
+        if why.startswith("not valid JSON (") and why.endswith(")"):
+            why = why[len("not valid JSON (") : -1]
+        raise CheckpointError(f"{refusal} ({why})") from None
+
+
+class _Refusal(Exception):
+    """What :func:`bounded_json_loads` raises here, reworded as a CheckpointError."""
 
 
 def read_json(path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
@@ -124,8 +149,9 @@ def read_json(path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
 
     Raises:
       CheckpointError: the file is missing, not a regular file (a FIFO is never opened), over
-        :data:`MAX_HEADER_BYTES`, not UTF-8 JSON, nested absurdly deep, gives one key two
-        different values, or is not a JSON object.
+        :data:`MAX_HEADER_BYTES`, not UTF-8 JSON, nested more than 64 deep, holds an integer of
+        over 30 digits or a non-finite number, gives one key two different values, or is not a
+        JSON object.
 
     Numerics: none.
     """
@@ -139,17 +165,9 @@ def read_json(path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
         raw = fh.read(MAX_HEADER_BYTES + 1)
     if len(raw) > MAX_HEADER_BYTES:
         raise CheckpointError(f"{what}: {file} grew past {MAX_HEADER_BYTES} bytes while read")
-    try:
-        payload = json.loads(
-            raw.decode("utf-8"),
-            object_pairs_hook=_unique_keys(f"{what}: {file}", same_value_ok=True),
-        )
-    except CheckpointError:
-        raise
-    except RecursionError:
-        raise CheckpointError(f"{what}: {file} is not valid JSON (nested too deep)") from None
-    except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, an int of 4300+ digits
-        raise CheckpointError(f"{what}: {file} is not valid JSON ({exc})") from None
+    payload = bounded_json(
+        raw, refusal=f"{what}: {file} is not valid JSON", keys=f"{what}: {file}", same_value_ok=True
+    )
     if not isinstance(payload, dict):
         raise CheckpointError(
             f"{what}: {file} must hold a JSON object, got {type(payload).__name__}"
@@ -275,20 +293,12 @@ def _check_header(file: Path) -> _Header:
         raw = fh.read(header_len)
     if len(raw) < header_len:
         raise CheckpointError(f"checkpoint: {file} is truncated (header runs past the end)")
-    try:
-        header = json.loads(
-            raw.decode("utf-8"),
-            object_pairs_hook=_unique_keys(
-                f"checkpoint: {file}: the safetensors header", same_value_ok=False
-            ),
-            parse_constant=_no_constant(file),
-        )
-    except CheckpointError:
-        raise
-    except (ValueError, RecursionError) as exc:  # also an int of 4300+ digits
-        raise CheckpointError(
-            f"checkpoint: {file} has a corrupt safetensors header ({type(exc).__name__})"
-        ) from None
+    header = bounded_json(
+        raw,
+        refusal=f"checkpoint: {file} has a corrupt safetensors header",
+        keys=f"checkpoint: {file}: the safetensors header",
+        same_value_ok=False,
+    )
     if not isinstance(header, dict):
         raise CheckpointError(
             f"checkpoint: {file}: the safetensors header is a JSON {type(header).__name__}, not "
@@ -372,13 +382,6 @@ def _is_count(value: Any) -> bool:
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _no_constant(file: Path) -> Any:
-    def hook(name: str) -> None:
-        raise CheckpointError(f"checkpoint: {file}: the safetensors header holds {name}")
-
-    return hook
 
 
 def _read_headers(path: str | os.PathLike[str]) -> list[tuple[Path, _Header]]:

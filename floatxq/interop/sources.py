@@ -8,7 +8,6 @@ matrix, for requantization. Every scale here *multiplies* to decode (``w = code 
 unlike floatxq's own ``weight_scale_inv``.
 """
 
-import json
 import math
 import os
 import re
@@ -24,6 +23,7 @@ from floatxq._typing import Float, Shaped, Tensor
 from floatxq.formats import FP8_WEIGHT_DTYPES, MODEL_DTYPES
 from floatxq.fp8 import decode_e8m0
 from floatxq.interop.checkpoint import CheckpointError
+from floatxq.interop.shards import read_json
 from floatxq.nvfp4.e2m1 import e2m1_decode, unpack_e2m1
 
 __all__ = [
@@ -121,20 +121,20 @@ def read_hf_quant_config(
       strict: raise on a sidecar that is unreadable, not JSON or not an object (else: None).
 
     Raises:
-      CheckpointError: with ``strict``, naming the file and the fault. Numerics: none.
+      CheckpointError: with ``strict``, naming the file and the fault (not a regular file, not
+        UTF-8 JSON, nested over 64 deep, an integer of over 30 digits, a non-finite number, not
+        an object). Numerics: none.
     """
     file = Path(path)
     file = file / HF_QUANT_CONFIG_FILE if file.is_dir() else file
     if not file.is_file():
         return None
-    try:
-        payload = json.loads(file.read_text(encoding="utf-8"))
-        fault = None if isinstance(payload, dict) else f"holds a {type(payload).__name__}"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        payload, fault = None, f"is unreadable or not JSON ({exc})"
-    if fault is not None and strict:
-        raise CheckpointError(f"hf_quant_config: {file} {fault}; a JSON object is required")
-    return None if fault is not None else payload
+    try:  # a regular file only, at most 100 MB, bounded JSON (no RecursionError, no huge ints)
+        return read_json(file, what="hf_quant_config")
+    except CheckpointError:
+        if strict:
+            raise
+        return None
 
 
 def _quark_label(spec: Mapping[str, Any]) -> str | None:

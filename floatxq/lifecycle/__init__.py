@@ -28,7 +28,7 @@ from floatxq.interop.payload import (
 from floatxq.lifecycle.evaluate import EvalReport, evaluate_lm
 from floatxq.lifecycle.gptq import gptq_solve_options
 from floatxq.lifecycle.loading import load
-from floatxq.lifecycle.model import QuantizedModel
+from floatxq.lifecycle.model import InterruptedQuantize, QuantizedModel
 from floatxq.lifecycle.stream import (
     NVFP4BoundaryQuantizer,
     W4AStreamPolicy,
@@ -52,6 +52,7 @@ __all__ = [
     "CheckpointLayout",
     "CheckpointReport",
     "EvalReport",
+    "InterruptedQuantize",
     "LayoutDecision",
     "LayoutExport",
     "NVFP4BoundaryQuantizer",

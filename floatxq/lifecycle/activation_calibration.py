@@ -34,6 +34,7 @@ from torch import nn
 
 from floatxq.config import ActivationConfig
 from floatxq.formats import normalize_nvfp4_recipe
+from floatxq.lifecycle.calibration import exact_int64
 from floatxq.nvfp4.quantize import nvfp4_global_scale
 
 CALIBRATED_RECIPES: tuple[str, ...] = ("nvidia", "four_six", "least_squares", "least_squares_grid")
@@ -108,13 +109,15 @@ def _check_samples(samples: Any, vocab: int | None) -> list[torch.Tensor]:
                 f"{where}: samples[{i}] must be one unpadded 1-D sequence of ids, got shape "
                 f"{tuple(ids.shape)}"
             )
-        low, high = int(ids.min()), int(ids.max())
+        # exact for every integer width (torch compares no uint16/32/64; uint64 may not fit)
+        wide = exact_int64(ids, label=f"samples[{i}]", where=where)
+        low, high = int(wide.min()), int(wide.max())
         if low < 0 or (vocab is not None and high >= vocab):
             raise ValueError(
-                f"{where}: samples[{i}] holds ids {low}..{high}, outside the vocabulary "
-                f"[0, {vocab if vocab is not None else '?'})"
+                f"{where}: samples[{i}] ({ids.dtype}) holds ids {low}..{high}, outside the "
+                f"vocabulary [0, {vocab if vocab is not None else 'vocab_size'})"
             )
-        out.append(ids.to(torch.long))
+        out.append(wide)
     return out
 
 

@@ -60,13 +60,42 @@ def _ids_of_text(text: str, tokenizer: Tokenizer | None, index: int) -> Tensor:
     return _ids_of_tokens(encoded, index, what="the tokenizer's output for")
 
 
+INT64_MAX = 2**63 - 1
+
+
+def exact_int64(ids: Tensor, *, label: str, where: str) -> Tensor:
+    """``ids`` (an integer tensor of any width, unsigned included) as int64 on the CPU, exactly.
+
+    ``uint64`` values of 2**63 and more have no int64 (a plain cast wraps them negative) and
+    unsigned tensors wider than a byte support no comparison in torch, so this converts first
+    and checks after.
+
+    Raises:
+      TypeError: a floating, complex or bool dtype, or a meta tensor. ValueError: a ``uint64``
+        value beyond int64 (named with the dtype).
+
+    Numerics: exact integer conversion.
+    """
+    dtype = ids.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(f"{where}: {label} must hold integer token ids, got dtype {dtype}")
+    if ids.is_meta:
+        raise TypeError(f"{where}: {label} is a meta tensor; it holds no token ids")
+    wide = ids.detach().to(device="cpu", dtype=torch.int64)
+    if dtype == torch.uint64 and wide.numel() and bool((wide < 0).any()):
+        position = int(torch.nonzero(wide < 0).flatten()[0]) if wide.ndim == 1 else None
+        value = int(wide[wide < 0][0]) + 2**64
+        at = f" at position {position}" if position is not None else ""
+        raise ValueError(
+            f"{where}: {label} holds the {dtype} id {value}{at}, beyond int64; token ids are "
+            f"integers in [0, vocab_size)"
+        )
+    return wide
+
+
 def _ids_of_tokens(value: Any, index: int, *, what: str = "") -> Tensor:
     label = f"{what} sample {index}".strip()
     if isinstance(value, torch.Tensor):
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise TypeError(
-                f"calibration: {label} must hold integer token ids, got dtype {value.dtype}"
-            )
         if value.ndim == 2 and value.shape[0] == 1:
             value = value[0]
         if value.ndim != 1:
@@ -74,12 +103,24 @@ def _ids_of_tokens(value: Any, index: int, *, what: str = "") -> Tensor:
                 f"calibration: {label} must be a 1-D sequence of token ids, got shape "
                 f"{tuple(value.shape)}"
             )
-        return value.detach().to(device="cpu", dtype=torch.int64)
+        return exact_int64(value, label=label, where="calibration")
     if isinstance(value, (list, tuple)):
         if value and isinstance(value[0], (list, tuple)) and len(value) == 1:
             value = value[0]
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            raise TypeError(f"calibration: {label} must be a list of int token ids")
+        for position, v in enumerate(value):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(
+                    f"calibration: {label} must be a list of int token ids; position "
+                    f"{position} is {type(v).__name__}"
+                )
+            if not -INT64_MAX - 1 <= v <= INT64_MAX:  # (str() of a huge int itself raises)
+                shown = (
+                    f"the id {v}" if v.bit_length() <= 128 else f"an id of {v.bit_length()} bits"
+                )
+                raise ValueError(
+                    f"calibration: {label} has {shown} at position {position}, beyond int64; "
+                    f"token ids are integers in [0, vocab_size)"
+                )
         return torch.tensor(list(value), dtype=torch.int64)
     raise TypeError(
         f"calibration: {label} must be a string, a 1-D integer tensor, a list of ints or a "
@@ -189,11 +230,13 @@ def prepare_calibration(
         if ids.numel() <= min_length:
             dropped += 1
             continue
-        if vocab_size is not None and bool(((ids < 0) | (ids >= vocab_size)).any()):
-            bad = ids[(ids < 0) | (ids >= vocab_size)][:4].tolist()
+        outside = (ids < 0) if vocab_size is None else (ids < 0) | (ids >= vocab_size)
+        if bool(outside.any()):
+            bad = ids[outside][:4].tolist()
+            accepted = "the model's vocabulary " if vocab_size is not None else ""
             raise ValueError(
-                f"{where}: sample {index} has token ids {bad} outside the model's vocabulary "
-                f"[0, {vocab_size})"
+                f"{where}: sample {index} has token ids {bad} outside {accepted}"
+                f"[0, {vocab_size if vocab_size is not None else 'vocab_size'})"
             )
         if max_length is not None and ids.numel() > max_length:
             raise ValueError(

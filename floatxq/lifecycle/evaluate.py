@@ -32,6 +32,27 @@ def _logits(model: nn.Module, ids: Tensor) -> Tensor:
     return logits[:, :-1].to(torch.float32)
 
 
+def _vocab_size(model: nn.Module) -> int | None:
+    """The width of ``model``'s logits as far as it says: its output embedding's
+    ``out_features``, else its config's ``vocab_size``; None when neither is known."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    width = getattr(head, "out_features", None)
+    if isinstance(width, int) and not isinstance(width, bool):
+        return width
+    width = getattr(getattr(model, "config", None), "vocab_size", None)
+    return width if isinstance(width, int) and not isinstance(width, bool) else None
+
+
+def _require_same_vocab(model_vocab: int | None, reference_vocab: int | None) -> None:
+    if model_vocab is not None and reference_vocab is not None and model_vocab != reference_vocab:
+        raise ValueError(
+            f"evaluate_lm: the model has a vocabulary of {model_vocab} tokens (vocab_size) and "
+            f"the reference {reference_vocab}; KL and top-1 compare next-token distributions, "
+            f"so the reference must be a model of the same vocabulary (the same tokenizer)"
+        )
+
+
 def reference_logprobs(
     reference: nn.Module, windows: Integer[Tensor, "windows length"], *, batch_size: int = 8
 ) -> list[Tensor]:
@@ -59,7 +80,9 @@ def evaluate_lm(
     ``reference`` is a model or its :func:`reference_logprobs` for the same windows and batch size.
 
     Raises:
-      ValueError: empty windows, ``length < 2`` or ``batch_size < 1``.
+      ValueError: empty windows, ``length < 2`` or ``batch_size < 1``; a reference of another
+        vocabulary (both sizes named, checked before any forward when both models say theirs,
+        else on the first batch's logits).
 
     Numerics: FP32 log-softmax of the logits; sums in float64; KL as
     ``Σ p_ref · (log p_ref − log p_model)``.
@@ -71,6 +94,8 @@ def evaluate_lm(
         )
     if batch_size < 1:
         raise ValueError(f"evaluate_lm: batch_size must be ≥ 1, got {batch_size}")
+    if isinstance(reference, nn.Module):
+        _require_same_vocab(_vocab_size(model), _vocab_size(reference))
     refs = (
         reference_logprobs(reference, windows, batch_size=batch_size)
         if isinstance(reference, nn.Module)
@@ -91,6 +116,13 @@ def evaluate_lm(
             count += targets.numel()
             if refs is not None:
                 ref = refs[i].to(logp.device)
+                if ref.shape != logp.shape:
+                    _require_same_vocab(logp.shape[-1], ref.shape[-1])
+                    raise ValueError(
+                        f"evaluate_lm: reference batch {i} has log-probabilities of shape "
+                        f"{tuple(ref.shape)}, the model's are {tuple(logp.shape)}; give the "
+                        f"reference's for the same windows and batch size"
+                    )
                 kl += float((ref.exp() * (ref - logp)).sum(dim=-1).double().sum())
                 agree += int((ref.argmax(-1) == logp.argmax(-1)).sum())
     return EvalReport(

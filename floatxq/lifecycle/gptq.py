@@ -418,11 +418,14 @@ class _LayerStep(NamedTuple):
     on_module: Callable[[str], None] | None
 
     def solve(
-        self, configs: dict[str, GPTQConfig], solved: dict[str, nn.Module]
-    ) -> list[GPTQModuleReport]:
+        self,
+        configs: dict[str, GPTQConfig],
+        solved: dict[str, nn.Module],
+        reports: list[GPTQModuleReport],
+    ) -> None:
         """Solve ``configs``' modules group by group; each is replaced by a stand-in (and its
-        ``GPTQLinear`` kept in ``solved``) so later groups see its quantized outputs."""
-        reports: list[GPTQModuleReport] = []
+        ``GPTQLinear`` kept in ``solved``) so later groups see its quantized outputs; each
+        module's report is appended to ``reports`` as soon as it is solved."""
         wanted = [(n, self.model.get_submodule(n)) for n in configs]
         groups = _groups_by_input(self.layer, wanted, self.inputs[0])
         del wanted
@@ -433,7 +436,6 @@ class _LayerStep(NamedTuple):
             del first
             self.solve_group(group, hessian, configs, solved, reports)
             del hessian
-        return reports
 
     def solve_group(
         self,
@@ -464,6 +466,7 @@ def quantize_gptq_model(
     device: torch.device,
     on_module: Callable[[str], None] | None = None,
     on_layer: Callable[[int, int], None] | None = None,
+    reports: list[GPTQModuleReport] | None = None,
 ) -> GPTQRunReport:
     """Quantize ``model`` with GPTQ in place, layer by layer (see the module docstring).
 
@@ -476,6 +479,8 @@ def quantize_gptq_model(
         live there at a time.
       on_module: called with each module's name once it is solved.
       on_layer: called with ``(index, count)`` once a layer is done.
+      reports: a list each solved module's report is appended to as soon as it is solved (what
+        a failed run did; the returned report holds the same); a new one when None.
 
     Returns:
       :class:`GPTQRunReport`.
@@ -483,6 +488,10 @@ def quantize_gptq_model(
     Raises:
       ValueError: any :func:`plan_gptq` refusal (raised before anything changes), non-finite
         calibration activations (naming the modules they reach), a module no batch reaches.
+
+    On any exception the solved modules stay replaced by their ``GPTQLinear``, the others keep
+    their original objects, every module returns where it lived (``docs/gptq.md``, "An
+    interrupted run"), then the exception propagates.
 
     Numerics: each module as :func:`floatxq.gptq_solve` on ``H = 2/N Σ xᵀx`` over the unpadded
     calibration rows, x being its input in the model's dtype with the earlier modules of its
@@ -495,14 +504,16 @@ def quantize_gptq_model(
     head_plan = targets.get(head[0]) if head is not None else None
     replay = replay_setup(model, config, targets, layers_name, layers, head_plan)
     start = time.perf_counter()
-    reports: list[GPTQModuleReport] = []
+    reports = [] if reports is None else reports
     activation_scales: dict[str, float] = {}
     skip = {id(layers)} | ({id(head[1])} if head is not None else set())
     home = {id(m): device_of(m) for m in layers}
+    head_home = device_of(head[1]) if head is not None else None
     outside_home = device_of(
         model.get_submodule(layers_name.rsplit(".", 1)[0]) if "." in layers_name else model
     )
     was_training = model.training
+    solved: dict[str, nn.Module] = {}  # a layer's solved modules while it runs on stand-ins
     model.eval()
     try:
         with torch.no_grad():
@@ -512,7 +523,6 @@ def quantize_gptq_model(
             inputs = capture_inputs(model, first, calibration, device)
             move_outside(model, skip, outside_home)  # the embeddings are done with: off the device
             rows = calibration.tokens
-            solved: dict[str, nn.Module] = {}
             for index, layer in enumerate(layers):
                 layer.to(device)
                 prefix = f"{layers_name}.{index}."
@@ -523,14 +533,14 @@ def quantize_gptq_model(
                 if names and plan is not None:
                     step = _LayerStep(model, layer, index, inputs, device, rows, on_module)
                     configs = {n: targets[n].config for n in names}
-                    done, scales, frozen = replay_solve(
-                        step, prefix, plan, configs, solved, replay.policy.global_scales, memo=memo
-                    )
-                    reports.extend(done)
+                    scales, frozen = replay_solve(
+                        step, prefix, plan, configs, solved, replay.policy.global_scales,
+                        memo=memo, reports=reports,
+                    )  # fmt: skip
                     activation_scales.update(scales)
                 elif names:
                     step = _LayerStep(model, layer, index, inputs, device, rows, on_module)
-                    reports.extend(step.solve({n: targets[n].config for n in names}, solved))
+                    step.solve({n: targets[n].config for n in names}, solved, reports)
                 last = index == len(layers) - 1
                 if (not last or head_plan is not None) and replay is None:
                     for i, item in enumerate(inputs):
@@ -566,11 +576,16 @@ def quantize_gptq_model(
             del inputs
             if head_plan is not None:
                 final_norm(model, layers_name).to(outside_home)
-    finally:  # also after an error: nothing is left on the work device
+    finally:  # also after an error: no stand-in stays, nothing is left on the work device
+        for name, built in solved.items():
+            model.set_submodule(name, built)
+        solved.clear()
         move_outside(model, skip, outside_home)
         for layer in layers:
             layer.to(home[id(layer)])
-    model.train(was_training)
+        if head is not None and model.get_submodule(head[0]) is head[1]:  # unsolved: back home
+            head[1].to(head_home)
+        model.train(was_training)
     return GPTQRunReport(
         tuple(reports),
         len(layers),

@@ -37,22 +37,23 @@ def replay_solve(
     solved: dict[str, nn.Module],
     producer_scales: Mapping[str, float] | None,
     memo: Any = None,
-) -> tuple[list[Any], dict[str, float], dict[str, float]]:
+    reports: list[Any] | None = None,
+) -> tuple[dict[str, float], dict[str, float]]:
     """Solve a streamed Llama layer on the replayed W4A operands (module docstring, step 2
     with an activation policy): per input group, in call order, an optional headroom probe
     pass freezes the group's scale, then a pass folds the Hessian of the rounded operand
     (and the running ``max|x|`` of the un-rounded one), then the group is solved. The passes
     share ``memo`` (a :class:`~floatxq.lifecycle.replay.RoundingMemo`; a new one if None):
-    pass the same to :func:`replay_outputs` to reuse its roundings there too.
+    pass the same to :func:`replay_outputs` to reuse its roundings there too. Each solved
+    module's report is appended to ``reports`` as soon as it is solved (a new list if None).
 
-    Returns ``(reports, activation scales by module name, frozen headroom scales by
-    site)``."""
+    Returns ``(activation scales by module name, frozen headroom scales by site)``."""
     from floatxq.lifecycle.replay import ReplayCodec, RoundingMemo
     from floatxq.nvfp4.quantize import nvfp4_global_scale
 
     if memo is None:  # each site rounded once per batch while its operand is unchanged
         memo = RoundingMemo()
-    reports: list[Any] = []
+    reports = [] if reports is None else reports
     scales: dict[str, float] = {}
     frozen: dict[str, float] = {}
     for site, group_name, paths in _REPLAY_GROUPS:
@@ -98,7 +99,7 @@ def replay_solve(
         group = [(n, step.model.get_submodule(n)) for n in names]
         step.solve_group(group, hessian, configs, solved, reports)
         del hessian, group
-    return reports, scales, frozen
+    return scales, frozen
 
 
 def _replay(step: Any, plan: Any, codec: Any, fold: "_GroupFold") -> None:

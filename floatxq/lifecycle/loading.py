@@ -26,6 +26,7 @@ from floatxq.config import (
 )
 from floatxq.interop.checkpoint import (
     CONFIG_FILE,
+    QUANTIZE_CONFIG_FILE,
     CheckpointError,
     recover_interrupted_save,
 )
@@ -258,10 +259,20 @@ def load(
                 raise ValueError(f"load: {path}: {exc}") from None
         else:
             chosen = _resolve_backend(backend, qconfig, checkpoint=True)
-        if chosen in _W4A_BACKENDS:
-            install_w4a_modules(model, chosen, activation=activation, scale_bits=activation_bits)
-        if activation is not None:
-            install_activation_stream(model, activation)
+        try:
+            if chosen in _W4A_BACKENDS:
+                install_w4a_modules(
+                    model, chosen, activation=activation, scale_bits=activation_bits
+                )
+            if activation is not None:
+                install_activation_stream(model, activation)
+        except ValueError as exc:
+            if activation is None or isinstance(exc, CheckpointError):
+                raise  # a backend the caller chose, which this checkpoint cannot run
+            raise CheckpointError(
+                f"load: {path}: the activation policy its {QUANTIZE_CONFIG_FILE} and "
+                f"{CONFIG_FILE} declare ('activation') does not fit its model: {exc}"
+            ) from None
         if quantize_config is not None:
             warnings.warn(
                 f"load: {path} is already quantized; quantize_config is ignored",

@@ -9,7 +9,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -35,6 +35,27 @@ def _quantized_types() -> tuple[type, ...]:
     from floatxq.nn.gptq_linear import GPTQLinear
 
     return (TorchFP8Linear, TorchFP4Linear, GPTQLinear)
+
+
+class InterruptedQuantize(NamedTuple):
+    """What a GPTQ :meth:`QuantizedModel.quantize` that raised part-way left in the model."""
+
+    done: tuple[str, ...]
+    """The modules already replaced by their quantized modules, in solve order."""
+    total: int
+    """The modules the run was to quantize."""
+    error: str
+    """The exception that stopped it (``"KeyboardInterrupt"``, ``"ValueError: ..."``)."""
+    config: Any
+    """The ``GPTQConfig`` it ran with (a resumed run must use the same)."""
+    reports: tuple[Any, ...]
+    """The :class:`~floatxq.lifecycle.gptq.GPTQModuleReport` of each module in ``done``."""
+
+    def describe(self) -> str:
+        return (
+            f"an earlier quantize() was interrupted ({self.error}) after replacing "
+            f"{len(self.done)} of {self.total} modules, so the model is partly quantized"
+        )
 
 
 class QuantizedModel:
@@ -76,12 +97,23 @@ class QuantizedModel:
         """Turns calibration strings into ids (set it, or pass ``quantize(tokenizer=...)``);
         when None, the source directory's tokenizer is loaded the first time a string sample
         needs it (the byte tokenizer for the built-in tiny Llama)."""
+        self.interrupted: InterruptedQuantize | None = None
+        """Set when a GPTQ :meth:`quantize` raised after replacing modules (the model is then
+        partly quantized, and ``quantize()`` and ``save()`` refuse it); None otherwise."""
+
+    @property
+    def partially_quantized(self) -> bool:
+        """True after a GPTQ :meth:`quantize` was interrupted part-way (see ``interrupted``)."""
+        return self.interrupted is not None
 
     def __repr__(self) -> str:
         kind = "GPTQ" if isinstance(self.quantize_config, GPTQConfig) else "FP8"
         state = (
             f"{len(self.quantized_modules)} {kind} modules" if self.quantized else "not quantized"
         )
+        if self.interrupted is not None:
+            done, total = len(self.interrupted.done), self.interrupted.total
+            state = f"interrupted after {done} of {total} GPTQ modules"
         return f"QuantizedModel({type(self.model).__name__}, {state}, backend={self.backend.value})"
 
     mlx_routes: dict[str, str] | None = None
@@ -94,13 +126,13 @@ class QuantizedModel:
         batch_size: int = 1,
         progress: bool | Callable[[str], None] = True,
         tokenizer: Any = None,
+        resume: bool = False,
     ) -> "QuantizedModel":
         """Quantize the model's linear modules in place.
 
         FP8 is weight-only (no calibration). GPTQ is calibrated and runs layer by layer
-        (:mod:`floatxq.lifecycle.gptq`): only one decoder layer, its Hessians and the calibration
-        activations are on the work device (``device`` given to :func:`load`, else CUDA when
-        available, else CPU) at a time; the model ends on ``device`` when one was given.
+        (:mod:`floatxq.lifecycle.gptq`): a decoder layer at a time on the work device
+        (``device`` of :func:`load`, else CUDA, else CPU); the model ends on ``device`` if given.
 
         Args:
           calibration: GPTQ's samples: strings, 1-D token-id tensors, lists of ints or mappings
@@ -109,12 +141,20 @@ class QuantizedModel:
           batch_size: GPTQ samples per forward (right-padded; padding is masked out).
           progress: show progress bars (True), stay quiet (False), or a callback per module.
           tokenizer: GPTQ: turns string samples into ids (default: the source's tokenizer).
+          resume: GPTQ: finish an interrupted run (below) with the same calibration.
 
         Raises:
           RuntimeError: no quantize_config, or the model is already quantized.
-          ValueError: GPTQ without calibration, unusable calibration (empty, all too short,
-            strings without a tokenizer, ids outside the vocabulary, non-finite activations),
-            a module the settings cannot pack (see :func:`~floatxq.lifecycle.gptq.plan_gptq`).
+          ValueError: GPTQ without calibration or with unusable calibration (empty, too short,
+            strings without a tokenizer, ids outside the vocabulary, non-finite activations), a
+            module the settings cannot pack (:func:`~floatxq.lifecycle.gptq.plan_gptq`); an
+            interrupted model without ``resume=True``, or a ``resume`` that cannot resume.
+          TypeError: ``resume`` is not a bool.
+
+        On failure FP8 rolls back (every replaced module put back). GPTQ, which releases each
+        original once solved, sets ``interrupted`` (an :class:`InterruptedQuantize`) instead;
+        ``quantize()`` and ``save()`` then refuse the model until it is reloaded or resumed with
+        ``resume=True`` (``docs/gptq.md``, "An interrupted run").
 
         Numerics: FP8 as :func:`floatxq.quantize_fp8_weight`; GPTQ as :func:`floatxq.gptq_solve`.
         """
@@ -122,6 +162,9 @@ class QuantizedModel:
             raise RuntimeError("quantize: no quantize_config was given to floatxq.load")
         if self.quantized:
             raise RuntimeError("quantize: this model is already quantized")
+        if not isinstance(resume, bool):
+            raise TypeError(f"quantize: resume must be a bool, got {type(resume).__name__}")
+        self._check_resume(resume)
         if isinstance(self.quantize_config, GPTQConfig):
             return self._quantize_gptq(calibration, batch_size, progress, tokenizer)
         if calibration is not None:
@@ -147,6 +190,36 @@ class QuantizedModel:
         self.quantized = True
         return self
 
+    def _check_resume(self, resume: bool) -> None:
+        """Refuse a model left partly quantized by an interrupted GPTQ run, unless ``resume``
+        and the run can be resumed; refuse ``resume`` with nothing to resume."""
+        previous = self.interrupted
+        if previous is None:
+            if resume:
+                raise ValueError(
+                    "quantize: resume=True, but no earlier quantize() of this model was "
+                    "interrupted; call quantize() without resume"
+                )
+            return
+        reload = "reload the model with floatxq.load(...) and quantize it again"
+        if getattr(previous.config, "activation", None) is not None:
+            raise ValueError(
+                f"quantize: {previous.describe()}; a run with an activation policy cannot be "
+                f"resumed (its replay solves whole layers), so {reload}"
+            )
+        if not resume:
+            raise ValueError(
+                f"quantize: {previous.describe()}; {reload}, or call quantize(calibration, "
+                f"resume=True) with the same calibration to solve the remaining "
+                f"{previous.total - len(previous.done)} modules"
+            )
+        if self.quantize_config != previous.config:
+            raise ValueError(
+                f"quantize: resume=True, but quantize_config changed since the interrupted run "
+                f"({previous.config} then, {self.quantize_config} now); resuming would mix "
+                f"settings, so {reload}"
+            )
+
     def _quantize_gptq(
         self, calibration: Any, batch_size: int, progress: Any, tokenizer: Any
     ) -> "QuantizedModel":
@@ -160,7 +233,10 @@ class QuantizedModel:
                 "quantize: GPTQ needs calibration data (strings or token-id tensors); "
                 "floatxq.tiny.calibration_samples(...) gives some for the built-in tiny Llama"
             )
-        plans = plan_gptq(self.model, config)  # refuses unpackable modules before any work
+        previous = self.interrupted  # set only when resuming (quantize checked it)
+        finished = previous is not None and len(previous.done) == previous.total
+        # refuses unpackable modules before any work (a finished resume has none left)
+        plans = [] if finished else plan_gptq(self.model, config)
         hf_config = getattr(self.model, "config", None)
         pad = getattr(hf_config, "pad_token_id", None)
         prepared = prepare_calibration(
@@ -172,26 +248,49 @@ class QuantizedModel:
             max_length=getattr(hf_config, "max_position_embeddings", None),
         )
         work = self.device or _default_work_device(self.model)
-        callback, bar = _progress(progress, sum(p.config is not None for p in plans), "gptq")
+        names = [p.name for p in plans if p.config is not None]
+        kinds = {name: type(self.model.get_submodule(name)) for name in names}
+        earlier = () if previous is None else previous.reports
+        reports: list[Any] = []  # the modules this call solves, appended as each is solved
+        callback, bar = _progress(progress, len(names), "gptq")
         start = time.perf_counter()
         try:
-            self.report = quantize_gptq_model(
-                self.model, config, prepared, device=work, on_module=callback
-            )
-        finally:
-            if bar is not None:
-                bar.close()
-        if self.device is not None:
-            self.model.to(self.device)
-        if config.activation is not None:  # W4A: the solved modules run the policy's GEMMs
-            scales = getattr(self.report, "activation_scales", None) or {}
-            install_w4a_modules(
-                self.model, self.backend, activation=config.activation, scales=scales
-            )
-            install_activation_stream(self.model, config.activation)
+            try:
+                if finished:  # an earlier run solved every module and failed after them
+                    report = _finished_report(self.model, earlier, prepared)
+                else:
+                    report = quantize_gptq_model(
+                        self.model, config, prepared, device=work, on_module=callback,
+                        reports=reports,
+                    )  # fmt: skip
+                    report = report._replace(modules=(*earlier, *report.modules))
+            finally:
+                if bar is not None:
+                    bar.close()
+            if self.device is not None:
+                self.model.to(self.device)
+            if config.activation is not None:  # W4A: the solved modules run the policy's GEMMs
+                scales = getattr(report, "activation_scales", None) or {}
+                install_w4a_modules(
+                    self.model, self.backend, activation=config.activation, scales=scales
+                )
+                install_activation_stream(self.model, config.activation)
+        except BaseException as exc:  # KeyboardInterrupt too: mark what was replaced, re-raise
+            done = [n for n in names if type(self.model.get_submodule(n)) is not kinds[n]]
+            if done or previous is not None:
+                self.interrupted = InterruptedQuantize(
+                    done=(*(() if previous is None else previous.done), *done),
+                    total=len(names) if previous is None else previous.total,
+                    error=_describe(exc),
+                    config=config,
+                    reports=(*earlier, *reports),
+                )
+            raise
+        self.report = report
+        self.interrupted = None
         self.quantize_seconds = time.perf_counter() - start
         self.quantized = True
-        self.quantized_modules = [m.name for m in self.report.modules]
+        self.quantized_modules = [m.name for m in report.modules]
         return self
 
     def calibrate_activations(
@@ -220,12 +319,19 @@ class QuantizedModel:
 
         Raises:
           RuntimeError / ValueError / TypeError: as
-          :func:`~floatxq.lifecycle.activation_calibration.calibrate_nvfp4_producers`.
+          :func:`~floatxq.lifecycle.activation_calibration.calibrate_nvfp4_producers`;
+          ValueError for a model an interrupted GPTQ run left partly quantized.
 
         Numerics: ``scale = max|x| / (448·6)`` for ``nvidia``, ``/ (448·4)`` otherwise (FP32).
         """
         from floatxq.lifecycle.activation_calibration import calibrate_nvfp4_producers
         from floatxq.lifecycle.stream import stream_boundary_quantizers
+
+        if self.interrupted is not None:
+            raise ValueError(
+                f"calibrate_activations: {self.interrupted.describe()}; reload the model with "
+                f"floatxq.load(...) and quantize it again"
+            )
 
         if progress is True:
             total = len(stream_boundary_quantizers(self.model))
@@ -257,21 +363,16 @@ class QuantizedModel:
 
         Args:
           path: the directory to create.
-          layout: None (``"gptq"`` for a model with a W4A activation policy, whose files carry
-            the policy and its activation global scales; else ``"compressed-tensors"``),
-            ``"compressed-tensors"`` (transformers with the compressed-tensors
-            package, vLLM and SGLang read it; GPTQ modules as ``pack-quantized``), ``"hf"``
-            (transformers' / DeepSeek's fine-grained FP8: tensor or block scales),
-            ``"gptqmodel"`` (GPT-QModel's inverse-scale FP8 files, byte-exact; transformers and
-            vLLM refuse them; for a GPTQ model the ``"gptq"`` files) or ``"gptq"`` (GPTQ models:
-            GPT-QModel's ``qweight``/``qzeros``/``scales``/``g_idx`` files, byte-exact, read by
-            GPT-QModel, transformers through it and vLLM). ``docs/interop.md`` has the table.
+          layout: None (``"gptq"`` for a model with a W4A activation policy, else
+            ``"compressed-tensors"``), ``"compressed-tensors"``, ``"hf"``, ``"gptqmodel"`` or
+            ``"gptq"``; ``docs/interop.md`` has the table of what each writes and who reads it.
           max_shard_size: bytes per safetensors shard (an int or like ``"4GB"``).
           overwrite: replace an existing directory (only once the new one is complete).
 
         Raises:
           RuntimeError: the model is not quantized. FileExistsError: ``path`` exists (or is a
-            file). ValueError: a layout that cannot hold the model's modules (named), an unknown
+            file). ValueError: a model an interrupted GPTQ run left partly quantized (see
+            :meth:`quantize`), a layout that cannot hold the model's modules (named), an unknown
             layout, a bad ``max_shard_size``, or a target that is the working directory, the
             home directory, a filesystem root, one of their parents, a file or a symlink.
           OSError: the directory cannot be written (named); nothing is left behind, and an
@@ -287,6 +388,16 @@ class QuantizedModel:
             raise RuntimeError(
                 "save: this is an MLX model converted from a checkpoint; save the checkpoint "
                 "from its torch model (floatxq.load(path) without backend='mlx')"
+            )
+        if self.interrupted is not None:
+            resume = (
+                ""
+                if getattr(self.interrupted.config, "activation", None) is not None
+                else ", or finish it with quantize(calibration, resume=True)"
+            )
+            raise ValueError(
+                f"save: {self.interrupted.describe()} and is not saved; reload it with "
+                f"floatxq.load(...) and quantize it again{resume}"
             )
         if not self.quantized:
             raise RuntimeError("save: quantize() the model first (or load a quantized checkpoint)")
@@ -311,6 +422,23 @@ class QuantizedModel:
             max_shard_bytes=_parse_size(max_shard_size),
             overwrite=overwrite,
         )
+
+
+def _describe(exc: BaseException) -> str:
+    """``"KeyboardInterrupt"`` or ``"ValueError: <first 200 characters of its message>"``."""
+    message = " ".join(str(exc).split())
+    if len(message) > 200:
+        message = message[:197] + "..."
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def _finished_report(model: nn.Module, modules: tuple[Any, ...], calibration: Any) -> Any:
+    """The report of a resumed run whose interrupted run had solved every module."""
+    from floatxq.lifecycle.gptq import GPTQRunReport, decoder_layers
+
+    layers = len(decoder_layers(model)[1])
+    samples, dropped, tokens = calibration.samples, calibration.dropped, calibration.tokens
+    return GPTQRunReport(tuple(modules), layers, samples, dropped, tokens, 0.0)
 
 
 def _parse_size(value: object) -> int:
@@ -411,4 +539,4 @@ class _LazyTokenizer:
             ) from exc
 
 
-__all__ = ["QuantizedModel"]
+__all__ = ["InterruptedQuantize", "QuantizedModel"]

@@ -5,6 +5,7 @@ random initialization, and the config that describes what was read. Nothing is f
 hub: paths are local.
 """
 
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,13 +26,10 @@ from floatxq.interop.checkpoint import (
 )
 from floatxq.interop.export_gptq import _gptq_facts, output_embedding_names
 from floatxq.interop.layouts import (
-    GPTQMODEL_MARKER_PREFIX,
     _torchao_metadata,
     decide_layout,
+    read_fp8_config,
     read_gptq_config,
-)
-from floatxq.interop.payload import (
-    fp8_config_from_payload,
 )
 from floatxq.interop.readers import module_sources, read_module, refuse_activation_scales
 from floatxq.interop.shards import header_metadata, iter_tensors, read_json, tensor_infos
@@ -41,16 +39,27 @@ from floatxq.interop.sources import (
     read_hf_quant_config,
 )
 from floatxq.nn.fp8_linear import TorchFP8Linear
+from floatxq.w4a.activation import global_scale_bits_problem
 
 
-def _build_from_config(config_payload: Mapping[str, Any], *, device: Any, dtype: Any) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _hf_config(config_payload: Mapping[str, Any]) -> Any:
+    """transformers' config object for a ``config.json`` payload (its ``quantization_config``
+    left out)."""
+    from transformers import AutoConfig
 
     payload = {k: v for k, v in config_payload.items() if k != "quantization_config"}
     model_type = payload.pop("model_type", None)
     if not model_type:
         raise CheckpointError(f"load: {CONFIG_FILE} has no 'model_type'")
-    config = AutoConfig.for_model(model_type, **payload)
+    return AutoConfig.for_model(model_type, **payload)
+
+
+def _build_from_config(
+    config_payload: Mapping[str, Any], *, device: Any, dtype: Any, config: Any = None
+) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = config if config is not None else _hf_config(config_payload)
     kwargs = {"dtype": dtype} if dtype is not None else {}
     # No random initialization: every tensor is loaded or replaced from the files next (a
     # missing one is refused), and the dense weights of modules that are replaced by packed ones
@@ -99,25 +108,172 @@ def _load_plain(path: Path, *, device: Any, dtype: Any) -> nn.Module:
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 
 
-def _check_config_against_tensors(path: Path, payload: Mapping[str, Any], infos: list) -> None:
+_SIZE_FIELDS: tuple[str, ...] = (
+    "hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "num_hidden_layers", "max_position_embeddings",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+    "num_local_experts", "n_routed_experts", "num_experts_per_tok", "n_embd", "n_head", "n_inner",
+    "n_layer", "n_positions", "n_ctx",
+)  # fmt: skip
+"""config.json fields that size the model's tensors: each must be an int in [0, 2**31 - 1]."""
+_POSITIVE_FIELDS = frozenset(
+    {"hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "n_embd", "n_head"}
+)
+_SIZE_LIMIT = 2**31 - 1
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+_ELEMENTS_PER_BYTE = 4
+"""Most weights one stored byte can hold: 2-bit GPTQ codes, the densest layout floatxq reads."""
+_ELEMENT_SLACK = 2**24
+"""Elements a model may hold beyond its files' bytes (rotary tables and other small buffers)."""
+_QUANTIZED_LEAVES = (
+    "qweight", "weight_packed", "_weight_qdata", "weight_scale", "weight_scale_inv",
+    "comfy_quant",
+)  # fmt: skip
+
+
+def _check_size_fields(config: Path, payload: Mapping[str, Any]) -> None:
+    """Every size field an int in range, and the attention heads consistent, before any build."""
+    for field in _SIZE_FIELDS:
+        value = payload.get(field)
+        if value is None:
+            continue
+        low = 1 if field in _POSITIVE_FIELDS else 0
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _SIZE_LIMIT:
+            raise CheckpointError(
+                f"load: {config} {field} is {_short(value)}; a size must be an int from {low} to "
+                f"{_SIZE_LIMIT}"
+            )
+    heads = payload.get("num_attention_heads", payload.get("n_head"))
+    kv = payload.get("num_key_value_heads")
+    if heads is not None and kv is not None and (kv > heads or heads % kv):
+        raise CheckpointError(
+            f"load: {config} num_key_value_heads {kv} does not divide num_attention_heads {heads}"
+        )
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _sizes(payload: Mapping[str, Any]) -> str:
+    return ", ".join(f"{f}={payload[f]}" for f in _SIZE_FIELDS if payload.get(f) is not None)
+
+
+def _stored_linear(prefix: str, by_name: Mapping[str, Any]) -> tuple[int | None, int | None, str]:
+    """``(out, in, tensor)`` of a quantized linear as its stored tensors give them (None where a
+    size is not in the headers alone), whatever the layout: GPTQ ``qweight (in·bits/32, out)``;
+    packed words ``(out, in·bits/32)``; FP4 bytes ``(out, in/2)``; FP8 codes ``(out, in)``."""
+    qweight = by_name.get(f"{prefix}.qweight")
+    if qweight is not None and len(qweight.shape) == 2:
+        return qweight.shape[1], None, qweight.name  # (its rows depend on the bits: read later)
+    for leaf in ("weight_packed", "_weight_qdata", "weight"):
+        info = by_name.get(f"{prefix}.{leaf}")
+        if info is None or len(info.shape) != 2:
+            continue
+        cols = info.shape[1] * 2 if info.dtype == "U8" else None  # two FP4 codes per byte
+        if info.dtype.startswith("F8"):
+            cols = info.shape[1]
+        return info.shape[0], cols, info.name
+    return None, None, ""
+
+
+def _check_config_builds_the_tensors(
+    path: Path, payload: Mapping[str, Any], infos: list, dtype: Any
+) -> None:
+    """Build the model on the meta device (no memory) and compare it with the headers: a dense
+    tensor must have the model's shape, a quantized linear its ``(out, in)``, and the model may
+    not need more elements than its files can hold."""
+    from floatxq.lifecycle.fp8 import LINEAR_TYPES
+
+    config = path / CONFIG_FILE
+    try:
+        hf_config = _hf_config(payload)
+    except (CheckpointError, ImportError):
+        raise
+    except Exception as exc:  # transformers' own refusals of the config's values
+        raise CheckpointError(
+            f"load: {config} does not build a model ({type(exc).__name__}: {_short(str(exc), 200)})"
+        ) from None
+    try:
+        model = _build_from_config(payload, device="meta", dtype=dtype, config=hf_config)
+    except Exception:  # an architecture that cannot be built on the meta device: the real build
+        return  # (after the checks above) raises whatever this one did
+
+    by_name = {info.name: info for info in infos}
+    quantized = {
+        name.rpartition(".")[0] for name in by_name if name.rpartition(".")[2] in _QUANTIZED_LEAVES
+    }
+    for name, tensor in model.state_dict().items():
+        info = by_name.get(name)
+        if info is None or name.rpartition(".")[0] in quantized:
+            continue
+        if tuple(info.shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"load: {config} ({_sizes(payload)}) builds {name} of shape "
+                f"{tuple(tensor.shape)}, but {info.file} stores it as {tuple(info.shape)}; "
+                f"refusing to build the model"
+            )
+    for name, module in model.named_modules():
+        if name not in quantized or not isinstance(module, LINEAR_TYPES):
+            continue
+        if not isinstance(module, nn.Linear):
+            continue  # Conv1D / convolutions: their stored forms are checked when read
+        out, rows, tensor = _stored_linear(name, by_name)
+        want = (module.out_features, module.in_features)
+        if (out is not None and out != want[0]) or (rows is not None and rows != want[1]):
+            held = f"({out if out is not None else '?'}, {rows if rows is not None else '?'})"
+            raise CheckpointError(
+                f"load: {config} ({_sizes(payload)}) builds {name} as a {want} linear, but "
+                f"{by_name[tensor].file} stores {tensor} of shape {by_name[tensor].shape} (a "
+                f"{held} weight); refusing to build the model"
+            )
+    elements = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+    stored = sum(os.path.getsize(path / file) for file in {info.file for info in infos})
+    if elements > _ELEMENTS_PER_BYTE * stored + _ELEMENT_SLACK:
+        raise CheckpointError(
+            f"load: {config} ({_sizes(payload)}) builds a model of {elements} elements, but the "
+            f"files hold {stored} bytes (at most {_ELEMENTS_PER_BYTE} weights a byte); refusing "
+            f"to allocate it"
+        )
+
+
+def _check_config_against_tensors(
+    path: Path, payload: Mapping[str, Any], infos: list, *, dtype: Any = None
+) -> None:
     """Refuse a config.json the tensors contradict, before a model is built from it.
 
-    A config with far more layers than the checkpoint stores would allocate them all (and
-    ``num_hidden_layers: 10**6`` would exhaust memory) before any tensor is read; a config that
-    ties ``lm_head`` to the embeddings would silently drop a stored, different ``lm_head``.
+    A config with far more layers, experts or wider layers than the checkpoint stores would
+    allocate them all (``num_hidden_layers: 10**6`` or ``intermediate_size: 10**8`` would
+    exhaust memory) before any tensor is read; a config that ties ``lm_head`` to the embeddings
+    would silently drop a stored, different ``lm_head``. So the size fields are checked (ints in
+    range, heads that divide), the layer and expert counts compared with the tensor names, and
+    the model built on the meta device (no memory) is compared with the headers' shapes.
 
     Raises:
       CheckpointError: naming config.json, the field and what the tensors hold.
     """
+    config = path / CONFIG_FILE
+    _check_size_fields(config, payload)
     layers = payload.get("num_hidden_layers", payload.get("n_layer"))
     indices = {int(m.group(1)) for info in infos for m in [_LAYER_INDEX.search(info.name)] if m}
     if indices and layers is not None:
         stored = max(indices) + 1
         if not isinstance(layers, int) or isinstance(layers, bool) or layers != stored:
             raise CheckpointError(
-                f"load: {path / CONFIG_FILE} num_hidden_layers is {layers!r} but the tensors hold "
+                f"load: {config} num_hidden_layers is {layers!r} but the tensors hold "
                 f"{stored} layers (indices 0..{stored - 1}); refusing to build the model"
             )
+    experts = {int(m.group(1)) for info in infos for m in [_EXPERT_INDEX.search(info.name)] if m}
+    for field in _EXPERT_FIELDS:
+        declared = payload.get(field)
+        if experts and isinstance(declared, int) and declared > max(experts) + 1:
+            raise CheckpointError(
+                f"load: {config} {field} is {declared} but the tensors hold "
+                f"{max(experts) + 1} experts; refusing to build the model"
+            )
+    _check_config_builds_the_tensors(path, payload, infos, dtype)
     if payload.get("tie_word_embeddings") is True:
         names = {info.name: info for info in infos}
         heads = [n for n in names if n.endswith("lm_head.weight")]
@@ -148,35 +304,11 @@ def _model_dtype(config_payload: Mapping[str, Any], dtype: torch.dtype | None) -
 
 
 def _gptqmodel_config(path: Path, qpayload: Mapping[str, Any]) -> FP8Config:
-    """The FP8Config of a floatxq / GPT-QModel directory.
-
-    GPT-QModel reads ``quantize_config.json`` first; floatxq reads both files (``config.json``
-    without floatxq's refusal marker) and refuses them when they describe different configs, so
-    neither file is silently ignored.
-    """
-
-    def parse(file: Path, payload: Mapping[str, Any]) -> FP8Config:
-        try:
-            return fp8_config_from_payload(payload)
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"load: {file} quantization payload: {exc}") from None
-
-    config_file = path / CONFIG_FILE
-    payload = dict(qpayload)
-    scheme = payload.get("activation_scheme")
-    if isinstance(scheme, str) and scheme.strip().lower().startswith(GPTQMODEL_MARKER_PREFIX):
-        del payload["activation_scheme"]
-    from_config = parse(config_file, payload)
+    """The FP8Config of a floatxq / GPT-QModel directory: both files, which must agree
+    (:func:`floatxq.interop.layouts.read_fp8_config`)."""
     quantize_file = path / QUANTIZE_CONFIG_FILE
-    if not quantize_file.is_file():
-        return from_config
-    from_quantize = parse(quantize_file, read_json(quantize_file, what="load"))
-    if from_quantize != from_config:
-        raise CheckpointError(
-            f"load: {quantize_file} and {config_file} describe different FP8 configs "
-            f"({from_quantize!r} vs {from_config!r}); refusing to pick one"
-        )
-    return from_quantize
+    quantize = read_json(quantize_file, what="load") if quantize_file.is_file() else None
+    return read_fp8_config(path, qpayload, quantize)
 
 
 def _gptq_config(path: Path, qpayload: Mapping[str, Any]) -> GPTQConfig:
@@ -214,10 +346,11 @@ def _pop_activation_bits(
                 f"{bits.dtype} {tuple(bits.shape)}"
             )
         value = float(bits.reshape(()).view(torch.float32))
-        if value != 0.0 and not (value > 0.0 and value < float("inf")):
+        if global_scale_bits_problem(bits.reshape(())) is not None:  # -0.0 (0x80000000) too
+            pattern = int(bits.reshape(())) & 0xFFFFFFFF
             raise CheckpointError(
                 f"load: {where} holds {value!r}; an activation global scale is 0.0 (dynamic) or "
-                f"a positive finite FP32 value"
+                f"a positive finite FP32 value (got bits 0x{pattern:08x}; 0.0 is 0x00000000)"
             )
         del state[f"{name}{suffix}"]
     return {name: bits.reshape(()) for name, bits in found.items()}
@@ -231,7 +364,7 @@ def _load_quantized(
     infos = tensor_infos(path)
     metadata = header_metadata(path)
     decision = decide_layout(path, config_payload, infos, header_metadata=metadata)
-    _check_config_against_tensors(path, config_payload, infos)
+    _check_config_against_tensors(path, config_payload, infos, dtype=dtype)
     if decision.layout == "dense":
         return None, None, decision, {}
     names = [info.name for info in infos]
@@ -257,7 +390,7 @@ def _load_quantized(
     state = dict(iter_tensors(path))
     activation_bits = _pop_activation_bits(state, qconfig, files, path)
     sources, rest = module_sources(state, linear_names, layout=decision.layout)
-    torchao = _torchao_metadata(metadata) if decision.layout == "torchao" else None
+    torchao = _torchao_metadata(metadata, path) if decision.layout == "torchao" else None
     built_names: list[str] = []
     for source in sources:
         first = next(iter(source.tensors))
@@ -287,7 +420,10 @@ def _load_quantized(
         _check_built(source.name, built, modules[source.name], qconfig, file)
         model.set_submodule(source.name, built)
         built_names.append(source.name)
-    result = model.load_state_dict(rest, strict=False)
+    try:
+        result = model.load_state_dict(rest, strict=False)
+    except RuntimeError as exc:  # a dense tensor of another shape than the model's
+        raise CheckpointError(f"load: {path} does not match the model: {exc}") from None
     tied = _tied_names(model)
     done = tuple(f"{name}." for name in built_names)
     missing = [k for k in result.missing_keys if k not in tied and not k.startswith(done)]

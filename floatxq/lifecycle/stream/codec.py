@@ -19,7 +19,11 @@ from floatxq.dispatch import pack_activation, stream_pack_reason
 from floatxq.formats import K_GROUP, NVFP4Recipe, normalize_nvfp4_recipe
 from floatxq.lifecycle.stream.plan import _FP8, _NVFP4, StreamLane, _fp32
 from floatxq.nvfp4.quantize import nvfp4_dynamic_global_scale
-from floatxq.w4a.activation import W4AActivation, global_scale_from_bits
+from floatxq.w4a.activation import (
+    W4AActivation,
+    checked_global_scale_bits,
+    global_scale_from_bits,
+)
 
 
 def _scale_name(key: str) -> str:
@@ -70,6 +74,10 @@ class StreamScales(nn.Module):
             self.calibrated.add(name)
 
     def _load_from_state_dict(self, state_dict, prefix, *args: Any, **kwargs: Any) -> None:
+        for name in self.producers:  # 0.0 (dynamic) or positive finite bits, as a file's
+            key = prefix + name
+            if key in state_dict:
+                state_dict[key] = checked_global_scale_bits(state_dict[key], key=key)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.calibrated = {n for n in self.producers if int(getattr(self, n)) != 0}
 
