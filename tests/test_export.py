@@ -271,6 +271,13 @@ def test_ct_mixed_fp8_schemes_target_module_names(tmp_path):
     _, _, worst = _compare_weights(model, loaded)
     assert worst <= 1
     _assert_logits_match(model, loaded, rtol=2e-2)
+    # floatxq reads each module with its own group's block size (row attention, block MLP)
+    ours = fq.load(tmp_path / "ct").model
+    for name in attention + mlp:
+        module = ours.get_submodule(name)
+        expected = "block" if name in mlp else "row"
+        assert module.weight_scale_method == expected, (name, module.weight_scale_method)
+    _assert_logits_match(model, ours, rtol=2e-2)
 
 
 def _ct_reference(model: nn.Module, scheme, fmt: str | None, tmp_path: Path):

@@ -574,21 +574,6 @@ def _read_decision(exported: LayoutExport, layout: str, config: Any) -> LayoutDe
     return LayoutDecision(layout, layout, None, None, "save")
 
 
-def _module_payload(payload: dict[str, Any], name: str) -> dict[str, Any]:
-    """``payload`` with only the compressed-tensors config groups that target module ``name``:
-    each module's tensors are checked against its own scheme (compressed-tensors reads a row and
-    a block FP8 group side by side; floatxq's reader takes one block size per checkpoint)."""
-    groups = payload.get("config_groups")
-    if not isinstance(groups, Mapping):
-        return payload
-    own = {
-        key: group
-        for key, group in groups.items()
-        if group.get("targets") == ["Linear"] or name in group.get("targets", ())
-    }
-    return {**payload, "config_groups": own}
-
-
 def _reader_hint(module: nn.Module, layout: str) -> str:
     """What the module's own buffer is, when the layout writes another tensor from it."""
     if isinstance(module, TorchFP8Linear) and layout in ("compressed-tensors", "hf"):
@@ -610,10 +595,9 @@ def _check_loadable(
 ) -> None:
     """Refuse, before anything is written, what :func:`floatxq.load` would refuse to read back:
     each quantized module's tensors as ``exported`` holds them go through the reader load runs
-    (:func:`floatxq.interop.readers.read_module`, the module built and dropped; under
-    compressed-tensors against its own config group), each W4A-NVFP4 activation global scale
-    through load's check (0.0, or positive and finite), and the tensor names through its refusal
-    of static activation scales.
+    (:func:`floatxq.interop.readers.read_module`, the module built and dropped), each W4A-NVFP4
+    activation global scale through load's check (0.0, or positive and finite), and the tensor
+    names through its refusal of static activation scales.
 
     Raises:
       CheckpointError: naming the module, the tensor and what is wrong.
@@ -655,7 +639,7 @@ def _check_loadable(
                 decision,
                 source,
                 original,
-                qconfig=_module_payload(exported.quantization_config, source.name),
+                qconfig=exported.quantization_config,
                 dtype=dtype,
                 file=_SAVED,
                 declared=declared,

@@ -141,20 +141,39 @@ def _block_of(value: Any, where: str) -> tuple[int, int] | None:
     return (int(value[0]), int(value[1]))
 
 
-def _ct_block(qconfig: Mapping[str, Any], where: str) -> tuple[int, int] | None:
+def _ct_block(
+    qconfig: Mapping[str, Any], where: str, name: str, original: nn.Module
+) -> tuple[int, int] | None:
+    """The FP8 block size of module ``name``: that of the config groups whose ``targets`` name it
+    (compressed-tensors' matching, as for ``ignore``), else of every group (one size only)."""
+    groups = [g for g in (qconfig.get("config_groups") or {}).values() if isinstance(g, Mapping)]
+    mine = [g for g in groups if any(_ct_matches(t, name, original) for t in _targets(g))]
     blocks = set()
-    for group in (qconfig.get("config_groups") or {}).values():
-        weights = group.get("weights") if isinstance(group, Mapping) else None
+    for group in mine or groups:
+        weights = group.get("weights")
         if isinstance(weights, Mapping) and _lower(weights.get("strategy")) == "block":
             block = _block_of(weights.get("block_structure"), where)
             if block is not None:
                 blocks.add(block)
     if len(blocks) > 1:
         raise CheckpointError(
-            f"load: {where} declares several block structures {sorted(blocks)}; floatxq reads "
-            f"compressed-tensors FP8 checkpoints with one block size"
+            f"load: {where} declares several block structures {sorted(blocks)} for {name}; a "
+            f"module is read with one block size"
         )
     return next(iter(blocks)) if blocks else None
+
+
+def _targets(group: Mapping[str, Any]) -> list[str]:
+    targets = group.get("targets")
+    return [t for t in targets if isinstance(t, str)] if isinstance(targets, list) else []
+
+
+def _ct_matches(entry: str, name: str, original: nn.Module) -> bool:
+    """compressed-tensors' module matching: an exact name, ``re:<regex>`` from the start of
+    the name (its time bounded as a ``dynamic`` rule's is), or a class name in the MRO."""
+    if entry.startswith("re:"):
+        return _ignore_pattern(entry).match(name) is not None
+    return entry == name or entry in {c.__name__ for c in type(original).__mro__}
 
 
 _CT_QUANTIZED_KEYS = frozenset(
@@ -175,15 +194,12 @@ def _refuse_ignored(source: ModuleSource, original: nn.Module, ignore: Any, file
     module's MRO (``"Linear"``).
     """
     for entry in ignore or ():
-        if entry.startswith("re:"):
-            try:
-                hit = _ignore_pattern(entry).match(source.name) is not None
-            except ValueError as exc:
-                raise CheckpointError(
-                    f"load: {file} quantization_config.ignore entry {entry[:80]!r}: {exc}"
-                ) from None
-        else:
-            hit = entry == source.name or entry in {c.__name__ for c in type(original).__mro__}
+        try:
+            hit = _ct_matches(entry, source.name, original)
+        except ValueError as exc:
+            raise CheckpointError(
+                f"load: {file} quantization_config.ignore entry {entry[:80]!r}: {exc}"
+            ) from None
         if hit:
             raise CheckpointError(
                 f"load: {source.name} in {file} holds quantized tensors "
@@ -304,7 +320,12 @@ def read_module(
         )
     block = None
     if layout == "compressed-tensors":
-        block = _ct_block(qconfig, f"{file} quantization_config")
+        try:
+            block = _ct_block(qconfig, f"{file} quantization_config", source.name, original)
+        except ValueError as exc:  # a target pattern the rule check refuses
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(f"load: {file} quantization_config targets: {exc}") from None
     elif scale.ndim == 2 and scale.numel() > 1 and scale.shape[1] != 1:
         block = _inferred_block(weight, scale)
     return _fp8_module(source, "weight_scale", multiply=True, block=block, dtype=dtype, file=file)
