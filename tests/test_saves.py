@@ -8,6 +8,7 @@ complete, in a hidden ``.NAME.floatxq-old-*`` folder that the next save (or
 """
 
 import errno
+import functools
 import os
 import random
 import shutil
@@ -92,6 +93,14 @@ def _calls_of(monkeypatch, which: str, fail_at: int, *, sticky: bool) -> list[in
     return count
 
 
+@functools.cache
+def _dead_pid() -> int:
+    """The PID of a child process that has exited (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
+
+
 def _setup(scenario: str, target: Path) -> None:
     """``replace``: the target holds A. ``interrupted``: a replacement of A was cut short between
     its renames (in the naming of an earlier floatxq release) and a stale temporary folder
@@ -102,7 +111,8 @@ def _setup(scenario: str, target: Path) -> None:
     _write(target, 1, A_SHARD_BYTES)
     if scenario == "interrupted":
         os.rename(target, target.parent / f".{target.name}.floatxq-old-0123abcd")
-        stale = target.parent / f".{target.name}.floatxq-tmp-99-89abcdef"
+        # a temporary of a process that is gone (a fixed PID could be alive on another host)
+        stale = target.parent / f".{target.name}.floatxq-tmp-{_dead_pid()}-89abcdef"
         stale.mkdir()
         (stale / "model.safetensors").write_bytes(b"partial")
 
