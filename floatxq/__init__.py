@@ -2,227 +2,290 @@
 
 Pure functions over tensors (formats → FP8 / NVFP4 / INT4 math → kernels → modules → lifecycle).
 Every public name lives in the module that owns its concept and is re-exported here.
+
+The re-exports load on first use (PEP 562): ``import floatxq`` imports neither torch nor
+transformers, so the ``floatxq`` command answers ``--help`` and ``--version`` at once. The first
+name read from a module imports that module (torch with the math, transformers with the
+lifecycle); ``from floatxq import X`` works for every ``X`` in ``__all__``.
 """
 
-from floatxq.config import (
-    BACKEND,
-    FORMAT,
-    METHOD,
-    ActivationAttentionConfig,
-    ActivationConfig,
-    ActivationMlpConfig,
-    DynamicRule,
-    DynamicRuleNormalizer,
-    DynamicRules,
-    FP8Config,
-    GPTQConfig,
-    backend_for_activation,
-)
-from floatxq.dispatch import (
-    ROUTES,
-    FP8RouteChoice,
-    FP8RouteFacts,
-    FP8RouteTuning,
-    RoutePreference,
-    pack_activation,
-    quantize_fp8_weight_auto,
-    select_fp8_route,
-)
-from floatxq.formats import (
-    E2M1_VALUES,
-    FLOAT32_MAX,
-    FLOAT32_TINY,
-    FP4_E2M1_MAX,
-    FP8_E4M3_MAX,
-    FP8_FORMATS,
-    GPTQ_BITS,
-    GPTQ_FORMATS,
-    NVFP4_BLOCK,
-    NVFP4_E4M3_SEARCH_RADIUS,
-    NVFP4_RECIPES,
-    NVFP4_SCALE_MAX,
-    NVFP4_SCALE_MIN,
-    NVFP4Recipe,
-    NVFP4RecipeName,
-    fp8_dtype,
-    fp8_max,
-    normalize_fp8_block_size,
-    normalize_fp8_format,
-    normalize_fp8_scale_method,
-    normalize_fp8_scale_semantics,
-    normalize_fp8_weight_format,
-    normalize_gptq_format,
-    normalize_nvfp4_recipe,
-    nvfp4_kernel_recipe,
-    nvfp4_uses_headroom,
-)
-from floatxq.fp8 import (
-    FP8_SCALED_RECIPES,
-    FP8Tokens,
-    FP8Weight,
-    decode_e8m0,
-    dequantize_fp8_weight,
-    dequantize_fp8_weight_transposed,
-    direct_to_inverse_scale,
-    fp8_cast,
-    fp8_decode,
-    fp8_scaled_linear,
-    fp8_token_dequantize,
-    fp8_token_qdq,
-    fp8_token_quantize,
-    infer_scale_layout,
-    quantize_fp8_weight,
-)
-from floatxq.gptq.hessian import HessianState, hessian_finalize, hessian_init, hessian_update
-from floatxq.gptq.int4 import (
-    GPTQPacked,
-    GPTQUnpacked,
-    convert_gptq_format,
-    dequantize_gptq,
-    pack_gptq,
-    unpack_gptq,
-)
-from floatxq.gptq.planes import (
-    E2M1Planes,
-    Int4Planes,
-    centered_int4,
-    int4_planes_to_e2m1,
-    int4_to_e4m3,
-    merge_int4_planes,
-    split_int4_planes,
-)
-from floatxq.gptq.solve import GPTQSolution, GPTQSolveOptions, gptq_solve, rtn_quantize
-from floatxq.interop.sources import (
-    MODELOPT_ACTIVATION_REFUSAL,
-    SOURCE_FAMILIES,
-    NVFP4SourceLayout,
-    ScaleDirection,
-    SourceFamily,
-    decode_fp8_block_grid,
-    decode_mimo_weight,
-    decode_mx_weight,
-    fp4_module_from_source,
-    fp8_module_from_source,
-    is_mimo_mixed_source,
-    modelopt_activation_quantization,
-    native_floatx_source_format,
-    quark_floatx_formats,
-    read_hf_quant_config,
-)
-from floatxq.kernels import (
-    FP8ScaledLinearTrace,
-    dequantize_gptq_kernel,
-    fp8_linear,
-    fp8_linear_prepacked,
-    fp8_pack,
-    fp8_scaled_linear_kernel,
-    fp8_scaled_linear_kernel_with_codes,
-    nvfp4_accumulate_group,
-    nvfp4_decode,
-    nvfp4_dequantize_kernel,
-    nvfp4_linear,
-    nvfp4_linear_prepacked,
-    nvfp4_pack_and_swizzle,
-    quantize_fp8_weight_kernel,
-    w4a16_linear_kernel,
-)
-from floatxq.nn import (
-    ConvGeometry,
-    GPTQLinear,
-    TorchFP4Linear,
-    TorchFP8Linear,
-    W4AFP8Linear,
-    W4ANVFP4Linear,
-)
-from floatxq.nvfp4.e2m1 import e2m1_decode, e2m1_encode, e2m1_round, pack_e2m1, unpack_e2m1
-from floatxq.nvfp4.headroom import (
-    HeadroomConfig,
-    HeadroomState,
-    headroom_amax,
-    headroom_init,
-    headroom_percentile,
-    headroom_update,
-)
-from floatxq.nvfp4.layouts import (
-    NVFP4Weight,
-    nvfp4_dequantize_weight,
-    nvfp4_from_comfy,
-    nvfp4_from_compressed_tensors,
-    nvfp4_from_modelopt,
-    nvfp4_from_torchao,
-    nvfp4_to_compressed_tensors,
-    nvfp4_to_modelopt,
-    swap_nibbles,
-)
-from floatxq.nvfp4.operand import nvfp4_decode_swizzled, nvfp4_pack_swizzled
-from floatxq.nvfp4.quantize import (
-    NVFP4Blocks,
-    NVFP4Packed,
-    nvfp4_block_qdq,
-    nvfp4_block_scales,
-    nvfp4_block_sse,
-    nvfp4_dequantize,
-    nvfp4_dynamic_global_scale,
-    nvfp4_global_scale,
-    nvfp4_quantize,
-)
-from floatxq.nvfp4.report import (
-    DEFAULT_REPORT_RECIPES,
-    RecipeRow,
-    RecipesReport,
-    recipes_report,
-)
-from floatxq.nvfp4.swizzle import (
-    swizzle_scales,
-    swizzle_scales_per_group,
-    unswizzle_scales,
-    unswizzle_scales_per_group,
-)
-from floatxq.w4a.activation import (
-    W4A_ACTIVATION_MODES,
-    W4AActivation,
-    W4AActivationMode,
-)
-from floatxq.w4a.linear import (
-    W4A_OUTPUT_DTYPES,
-    centered_weight,
-    w4a16_linear,
-    w4a_fp8_linear,
-    w4a_fp8_linear_prepacked,
-    w4a_nvfp4_accumulate_group,
-    w4a_nvfp4_linear,
-    w4a_nvfp4_linear_prepacked,
-)
+import importlib
 
 __version__ = "0.1.0"
 
-# The lifecycle imports transformers (seconds): load it on first use, not with the math.
-_LAZY = {
-    "CheckpointError": "floatxq.lifecycle",
-    "CheckpointReport": "floatxq.lifecycle",
-    "EvalReport": "floatxq.lifecycle",
-    "InterruptedQuantize": "floatxq.lifecycle",
-    "QuantizedModel": "floatxq.lifecycle",
-    "evaluate_lm": "floatxq.lifecycle",
-    "inspect_checkpoint": "floatxq.lifecycle",
-    "install_w4a_llama_stream": "floatxq.lifecycle",
-    "install_w4a_stream": "floatxq.lifecycle",
-    "installed_w4a_stream": "floatxq.lifecycle",
-    "load": "floatxq.lifecycle",
-    "uninstall_w4a_llama_stream": "floatxq.lifecycle",
-    "uninstall_w4a_stream": "floatxq.lifecycle",
+# Each public name → the module that owns it (imported when the name is first read).
+_OWNERS: dict[str, tuple[str, ...]] = {
+    "floatxq.config": (
+        "BACKEND",
+        "FORMAT",
+        "METHOD",
+        "ActivationAttentionConfig",
+        "ActivationConfig",
+        "ActivationMlpConfig",
+        "DynamicRule",
+        "DynamicRuleNormalizer",
+        "DynamicRules",
+        "FP8Config",
+        "GPTQConfig",
+        "backend_for_activation",
+    ),
+    "floatxq.dispatch": (
+        "ROUTES",
+        "FP8RouteChoice",
+        "FP8RouteFacts",
+        "FP8RouteTuning",
+        "RoutePreference",
+        "pack_activation",
+        "quantize_fp8_weight_auto",
+        "select_fp8_route",
+    ),
+    "floatxq.formats": (
+        "E2M1_VALUES",
+        "FLOAT32_MAX",
+        "FLOAT32_TINY",
+        "FP4_E2M1_MAX",
+        "FP8_E4M3_MAX",
+        "FP8_FORMATS",
+        "GPTQ_BITS",
+        "GPTQ_FORMATS",
+        "NVFP4_BLOCK",
+        "NVFP4_E4M3_SEARCH_RADIUS",
+        "NVFP4_RECIPES",
+        "NVFP4_SCALE_MAX",
+        "NVFP4_SCALE_MIN",
+        "NVFP4Recipe",
+        "NVFP4RecipeName",
+        "fp8_dtype",
+        "fp8_max",
+        "normalize_fp8_block_size",
+        "normalize_fp8_format",
+        "normalize_fp8_scale_method",
+        "normalize_fp8_scale_semantics",
+        "normalize_fp8_weight_format",
+        "normalize_gptq_format",
+        "normalize_nvfp4_recipe",
+        "nvfp4_kernel_recipe",
+        "nvfp4_uses_headroom",
+    ),
+    "floatxq.fp8": (
+        "FP8_SCALED_RECIPES",
+        "FP8Tokens",
+        "FP8Weight",
+        "decode_e8m0",
+        "dequantize_fp8_weight",
+        "dequantize_fp8_weight_transposed",
+        "direct_to_inverse_scale",
+        "fp8_cast",
+        "fp8_decode",
+        "fp8_scaled_linear",
+        "fp8_token_dequantize",
+        "fp8_token_qdq",
+        "fp8_token_quantize",
+        "infer_scale_layout",
+        "quantize_fp8_weight",
+    ),
+    "floatxq.gptq.hessian": (
+        "HessianState",
+        "hessian_finalize",
+        "hessian_init",
+        "hessian_update",
+    ),
+    "floatxq.gptq.int4": (
+        "GPTQPacked",
+        "GPTQUnpacked",
+        "convert_gptq_format",
+        "dequantize_gptq",
+        "pack_gptq",
+        "unpack_gptq",
+    ),
+    "floatxq.gptq.planes": (
+        "E2M1Planes",
+        "Int4Planes",
+        "centered_int4",
+        "int4_planes_to_e2m1",
+        "int4_to_e4m3",
+        "merge_int4_planes",
+        "split_int4_planes",
+    ),
+    "floatxq.gptq.solve": (
+        "GPTQSolution",
+        "GPTQSolveOptions",
+        "gptq_solve",
+        "rtn_quantize",
+    ),
+    "floatxq.interop.sources": (
+        "MODELOPT_ACTIVATION_REFUSAL",
+        "SOURCE_FAMILIES",
+        "NVFP4SourceLayout",
+        "ScaleDirection",
+        "SourceFamily",
+        "decode_fp8_block_grid",
+        "decode_mimo_weight",
+        "decode_mx_weight",
+        "fp4_module_from_source",
+        "fp8_module_from_source",
+        "is_mimo_mixed_source",
+        "modelopt_activation_quantization",
+        "native_floatx_source_format",
+        "quark_floatx_formats",
+        "read_hf_quant_config",
+    ),
+    "floatxq.kernels": (
+        "FP8ScaledLinearTrace",
+        "dequantize_gptq_kernel",
+        "fp8_linear",
+        "fp8_linear_prepacked",
+        "fp8_pack",
+        "fp8_scaled_linear_kernel",
+        "fp8_scaled_linear_kernel_with_codes",
+        "nvfp4_accumulate_group",
+        "nvfp4_decode",
+        "nvfp4_dequantize_kernel",
+        "nvfp4_linear",
+        "nvfp4_linear_prepacked",
+        "nvfp4_pack_and_swizzle",
+        "quantize_fp8_weight_kernel",
+        "w4a16_linear_kernel",
+    ),
+    "floatxq.lifecycle": (
+        "CheckpointError",
+        "CheckpointReport",
+        "EvalReport",
+        "InterruptedQuantize",
+        "QuantizedModel",
+        "check_layout",
+        "evaluate_lm",
+        "inspect_checkpoint",
+        "install_w4a_llama_stream",
+        "install_w4a_stream",
+        "installed_w4a_stream",
+        "load",
+        "load_calibration_file",
+        "prepare_calibration",
+        "resolve_model",
+        "uninstall_w4a_llama_stream",
+        "uninstall_w4a_stream",
+    ),
+    "floatxq.nn": (
+        "ConvGeometry",
+        "GPTQLinear",
+        "TorchFP4Linear",
+        "TorchFP8Linear",
+        "W4AFP8Linear",
+        "W4ANVFP4Linear",
+        "activation_summary",
+    ),
+    "floatxq.nvfp4.e2m1": (
+        "e2m1_decode",
+        "e2m1_encode",
+        "e2m1_round",
+        "pack_e2m1",
+        "unpack_e2m1",
+    ),
+    "floatxq.nvfp4.headroom": (
+        "HeadroomConfig",
+        "HeadroomState",
+        "headroom_amax",
+        "headroom_init",
+        "headroom_percentile",
+        "headroom_update",
+    ),
+    "floatxq.nvfp4.layouts": (
+        "NVFP4Weight",
+        "nvfp4_dequantize_weight",
+        "nvfp4_from_comfy",
+        "nvfp4_from_compressed_tensors",
+        "nvfp4_from_modelopt",
+        "nvfp4_from_torchao",
+        "nvfp4_to_compressed_tensors",
+        "nvfp4_to_modelopt",
+        "swap_nibbles",
+    ),
+    "floatxq.nvfp4.operand": (
+        "nvfp4_decode_swizzled",
+        "nvfp4_pack_swizzled",
+    ),
+    "floatxq.nvfp4.quantize": (
+        "NVFP4Blocks",
+        "NVFP4Packed",
+        "nvfp4_block_qdq",
+        "nvfp4_block_scales",
+        "nvfp4_block_sse",
+        "nvfp4_dequantize",
+        "nvfp4_dynamic_global_scale",
+        "nvfp4_global_scale",
+        "nvfp4_quantize",
+    ),
+    "floatxq.nvfp4.report": (
+        "DEFAULT_REPORT_RECIPES",
+        "RecipeRow",
+        "RecipesReport",
+        "recipes_report",
+    ),
+    "floatxq.nvfp4.swizzle": (
+        "swizzle_scales",
+        "swizzle_scales_per_group",
+        "unswizzle_scales",
+        "unswizzle_scales_per_group",
+    ),
+    "floatxq.w4a.activation": (
+        "W4A_ACTIVATION_MODES",
+        "W4AActivation",
+        "W4AActivationMode",
+    ),
+    "floatxq.w4a.linear": (
+        "W4A_OUTPUT_DTYPES",
+        "centered_weight",
+        "w4a16_linear",
+        "w4a_fp8_linear",
+        "w4a_fp8_linear_prepacked",
+        "w4a_nvfp4_accumulate_group",
+        "w4a_nvfp4_linear",
+        "w4a_nvfp4_linear_prepacked",
+    ),
 }
+_MODULE_OF: dict[str, str] = {name: module for module, names in _OWNERS.items() for name in names}
+
+# The subpackages ``import floatxq`` used to bind eagerly: still reachable as attributes.
+_SUBMODULES = frozenset(
+    {
+        "_checks",
+        "_typing",
+        "config",
+        "dispatch",
+        "formats",
+        "fp8",
+        "gptq",
+        "interop",
+        "kernels",
+        "lifecycle",
+        "nn",
+        "nvfp4",
+        "stats",
+        "tiny",
+        "w4a",
+    }
+)
 
 
 def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'floatxq' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
+    """A public name (or a subpackage) imported on first use, then cached in the module."""
+    module = _MODULE_OF.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif name in _SUBMODULES:  # with its re-exporting modules, as the eager package bound them
+        value = importlib.import_module(f"{__name__}.{name}")
+        for owner in _OWNERS:
+            if owner.startswith(f"{__name__}.{name}."):
+                importlib.import_module(owner)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [
@@ -296,9 +359,11 @@ __all__ = [
     "W4AActivationMode",
     "W4AFP8Linear",
     "W4ANVFP4Linear",
+    "activation_summary",
     "backend_for_activation",
     "centered_int4",
     "centered_weight",
+    "check_layout",
     "convert_gptq_format",
     "decode_e8m0",
     "decode_fp8_block_grid",
@@ -345,6 +410,7 @@ __all__ = [
     "int4_to_e4m3",
     "is_mimo_mixed_source",
     "load",
+    "load_calibration_file",
     "merge_int4_planes",
     "modelopt_activation_quantization",
     "native_floatx_source_format",
@@ -382,12 +448,14 @@ __all__ = [
     "pack_activation",
     "pack_e2m1",
     "pack_gptq",
+    "prepare_calibration",
     "quantize_fp8_weight",
     "quantize_fp8_weight_auto",
     "quantize_fp8_weight_kernel",
     "quark_floatx_formats",
     "read_hf_quant_config",
     "recipes_report",
+    "resolve_model",
     "rtn_quantize",
     "select_fp8_route",
     "split_int4_planes",

@@ -1,9 +1,13 @@
 """The ``floatxq`` command line: a thin shell over the library.
 
-Commands: demo, quantize, inspect, eval, recipes. Every user error ends the command with one
-line ``error: <message>`` on stderr and exit code 2: arguments are checked before any work, and
-the library's own errors (bad values, unreadable or damaged files, unusable devices) are caught
-around the calls that can raise them, keeping the library's message.
+Commands: demo, quantize, inspect, eval, recipes; global options ``--version`` and ``--quiet``
+(no progress bars or info lines: results and errors still print). Every user error ends the
+command with one line ``error: <message>`` on stderr and exit code 2: arguments are checked
+before any work, and the library's own errors (bad values, unreadable or damaged files, unusable
+devices) are caught around the calls that can raise them, keeping the library's message.
+
+Importing this module is cheap (``floatxq`` loads its names on first use): torch and
+transformers are imported inside the commands, so ``--help`` and ``--version`` answer at once.
 """
 
 import contextlib
@@ -21,11 +25,17 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    help="floatxq: FP8 weight-only models end to end; NVFP4 and GPTQ quantization math.",
+    help=(
+        "floatxq: quantize LLMs to FP8, NVFP4 or GPTQ INT4 weights (W4A16, W4A-FP8, W4A-NVFP4)"
+        " and run them: load, quantize, save, inspect a checkpoint, evaluate perplexity / KL /"
+        " top-1 (and lm-eval tasks), compare NVFP4 scale recipes, or run the demo."
+    ),
 )
 
 TINY = "tiny"
 GENERATED_SOURCES: tuple[str, ...] = ("normal", "student_t3", "outliers")
+LM_EVAL_EXTRA = "lm-eval"
+"""The extra that installs lm-eval (``pip install 'floatxq[lm-eval]'``) for ``eval --tasks``."""
 
 # What the library raises on bad user input (CheckpointError is a ValueError; OSError covers
 # PermissionError, FileNotFoundError and FileExistsError). RuntimeError joins them only around
@@ -51,6 +61,37 @@ def _fail(message: str) -> "typer.Exit":
 def _fail_from(exc: Exception) -> "typer.Exit":
     """``_fail`` with a library exception's own message (its type name when it has none)."""
     return _fail(str(exc).strip() or type(exc).__name__)
+
+
+# Set by the global options (``_root``) before each command runs.
+_GLOBAL: dict[str, bool] = {"quiet": False}
+
+
+def _quiet() -> bool:
+    """Whether ``--quiet`` was given: commands then show no progress bars and no info lines
+    (results and ``error:`` lines still print)."""
+    return _GLOBAL["quiet"]
+
+
+def _info(message: str) -> None:
+    """An info line on stdout, unless ``--quiet``."""
+    if not _quiet():
+        typer.echo(message)
+
+
+def _echo_json(value: Any) -> None:
+    """``--json``: one JSON object on stdout (a value JSON lacks is written as its ``str``)."""
+    typer.echo(json.dumps(value, default=str, allow_nan=True))
+
+
+def _version(value: bool) -> bool:
+    """``--version``: print ``floatxq <version>`` and exit (the value passes on otherwise)."""
+    if value:
+        import floatxq
+
+        typer.echo(f"floatxq {floatxq.__version__}")
+        raise typer.Exit()
+    return value
 
 
 @contextlib.contextmanager
@@ -108,58 +149,61 @@ def _check_png(png: Path) -> None:
         raise _fail(f"--png {png}: the directory {png.parent} does not exist")
 
 
-def _source_model(model: str, *, device: str | None, quantize_config=None):
-    """The built-in tiny Llama for ``tiny``, else a local directory."""
+def _source_model(
+    model: str, *, device: str | None, quantize_config=None, revision: str | None = None
+):
+    """The model ``floatxq.load`` resolves ``model`` to: the built-in tiny Llama for ``tiny``,
+    a local directory, or a Hub id ``org/name`` (from the local Hub cache, downloaded unless
+    ``HF_HUB_OFFLINE=1``; :func:`floatxq.lifecycle.loading.resolve_model`)."""
     import floatxq
 
-    if model == TINY:
-        from floatxq.tiny import TINY_LLAMA_DIR
-
-        model = str(TINY_LLAMA_DIR)
-    return floatxq.load(model, device=device, quantize_config=quantize_config)
+    return floatxq.load(model, device=device, quantize_config=quantize_config, revision=revision)
 
 
-def _calibration(spec: str, *, samples: int, seq_len: int) -> list:
-    """Calibration samples: ``tiny`` (the built-in corpus' calibration split, byte ids), a
-    ``.jsonl`` file (one JSON string, or object with ``text`` or ``input_ids``, per line) or a
-    text file (one sample per non-empty line)."""
+def _calibration(
+    spec: str, *, samples: int, seq_len: int, text_column: str = "text"
+) -> tuple[list, dict[str, Any]]:
+    """Calibration samples and the ``quantize`` options that cut them: ``tiny`` (the built-in
+    corpus' calibration split: ``samples`` windows of ``seq_len`` byte ids), or a local file
+    (:func:`floatxq.lifecycle.calibration.load_calibration_file`: ``.txt`` whole, ``.jsonl`` /
+    ``.json`` records with ``text_column`` or ``input_ids``, ``.parquet``) whose tokens are
+    concatenated and cut into ``samples`` windows of ``seq_len`` tokens."""
 
     if spec == TINY:
         from floatxq.tiny import calibration_samples
 
-        return calibration_samples(num_samples=samples, seq_len=seq_len)
+        return calibration_samples(num_samples=samples, seq_len=seq_len), {}
+    from floatxq.lifecycle.calibration import load_calibration_file
+
     path = Path(spec)
     if not path.is_file():
         raise _fail(f"--calibration {spec!r} is neither 'tiny' nor a readable file")
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise _fail(f"--calibration {spec}: cannot read it as UTF-8 text ({exc})") from None
-    lines = [line for line in text.splitlines() if line.strip()]
-    if path.suffix.lower() != ".jsonl":
-        return lines[:samples]
-    from floatxq._checks import bounded_json_loads
-
-    out = []
-    for number, line in enumerate(lines[:samples], start=1):
-        try:
-            item = bounded_json_loads(line, where=f"--calibration {spec}: line {number}")
-        except ValueError as exc:
-            raise _fail(str(exc)) from None
-        if isinstance(item, dict) and "text" in item:
-            item = item["text"]
-        if not isinstance(item, (str, dict, list)):
-            raise _fail(
-                f"--calibration {spec}: line {number} must be a string, an object with 'text' "
-                f"or 'input_ids', or a list of token ids"
-            )
-        out.append(item)
-    return out
+        rows = load_calibration_file(path, text_column=text_column, lines=False)
+    except (*INPUT_ERRORS, ImportError) as exc:  # ImportError: .parquet without pyarrow
+        # the library names the file; the command line names the option that gave it
+        raise _fail(f"--calibration {str(exc).removeprefix('calibration file ')}") from None
+    if not rows:
+        raise _fail(f"--calibration {spec}: the file holds no samples")
+    options = {"max_length": seq_len, "overflow": "chunk", "num_samples": samples}
+    return rows, options
 
 
 @app.callback()
-def _root() -> None:
-    """floatxq: FP8 weight-only models end to end; NVFP4 and GPTQ quantization math."""
+def _root(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_version,
+        is_eager=True,
+        help="Print 'floatxq <version>' and exit.",
+    ),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="No progress bars or info lines (results and errors print)."
+    ),
+) -> None:
+    """floatxq: FP8, NVFP4 and GPTQ (W4A16, W4A-FP8, W4A-NVFP4) quantization of LLMs."""
+    _GLOBAL["quiet"] = quiet
 
 
 @app.command()
@@ -172,9 +216,9 @@ def demo(
     _check_png(png)
     from floatxq.demo import plot_demo, run_demo
 
-    typer.echo("floatxq demo: the tiny Llama (6.4M parameters, trained on stdlib docstrings)")
+    _info("floatxq demo: the tiny Llama (6.4M parameters, trained on stdlib docstrings)")
     start = time.perf_counter()
-    report = run_demo(max_windows=windows, on_path=lambda name: typer.echo(f"  running {name} ..."))
+    report = run_demo(max_windows=windows, on_path=lambda name: _info(f"  running {name} ..."))
     typer.echo(
         f"\n{report.tokens} held-out byte tokens ({report.windows} windows); KL and top-1 are "
         f"against the unquantized model\n"
@@ -195,13 +239,18 @@ def demo(
         typer.echo(f"\nchart: {png}")
     except ImportError:
         typer.echo("\n(matplotlib is not installed: pip install 'floatxq[plot]' for the chart)")
-    typer.echo(f"done in {time.perf_counter() - start:.1f} s")
+    _info(f"done in {time.perf_counter() - start:.1f} s")
 
 
 @app.command()
 def quantize(
-    model: str = typer.Argument(..., help="A local Hugging Face model directory, or 'tiny'."),
+    model: str = typer.Argument(
+        ...,
+        help="A local Hugging Face model directory, 'tiny', or a Hub id org/name (from the local "
+        "Hub cache, downloaded unless HF_HUB_OFFLINE=1).",
+    ),
     out: Path = typer.Option(..., "--out", help="Directory to write the quantized model to."),
+    revision: str | None = typer.Option(None, help="A Hub model's branch, tag or commit."),
     method: str = typer.Option("fp8", help="Quantization method: fp8 or gptq."),
     format: str = typer.Option("float8_e4m3fn", "--format", help="FP8 format or alias."),
     scale_method: str | None = typer.Option(None, help="tensor, row or block."),
@@ -226,17 +275,31 @@ def quantize(
     ),
     calibration: str | None = typer.Option(
         None,
-        help="GPTQ: 'tiny' (the built-in corpus, byte ids), a text file (one sample per line) or "
-        "a .jsonl file (strings, or objects with text / input_ids).",
+        help="GPTQ: 'tiny' (the built-in corpus, byte ids) or a local file: text (.txt), "
+        ".jsonl / .json records (strings, or objects with --text-column or input_ids) or "
+        ".parquet (needs pyarrow); a file's tokens are concatenated and cut into --samples "
+        "windows of --seq-len tokens.",
     ),
-    samples: int = typer.Option(128, help="GPTQ: calibration samples to use at most."),
-    seq_len: int = typer.Option(256, help="GPTQ: tokens per sample for --calibration tiny."),
+    text_column: str = typer.Option(
+        "text", help="GPTQ: the field / column of a .jsonl, .json or .parquet file with the text."
+    ),
+    samples: int = typer.Option(128, help="GPTQ: calibration samples (windows) to use at most."),
+    seq_len: int | None = typer.Option(
+        None,
+        help="GPTQ: tokens per calibration window (default: 256 for tiny; for a file the "
+        "model's max_position_embeddings, at most 2048).",
+    ),
     batch_size: int = typer.Option(8, help="GPTQ: calibration samples per forward."),
     activation: str | None = typer.Option(
         None,
         help="GPTQ: a W4A activation policy, solved for and saved with the weights: w4afp8, "
         'w4a_nvfp4, or its JSON, e.g. \'{"mode": "w4a_nvfp4", "recipe": "nvidia", '
         '"attention": {"mode": "w4afp8"}}\' (needs 4 bits, group 128, sym, no desc-act).',
+    ),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print one JSON object: the output, layout, modules and (GPTQ) each module's loss.",
     ),
 ) -> None:
     """Quantize a model's linear layers and save the checkpoint in a chosen layout."""
@@ -255,14 +318,20 @@ def quantize(
         raise _fail("--activation applies to --method gptq only (W4A runs GPTQ weights)")
     if chosen == "gptq":
         if calibration is None:
-            raise _fail("--method gptq needs --calibration (tiny, a text file or a .jsonl file)")
+            raise _fail(
+                "--method gptq needs --calibration (tiny, or a .txt, .jsonl, .json or .parquet "
+                "file)"
+            )
         _check_at_least("--samples", samples, 1)
-        _check_at_least("--seq-len", seq_len, 2)
+        if seq_len is not None:
+            _check_at_least("--seq-len", seq_len, 2)
         _check_at_least("--batch-size", batch_size, 1)
+        if calibration != TINY and not Path(calibration).is_file():
+            raise _fail(f"--calibration {calibration!r} is neither 'tiny' nor a readable file")
     if layout is None:
         layout = "gptq" if policy is not None else "compressed-tensors"
     with _reported(DEVICE_ERRORS):
-        normalize_layout(layout)
+        layout = normalize_layout(layout)
         dynamic = {f"-:{pattern}": {} for pattern in exclude or ()} or None
         if chosen == "gptq":
             config = floatxq.GPTQConfig(
@@ -275,7 +344,6 @@ def quantize(
                 activation=policy,
                 dynamic=dynamic,
             )
-            cal = _calibration(calibration or TINY, samples=samples, seq_len=seq_len)
         else:
             config = floatxq.FP8Config(
                 format=format,
@@ -287,13 +355,33 @@ def quantize(
         # GPTQ's config goes to load: the model then stays on CPU (one layer at a time on
         # --device) and a native FP8/NVFP4 source is requantized instead of refused.
         gptq = chosen == "gptq"
-        source = _source_model(model, device=device, quantize_config=config if gptq else None)
+        source = _source_model(
+            model, device=device, quantize_config=config if gptq else None, revision=revision
+        )
     if source.quantized:
         raise _fail(f"quantize: {model} is already quantized; pass the unquantized model")
+    from floatxq.lifecycle.layout_check import check_layout
+
+    with _reported(DEVICE_ERRORS):  # method x layout x modules, before calibration and solve
+        check_layout(source, config, layout, where="quantize")
+    options: dict[str, Any] = {}
+    if gptq:
+        assert calibration is not None  # checked above
+        positions = getattr(getattr(source.model, "config", None), "max_position_embeddings", None)
+        positions = positions if isinstance(positions, int) and positions > 0 else None
+        if seq_len is not None and positions is not None and seq_len > positions:
+            raise _fail(
+                f"--seq-len {seq_len} is longer than {model}'s max_position_embeddings "
+                f"({positions})"
+            )
+        window = seq_len or (256 if calibration == TINY else min(2048, positions or 2048))
+        cal, options = _calibration(
+            calibration, samples=samples, seq_len=window, text_column=text_column
+        )
     with _reported(DEVICE_ERRORS):
         source.quantize_config = config
         start = time.perf_counter()
-        source.quantize(cal, batch_size=batch_size, progress=True)
+        source.quantize(cal, batch_size=batch_size, progress=not _quiet(), layout=layout, **options)
         written = source.save(out, layout=layout, overwrite=overwrite)
     what = (
         f"gptq {config.bits}-bit, group {config.group_size}"
@@ -302,9 +390,18 @@ def quantize(
     )
     if policy is not None:
         what += f", activations {policy.mode}" + (f" {policy.recipe}" if policy.recipe else "")
+    seconds = time.perf_counter() - start
+    if as_json:
+        report = getattr(source, "report", None)
+        _echo_json({
+            "out": str(written), "layout": layout, "scheme": what, "seconds": seconds,
+            "modules": list(source.quantized_modules),
+            "gptq": report.to_dict() if hasattr(report, "to_dict") else None,
+        })  # fmt: skip
+        return
     typer.echo(
         f"quantized {len(source.quantized_modules)} modules ({what}) in "
-        f"{time.perf_counter() - start:.1f} s -> {written} (layout {layout})"
+        f"{seconds:.1f} s -> {written} (layout {layout})"
     )
 
 
@@ -332,13 +429,27 @@ def _activation_policy(spec: str) -> Any:
 
 
 @app.command()
-def inspect(path: Path = typer.Argument(..., help="A model directory.")) -> None:
+def inspect(
+    path: str = typer.Argument(
+        ..., help="A model directory, 'tiny', or a Hub id org/name (from the local Hub cache)."
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON object (the report's fields) instead."
+    ),
+) -> None:
     """What a checkpoint is: layout, declared format, scale convention, layers and scales."""
     from floatxq.interop.inspect import inspect_checkpoint
     from floatxq.interop.layouts import READ_LAYOUTS, SCALE_CONVENTIONS
 
     with _reported():
+        if not Path(path).exists():  # a name: the built-in model or a Hub id
+            from floatxq.lifecycle.loading import resolve_model
+
+            path = str(resolve_model(path))
         report = inspect_checkpoint(path)
+    if as_json:
+        _echo_json(_checkpoint_report_dict(report))
+        return
     typer.echo(f"path:        {report.path}")
     typer.echo(f"model type:  {report.model_type}")
     typer.echo(f"layout:      {report.layout}: {READ_LAYOUTS.get(report.layout, '')}")
@@ -350,6 +461,7 @@ def inspect(path: Path = typer.Argument(..., help="A model directory.")) -> None
     typer.echo(f"quantized:   {len(report.quantized_layers)} layers")
     for layout, count in sorted(report.scale_layouts.items()):
         typer.echo(f"  scales {layout}: {count} layers")
+    typer.echo(f"activations: {report.activations}")
     typer.echo(f"tensors:     {report.tensors} ({report.total_bytes / 1e6:.2f} MB)")
     typer.echo("dtypes:      " + ", ".join(f"{k} x{v}" for k, v in sorted(report.dtypes.items())))
     typer.echo(f"quantize_config.json: {'yes' if report.quantize_config_file else 'no'}")
@@ -358,26 +470,62 @@ def inspect(path: Path = typer.Argument(..., help="A model directory.")) -> None
         typer.echo(f"  activation global scales: {report.activation_scales} modules")
 
 
+def _checkpoint_report_dict(report: Any) -> dict[str, Any]:
+    """``inspect --json``: a ``CheckpointReport``'s fields (tuples as lists) and the one-line
+    descriptions of its layout and scale convention."""
+    from floatxq.interop.layouts import READ_LAYOUTS, SCALE_CONVENTIONS
+
+    out = {k: list(v) if isinstance(v, tuple) else v for k, v in report._asdict().items()}
+    out["layout_description"] = READ_LAYOUTS.get(report.layout, "")
+    out["convention_description"] = SCALE_CONVENTIONS.get(report.convention, "")
+    return out
+
+
 @app.command(name="eval")
 def eval_(
     model: str = typer.Argument(..., help="A model directory, or 'tiny'."),
-    reference: str | None = typer.Option(None, help="Reference model for KL / top-1."),
-    windows: int = typer.Option(64, help="Held-out windows to evaluate."),
+    reference: str | None = typer.Option(
+        None, help="Reference model: KL / top-1 against it, and its own perplexity."
+    ),
+    windows: int = typer.Option(64, help="Windows to evaluate (at most)."),
     seq_len: int = typer.Option(256, help="Tokens per window."),
     device: str | None = typer.Option(None, help="Device (cpu, cuda)."),
+    text: Path | None = typer.Option(
+        None,
+        "--text",
+        help="Evaluate on this UTF-8 text file (in the model's tokens) instead of the built-in "
+        "held-out text.",
+    ),
+    tasks: str | None = typer.Option(
+        None,
+        "--tasks",
+        help=f"lm-eval tasks, comma-separated (e.g. hellaswag,arc_easy), run through lm-eval's "
+        f"HFLM on the loaded model; needs pip install 'floatxq[{LM_EVAL_EXTRA}]'.",
+    ),
+    task_limit: int | None = typer.Option(None, "--limit", help="lm-eval: examples per task."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON object (the report's fields) instead."
+    ),
 ) -> None:
-    """Perplexity on held-out stdlib text, and KL / top-1 agreement against a reference.
+    """Perplexity on held-out text (or --text); KL, top-1 and perplexity of a --reference.
 
-    Byte-vocabulary models read the evaluation split's bytes; other models need a tokenizer in
-    their directory.
+    Byte-vocabulary models read the text's bytes; other models need a tokenizer in their
+    directory. --tasks runs lm-eval tasks on the loaded model.
     """
-    from floatxq.lifecycle.evaluate import evaluate_lm, heldout_windows
+    from floatxq.lifecycle.evaluate import evaluate_lm, heldout_windows, text_windows
 
     _check_at_least("--windows", windows, 1)
     _check_at_least("--seq-len", seq_len, 2)
     _check_device(device)
+    task_names = _lm_eval_tasks(tasks, model, task_limit) if tasks is not None else None
+    if text is not None:
+        try:
+            own_text = text.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise _fail(f"--text {text}: cannot read it as UTF-8 text ({exc})") from None
     with _reported(DEVICE_ERRORS):
-        candidate = _source_model(model, device=device).model
+        loaded = _source_model(model, device=device)
+        candidate = loaded.model
         ref = _source_model(reference, device=device).model if reference else None
     for name, m in ((model, candidate), (reference, ref)):
         limit = getattr(getattr(m, "config", None), "max_position_embeddings", None)
@@ -395,14 +543,75 @@ def eval_(
                     f"--reference {reference} {theirs}; KL and top-1 need a reference of the "
                     f"same vocabulary (the same tokenizer)"
                 )
-        model_dir = None if model == TINY else model
-        ids = heldout_windows(model_dir, vocab_size=vocab, seq_len=seq_len, max_windows=windows)
-        report = evaluate_lm(candidate, ids, reference=ref)
+        model_dir = None if model == TINY else str(loaded.source)  # a Hub id: its snapshot
+        if text is not None:
+            ids = text_windows(
+                own_text, model_dir, vocab_size=vocab, seq_len=seq_len, max_windows=windows
+            )
+        else:
+            ids = heldout_windows(model_dir, vocab_size=vocab, seq_len=seq_len, max_windows=windows)
+        from tqdm.auto import tqdm
+
+        passes = 2 if ref is not None else 1
+        with tqdm(
+            total=passes * ids.shape[0], desc="eval", unit="window", leave=False, disable=_quiet()
+        ) as bar:
+            report = evaluate_lm(candidate, ids, reference=ref, progress=bar.update)
+        results = _run_lm_eval(candidate, model, task_names, task_limit) if task_names else None
+    from floatxq.nn.activation_summary import activation_summary
+
+    summary = activation_summary(candidate)  # what the scored model does to its activations
+    if as_json:
+        out = {"model": model, "reference": reference, "text": str(text) if text else None}
+        out["activations"] = summary
+        out.update(windows=int(ids.shape[0]), seq_len=seq_len, **report.to_dict())
+        if results is not None:
+            out["tasks"] = results
+        _echo_json(out)
+        return
+    typer.echo(f"activations: {summary}")
     typer.echo(f"tokens:      {report.tokens}")
     typer.echo(f"perplexity:  {report.perplexity:.4f}")
     if report.kl_divergence is not None:
+        typer.echo(f"reference:   perplexity {report.reference_perplexity:.4f} ({reference})")
         typer.echo(f"KL:          {report.kl_divergence:.6f} nats/token")
         typer.echo(f"top-1:       {100 * report.top1_agreement:.2f}%")
+    for task, metrics in (results or {}).items():
+        for metric, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                typer.echo(f"{task:<24} {metric:<28} {value:.4f}")
+
+
+def _lm_eval_tasks(tasks: str, model: str, limit: int | None) -> list[str]:
+    """``--tasks``' names, checked before any work: lm-eval installed, a tokenizer to give it."""
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        raise _fail(f"--tasks {_shown(tasks)} names no task; e.g. --tasks hellaswag,arc_easy")
+    if limit is not None:
+        _check_at_least("--limit", limit, 1)
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise _fail(
+            f"--tasks needs lm-eval, which is not installed: pip install 'floatxq[{LM_EVAL_EXTRA}]'"
+        ) from None
+    if model == TINY:
+        raise _fail("--tasks needs a model directory with a tokenizer; 'tiny' reads bytes")
+    return names
+
+
+def _run_lm_eval(model: Any, model_dir: str, tasks: list[str], limit: int | None) -> dict:
+    """lm-eval's ``simple_evaluate`` on the loaded (quantized) model through its ``HFLM``
+    wrapper; returns its ``results`` (task → metric → value)."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    out = lm_eval.simple_evaluate(
+        model=HFLM(pretrained=model, tokenizer=tokenizer), tasks=tasks, limit=limit
+    )
+    return dict((out or {}).get("results", {}))
 
 
 @app.command()
@@ -413,6 +622,9 @@ def recipes(
         1024, help="Rows and columns of a generated input (a positive multiple of 16)."
     ),
     png: Path | None = typer.Option(None, help="Write a bar chart here."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON object (the report's rows) instead of the table."
+    ),
 ) -> None:
     """NVFP4 scale recipes: relative MSE and share of blocks at the exact optimum."""
     import floatxq
@@ -435,15 +647,14 @@ def recipes(
     with _reported():
         x = _recipe_input(source, tensor, size)
         report = floatxq.recipes_report(x)
-    typer.echo(
-        f"NVFP4 recipes on {source}{f':{tensor}' if tensor else ''} {tuple(x.shape)} {x.dtype}"
-    )
-    typer.echo(f"{'recipe':<20} {'rel MSE':>10} {'optimal':>8} {'seconds':>8}")
-    for row in report.rows:
+    if as_json:
+        source_info = {"source": source, "tensor": tensor, "dtype": str(x.dtype).split(".")[-1]}
+        _echo_json({**source_info, **report.to_dict()})
+    else:
         typer.echo(
-            f"{row.recipe:<20} {row.rel_mse:>10.3e} {100 * row.optimal_share:>7.1f}% "
-            f"{row.seconds:>8.2f}"
+            f"NVFP4 recipes on {source}{f':{tensor}' if tensor else ''} {tuple(x.shape)} {x.dtype}"
         )
+        typer.echo(report.table())
     if png is not None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -459,7 +670,8 @@ def recipes(
                 fig.savefig(png, dpi=110, format=png.suffix[1:].lower() or "png")
         finally:
             plt.close(fig)
-        typer.echo(f"chart: {png}")
+        if not as_json:  # stdout holds the one JSON object
+            _info(f"chart: {png}")
 
 
 def _recipe_input(source: str, tensor: str | None, size: int):

@@ -8,9 +8,13 @@ scale layout a layout holds:
 - layouts whose scales multiply give back ``fl(1 / fl(1 / scale_inv))``: at most one FP32 ulp
   from the original, and the decoded weights within ``3 * 2**-24`` relative of floatxq's own;
 - the direction comes from the metadata: weights with amax >= 448 (inverse scales <= 1, where a
-  magnitude heuristic would flip the direction) decode like any other.
+  magnitude heuristic would flip the direction) decode like any other;
+- ``hf`` declares ``activation_scheme: "dynamic"`` (the only scheme transformers' FP8 runs), so a
+  weight-only model saved there reloads with E4M3 activations per token (per token and
+  ``weight_block_size[1]`` group for block scales); the other layouts reload weight-only.
 """
 
+import contextlib
 import tempfile
 
 import pytest
@@ -22,6 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import floatxq
 import floatxq.lifecycle  # imported at collection, not in the first example's time
 from floatxq.nn import TorchFP8Linear
+from floatxq.nn.fp8_activation import FP8InputQuant, input_qdq
 
 SLOW = settings(max_examples=max(8, settings().max_examples // 4))
 
@@ -31,6 +36,33 @@ _LAYOUTS = {
     "compressed-tensors": ("tensor", "row", "block"),
     "hf": ("tensor", "block"),
 }
+
+
+def _reloaded_activations(layout: str, block: list[int] | None) -> FP8InputQuant | None:
+    """The activations a model saved weight-only in ``layout`` reloads with."""
+    if layout != "hf":
+        return None
+    return FP8InputQuant("group", block[1]) if block else FP8InputQuant("token")
+
+
+@contextlib.contextmanager
+def _quantized_inputs(model: torch.nn.Module, declared: dict[str, FP8InputQuant]):
+    """While open, each named weight-only FP8 module of ``model`` multiplies its input
+    quantize-dequantized through E4M3 as ``declared`` says."""
+    handles = []
+    for name, quant in declared.items():
+        module = model.get_submodule(name)
+        assert isinstance(module, TorchFP8Linear) and module.input_quant is None, name
+        handles.append(
+            module.register_forward_pre_hook(
+                lambda _module, args, quant=quant: (input_qdq(args[0], quant), *args[1:])
+            )
+        )
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _tiny_llama(seed: int, magnitude: float):
@@ -75,6 +107,8 @@ def test_save_load_keeps_codes_and_scales_within_one_reciprocal(layout, method, 
     for name, ours in before.items():
         theirs = after[name]
         assert theirs.weight_scale_method == ours.weight_scale_method, name
+        assert ours.input_quant is None, name
+        assert theirs.input_quant == _reloaded_activations(layout, block), name
         assert torch.equal(theirs.weight.view(torch.uint8), ours.weight.view(torch.uint8)), name
         if layout == "gptqmodel":
             assert torch.equal(theirs.weight_scale_inv, ours.weight_scale_inv), name
@@ -100,8 +134,13 @@ def test_scales_below_one_are_not_flipped(tmp_path, layout):
         if isinstance(m, TorchFP8Linear)
     )
     loaded = floatxq.load(quantized.save(tmp_path / "m", layout=layout), dtype=torch.float32)
+    after = {n: m for n, m in loaded.model.named_modules() if isinstance(m, TorchFP8Linear)}
+    expected = _reloaded_activations(layout, None)  # hf: per token; the others weight-only
+    assert after and all(m.input_quant == expected for m in after.values())
+    declared = {n: m.input_quant for n, m in after.items() if m.input_quant is not None}
     ids = torch.tensor([[1, 2, 3, 4, 5]])
-    with torch.no_grad():
-        want = quantized.model.float()(ids).logits
+    # the reference: the model before saving, its inputs quantized as the reloaded one declares
+    with torch.no_grad(), _quantized_inputs(quantized.model.float(), declared) as reference:
+        want = reference(ids).logits
         got = loaded.model(ids).logits
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5

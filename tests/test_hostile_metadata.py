@@ -507,12 +507,14 @@ def test_ignore_entries_that_match_no_quantized_module_load(tmp_path):
     assert len(floatxq.load(path).quantized_modules) == 14
 
 
-def test_a_catastrophic_ignore_regex_is_refused_unmatched(tmp_path):
+def test_a_nested_quantifier_ignore_regex_is_matched_within_its_time_bound(tmp_path):
+    # not refused up front: the regex engine matches it in microseconds on module names, and a
+    # match that runs past the timeout is refused by name (tests/test_library_swaps.py)
     path = _copy(PACKED, tmp_path / "m")
-    bad = "re:(a*)*$"
-    _edit_json(path, "config.json", lambda c: c["quantization_config"]["ignore"].append(bad))
-    match = r"quantization_config\.ignore entry 're:\(a\*\)\*\$': .*catastrophic backtracking"
-    _refused(path, match, inspect=False)
+    _edit_json(
+        path, "config.json", lambda c: c["quantization_config"]["ignore"].append("re:(a*)*$")
+    )
+    assert len(floatxq.load(path).quantized_modules) == 14
 
 
 def _torchao_data(metadata: dict, **changes) -> dict:

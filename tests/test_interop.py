@@ -3,9 +3,12 @@
 Every fixture is decoded here by an oracle written from the producer's documented convention (not
 floatxq's readers); the model floatxq.load builds must give the logits of a dense model holding
 those decoded weights. Producer fixtures in tests/fixtures/ were written by the producers' own
-libraries (tests/fixtures/make_producer_fixtures.py, make_gptqmodel_fixtures.py).
+libraries (tests/fixtures/make_producer_fixtures.py, make_gptqmodel_fixtures.py). Where a checkpoint
+declares dynamic FP8 activations, the dense model quantize-dequantizes those projections' inputs as
+declared (what vLLM and transformers serve from the file), so the logits still match tightly.
 """
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -18,6 +21,7 @@ from safetensors.torch import load_file, save_file
 import floatxq
 from floatxq.lifecycle import CheckpointError, inspect_checkpoint
 from floatxq.nn import TorchFP4Linear, TorchFP8Linear
+from floatxq.nn.fp8_activation import FP8InputQuant, input_qdq
 
 FIXTURES = Path(__file__).parent / "fixtures"
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -94,8 +98,43 @@ def _decode(
     raise AssertionError(kind)
 
 
-def _dense_logits(path: Path, kind: str) -> torch.Tensor:
-    """Logits of an FP32 dense model holding the oracle's decode of every quantized linear."""
+@contextlib.contextmanager
+def _quantized_inputs(model: torch.nn.Module, declared: dict[str, FP8InputQuant]):
+    """While open, each named weight-only linear of ``model`` multiplies its input
+    quantize-dequantized through E4M3 as ``declared`` says (the activations a W8A8 engine uses)."""
+    handles = []
+    for name, quant in declared.items():
+        module = model.get_submodule(name)
+        assert isinstance(module, (torch.nn.Linear, TorchFP8Linear)), (name, type(module))
+        assert getattr(module, "input_quant", None) is None, name  # not quantized twice
+        handles.append(
+            module.register_forward_pre_hook(
+                lambda _module, args, quant=quant: (input_qdq(args[0], quant), *args[1:])
+            )
+        )
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _declared_activations(
+    model: torch.nn.Module, expected: FP8InputQuant | None
+) -> dict[str, FP8InputQuant]:
+    """The loaded model's FP8 modules that quantize their activations, each checked to hold
+    ``expected`` (None: every FP8 module is weight-only)."""
+    fp8 = {n: m for n, m in model.named_modules() if isinstance(m, TorchFP8Linear)}
+    for name, module in fp8.items():
+        assert module.input_quant == expected, (name, module.input_quant, expected)
+    return {n: m.input_quant for n, m in fp8.items() if m.input_quant is not None}
+
+
+def _dense_logits(
+    path: Path, kind: str, activations: dict[str, FP8InputQuant] | None = None
+) -> torch.Tensor:
+    """Logits of an FP32 dense model holding the oracle's decode of every quantized linear, the
+    inputs of those named in ``activations`` quantize-dequantized as given there."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     payload = json.loads((path / "config.json").read_text())
@@ -122,7 +161,7 @@ def _dense_logits(path: Path, kind: str) -> torch.Tensor:
     dense.update({k: v.float() for k, v in state.items() if v.is_floating_point()})
     result = model.load_state_dict(dense, strict=False)
     assert not result.unexpected_keys and not result.missing_keys, result
-    with torch.no_grad():
+    with torch.no_grad(), _quantized_inputs(model, activations or {}):
         return model(IDS).logits
 
 
@@ -166,6 +205,11 @@ PRODUCERS = {
         TorchFP4Linear,
     ),
 }
+ACTIVATIONS = {
+    # fixture: the dynamic FP8 activations its config declares (the others are weight-only)
+    "llmcompressor_fp8_dynamic": FP8InputQuant("token"),  # FP8_DYNAMIC: per token
+    "llmcompressor_fp8_block": FP8InputQuant("group", 128),  # FP8_BLOCK: per token and 1x128
+}
 
 
 @pytest.mark.parametrize("name", sorted(PRODUCERS))
@@ -176,7 +220,10 @@ def test_producer_checkpoint_is_detected_and_runs_its_dense_decode(name):
     assert (report.layout, report.convention, report.family) == (layout, convention, family)
     assert len(report.quantized_layers) == 14  # 7 projections x 2 layers; lm_head stays dense
     got, loaded = _floatxq_logits(path)
-    _close(got, _dense_logits(path, oracle))
+    # ragged block grids decode to dense modules, which run weight-only: the reference too
+    declared = _declared_activations(loaded.model, ACTIVATIONS.get(name))
+    assert bool(declared) == (name in ACTIVATIONS)
+    _close(got, _dense_logits(path, oracle, declared))
     assert loaded.layout.layout == layout
     projections = [m for n, m in loaded.model.named_modules() if n.endswith("_proj")]
     if kind is not None:
@@ -219,10 +266,16 @@ def _weight_only_modelopt(path: Path) -> None:
         file.write_text(json.dumps(payload))
 
 
-def _logits_match_writer(path: Path, dense: dict[str, torch.Tensor]) -> floatxq.QuantizedModel:
+def _logits_match_writer(
+    path: Path, dense: dict[str, torch.Tensor], activations: FP8InputQuant | None = None
+) -> floatxq.QuantizedModel:
+    """floatxq's logits against a dense model holding the writer's decode; ``activations``: the
+    scheme the checkpoint declares, which every loaded FP8 module must hold and whose inputs the
+    dense model quantize-dequantizes alike (modules decoded to dense run weight-only)."""
     from transformers import AutoModelForCausalLM
 
     got, loaded = _floatxq_logits(path)
+    declared = _declared_activations(loaded.model, activations)
     payload = json.loads((path / "config.json").read_text())
     payload.pop("quantization_config", None)
     reference = AutoModelForCausalLM.from_config(
@@ -235,7 +288,7 @@ def _logits_match_writer(path: Path, dense: dict[str, torch.Tensor]) -> floatxq.
     reference.load_state_dict(
         {k: v for k, v in state.items() if k in reference.state_dict()}, strict=True
     )
-    with torch.no_grad():
+    with torch.no_grad(), _quantized_inputs(reference, declared):
         _close(got, reference(IDS).logits)
     return loaded
 
@@ -282,7 +335,8 @@ def test_deepseek_fp8_multiplying_scale_inv_with_ragged_grids(dense_dir, tmp_pat
     report = inspect_checkpoint(written.path)
     assert (report.layout, report.convention) == ("hf", "deepseek_fp8")
     assert "block 128x128 (ragged edge)" in report.scale_layouts
-    loaded = _logits_match_writer(written.path, written.dense)
+    # activation_scheme "dynamic" with weight_block_size [128, 128]: per token and 1x128 group
+    loaded = _logits_match_writer(written.path, written.dense, FP8InputQuant("group", 128))
     assert isinstance(loaded.model.model.layers[0].self_attn.o_proj, TorchFP8Linear)
     assert type(loaded.model.model.layers[0].mlp.up_proj) is torch.nn.Linear  # 192 rows: ragged
 
@@ -438,8 +492,14 @@ def test_cli_export_of_the_tiny_llama_through_transformers(tmp_path, layout):
     result = CliRunner().invoke(app, args + (["--layout", layout] if layout else []))
     assert result.exit_code == 0, result.output
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    loaded = floatxq.load(out).model
+    # the hf export declares activation_scheme "dynamic" (the one transformers' FP8 runs), so that
+    # file reloads with x quantized per token and 1x128 group; the other layouts stay weight-only
+    expected = FP8InputQuant("group", 128) if layout == "hf" else None
+    declared = _declared_activations(loaded, expected)
+    assert bool(declared) == (layout == "hf")
     with torch.no_grad():
-        ours = floatxq.load(out).model(ids).logits.float()
+        ours = loaded(ids).logits.float()
     if layout == "gptqmodel":  # transformers must refuse the inverse scales, not misread them
         with pytest.raises(ValueError, match="inverse scale"):
             AutoModelForCausalLM.from_pretrained(out)
@@ -450,7 +510,9 @@ def test_cli_export_of_the_tiny_llama_through_transformers(tmp_path, layout):
 
         kwargs["quantization_config"] = FineGrainedFP8Config(dequantize=True)
     theirs_model = AutoModelForCausalLM.from_pretrained(out, **kwargs)
-    with torch.no_grad():
+    # transformers' CPU dequantize runs its decoded weights weight-only; its CUDA FP8 kernels (and
+    # vLLM) quantize x as the file declares, which the hooks do here
+    with torch.no_grad(), _quantized_inputs(theirs_model, declared):
         theirs = theirs_model(ids).logits.float()
     # the defect: transformers read floatxq's inverse scales as multiplying ones (error 1.0)
     assert float((theirs - ours).norm() / ours.norm()) < 2e-2
@@ -462,22 +524,14 @@ def test_cli_export_of_the_tiny_llama_through_transformers(tmp_path, layout):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("name", "layout"),
-    [
-        ("llmcompressor_fp8_dynamic", "gptqmodel"),
-        ("gptqmodel_fp8_block64", "compressed-tensors"),
-        ("gptqmodel_fp8_tensor", "hf"),
-        ("llmcompressor_nvfp4a16", "compressed-tensors"),
-        ("torchao_nvfp4_swizzled", "compressed-tensors"),
-    ],
-)
-def test_a_loaded_source_saves_in_another_layout(tmp_path, name, layout):
-    source = floatxq.load(FIXTURES / name, dtype=torch.float32)
-    out = source.save(tmp_path / "converted", layout=layout)
+def _assert_converted(source: floatxq.QuantizedModel, out: Path, layout: str, activations=None):
+    """``out`` (``source`` saved as ``layout``) reloads in that layout with ``activations`` (the
+    scheme its files declare; None: weight-only) on every FP8 module, gives ``source``'s logits
+    with the inputs of those modules quantized alike, and carries the codes over byte for byte."""
     assert inspect_checkpoint(out).layout == layout
     converted = floatxq.load(out, dtype=torch.float32)
-    with torch.no_grad():
+    declared = _declared_activations(converted.model, activations)
+    with torch.no_grad(), _quantized_inputs(source.model, declared):
         _close(converted.model(IDS).logits, source.model(IDS).logits, tol=1e-5)
     before = dict(source.model.named_modules())
     for module_name, module in converted.model.named_modules():
@@ -486,6 +540,45 @@ def test_a_loaded_source_saves_in_another_layout(tmp_path, name, layout):
             assert torch.equal(  # codes are carried over byte for byte
                 module.weight.view(torch.uint8), before[module_name].weight.view(torch.uint8)
             )
+
+
+@pytest.mark.parametrize(
+    ("name", "layout", "activations"),
+    [
+        ("gptqmodel_fp8_block64", "compressed-tensors", None),
+        # floatxq's hf export declares activation_scheme "dynamic", per token without a block
+        # size: a weight-only source reloads from it as transformers and vLLM serve the file
+        ("gptqmodel_fp8_tensor", "hf", FP8InputQuant("token")),
+        ("llmcompressor_nvfp4a16", "compressed-tensors", None),
+        ("torchao_nvfp4_swizzled", "compressed-tensors", None),
+    ],
+)
+def test_a_loaded_source_saves_in_another_layout(tmp_path, name, layout, activations):
+    source = floatxq.load(FIXTURES / name, dtype=torch.float32)
+    assert not _declared_activations(source.model, None)  # weight-only sources
+    out = source.save(tmp_path / "converted", layout=layout)
+    _assert_converted(source, out, layout, activations)
+
+
+def test_a_source_with_quantized_activations_is_refused_by_a_layout_that_cannot_hold_them(
+    tmp_path,
+):
+    source = floatxq.load(FIXTURES / "llmcompressor_fp8_dynamic", dtype=torch.float32)
+    assert _declared_activations(source.model, FP8InputQuant("token"))
+    # gptqmodel's files declare no activations: they would reload weight-only, so nothing is saved
+    named = (
+        r"layout 'gptqmodel' cannot hold module 'model\.layers\.0\.self_attn\.q_proj'.*per token"
+    )
+    with pytest.raises(ValueError, match=named):
+        source.save(tmp_path / "converted", layout="gptqmodel")
+    assert not (tmp_path / "converted").exists()
+    assert list(tmp_path.iterdir()) == []  # no temporary directory left behind either
+    # made weight-only (W8A16), the same compressed-tensors source converts to gptqmodel
+    for module in source.model.modules():
+        if isinstance(module, TorchFP8Linear):
+            module.input_quant = None
+    out = source.save(tmp_path / "converted", layout="gptqmodel")
+    _assert_converted(source, out, "gptqmodel")
 
 
 def test_modelopt_nvfp4_converts_to_compressed_tensors_that_transformers_reads(dense_dir, tmp_path):

@@ -366,15 +366,17 @@ def test_a_symlink_is_never_replaced(tmp_path, refs):
 
 @pytest.mark.parametrize(
     ("given", "expected"),
-    [("4GB", 4 << 30), ("500MB", 500 << 20), ("1.5GB", 3 << 29), (" 2 kb ", 2048), (1000, 1000)],
-)
+    [("4GB", 4 * 10**9), ("500MB", 500 * 10**6), ("1.5GB", 15 * 10**8), (" 2 kb ", 2000),
+     ("1e3MB", 10**9), ("4GiB", 4 << 30), ("1.5GiB", 3 << 29), ("2 kib", 2048), (1000, 1000)],
+)  # fmt: skip
 def test_shard_sizes_that_keep_working(given, expected):
+    """KB-TB of 1000 as transformers' save_pretrained reads them; KiB-TiB of 1024."""
     assert _parse_size(given) == expected
 
 
 @pytest.mark.parametrize(
     "bad", [True, False, 0, -1, 1.5, float("nan"), "nanGB", "infGB", "4XB", "0GB", "-1GB", "",
-            "0.1B", "1e3MB"],
+            "0.1B", "1000B", "infGiB", "nanGiB", "GiB", "1" * 400 + "GB"],
 )  # fmt: skip
 def test_bad_shard_sizes_are_refused_naming_the_value(bad):
     with pytest.raises(ValueError, match=r"max_shard_size must be a positive int.*'4GB'") as info:

@@ -18,7 +18,7 @@ from floatxq.config.activation import (
     backend_for_activation,
 )
 from floatxq.config.rules import (
-    RULE_BACKTRACK_BUDGET,  # noqa: F401 - importable, not public (the rule bounds)
+    RULE_MATCH_TIMEOUT_S,  # noqa: F401 - importable, not public (the rule bounds)
     RULE_NAME_MAX_CHARS,  # noqa: F401
     RULE_PATTERN_MAX_CHARS,  # noqa: F401
     DynamicRule,

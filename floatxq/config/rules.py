@@ -2,9 +2,9 @@
 
 :class:`DynamicRules` parses the ``{"+:regex" | "-:regex" | "regex": overrides}`` mapping once,
 with a per-config normalizer for the override values, and answers "which rule applies to this
-module?". Rule keys may come from a checkpoint's config file, so their matching time is bounded: a
-pattern is parsed with Python's own regex parser and refused when it could backtrack
-catastrophically (see :class:`DynamicRule`).
+module?". Rule keys may come from a checkpoint's config file, so their matching time is bounded:
+patterns are matched with the ``regex`` package (Python ``re``'s syntax and meaning) with a
+timeout, and a match that runs past it refuses the rule (see :class:`DynamicRule`).
 """
 
 import dataclasses
@@ -12,10 +12,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-try:  # Python 3.11+: the parser behind ``re.compile``
-    from re import _parser as _regex_parser
-except ImportError:  # pragma: no cover - Python 3.10
-    import sre_parse as _regex_parser  # type: ignore[no-redef]
+import regex
 
 from floatxq.config.values import _freeze, _FrozenMapping
 
@@ -33,107 +30,51 @@ RULE_PATTERN_MAX_CHARS = 1000
 RULE_NAME_MAX_CHARS = 256
 """The longest module name ``dynamic`` rules are matched against (real names are < 150)."""
 
-RULE_BACKTRACK_BUDGET = (RULE_NAME_MAX_CHARS + 1) ** 3
-"""The most backtracking paths a rule pattern may have over a name of
-:data:`RULE_NAME_MAX_CHARS` characters: three unbounded quantifiers (``.*``) besides a last one."""
+RULE_MATCH_TIMEOUT_S = 0.1
+"""The longest one match of a rule pattern against one module name may run (seconds; the
+``regex`` package's ``timeout``, checked as it runs): a longer one (catastrophic backtracking)
+refuses the rule with a ValueError naming the pattern and the module."""
 
-_P = _regex_parser
-_REPEATS = tuple(
-    op
-    for op in (_P.MAX_REPEAT, _P.MIN_REPEAT, getattr(_P, "POSSESSIVE_REPEAT", None))
-    if op is not None
-)
-_ATOMIC = getattr(_P, "ATOMIC_GROUP", None)
-_BACKTRACKING = "(catastrophic backtracking)"
+# A '{' that is neither escaped nor a repeat count ('{2}', '{1,3}', '{,3}', '{2,}'): Python's re
+# reads it as literal text, the regex package as fuzzy matching ('{e<=1}') or literal text.
+_OTHER_BRACE = regex.compile(r"\\.|(\{)(?!\d*(?:,\d*)?\})", regex.DOTALL)
 
 
-def _repeat_text(low: int, high: int) -> str:
-    """The quantifier as written: ``*``, ``+``, ``?``, ``{m}``, ``{m,}`` or ``{m,n}``."""
-    if high == _P.MAXREPEAT:
-        return {0: "*", 1: "+"}.get(low, f"{{{low},}}")
-    if (low, high) == (0, 1):
-        return "?"
-    return f"{{{low}}}" if low == high else f"{{{low},{high}}}"
+class RulePattern:
+    """A compiled rule pattern whose every match is bounded by :data:`RULE_MATCH_TIMEOUT_S`.
 
-
-def _first_choice(items: Any) -> str | None:
-    """The first construct in a parsed pattern that can match in more than one way, or None."""
-    for op, arg in items:
-        if op in _REPEATS:
-            low, high, body = arg
-            if low != high:
-                return f"'{_repeat_text(low, high)}'"
-            inner = _first_choice(body)
-        elif op is _P.BRANCH:
-            return "an alternation '|'"
-        elif op is _P.SUBPATTERN:
-            inner = _first_choice(arg[-1])
-        elif op is _ATOMIC:
-            inner = _first_choice(arg)
-        else:
-            inner = None
-        if inner is not None:
-            return inner
-    return None
-
-
-def _paths(items: Any, *, tail: bool, where: str) -> int:
-    """An upper bound on the backtracking paths of a parsed sequence (the product over its items).
-
-    ``tail``: the sequence ends the pattern, so its last item is tried once (``re.match`` succeeds
-    as soon as it gets there). Refuses lookarounds, backreferences and nested quantifiers.
+    ``match(name)`` is ``re.match``'s: the ``regex`` match object from the start of ``name``, or
+    None; a match that runs past the timeout raises ValueError naming ``where`` and ``name``.
     """
-    paths = 1
-    for i, (op, arg) in enumerate(items):
-        paths *= _item_paths(op, arg, tail=tail and i == len(items) - 1, where=where)
-    return paths
+
+    __slots__ = ("_compiled", "pattern", "where")
+
+    def __init__(self, pattern: str, where: str) -> None:
+        self.pattern, self.where = pattern, where
+        self._compiled = regex.compile(pattern)
+
+    def match(self, name: str) -> Any:
+        try:
+            return self._compiled.match(name, timeout=RULE_MATCH_TIMEOUT_S)
+        except TimeoutError:
+            raise ValueError(
+                f"{self.where}: matching module {name[:80]!r} took over {RULE_MATCH_TIMEOUT_S} s "
+                f"(catastrophic backtracking); the rule is refused, use one quantifier over a "
+                f"character class instead (e.g. '[a-z0-9_.]*')"
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"RulePattern({self.pattern!r})"
 
 
-def _item_paths(op: Any, arg: Any, *, tail: bool, where: str) -> int:
-    if op is _P.ASSERT or op is _P.ASSERT_NOT:
-        ahead = arg[0] == 1
-        shape = ("(?=...)", "(?<=...)") if op is _P.ASSERT else ("(?!...)", "(?<!...)")
-        raise ValueError(
-            f"{where}: {'lookahead' if ahead else 'lookbehind'} {shape[0 if ahead else 1]} "
-            f"refused: a lookaround re-scans the module name wherever it is tried and hides "
-            f"repeats from the bound on matching time {_BACKTRACKING}; use a '-:' rule to leave "
-            f"modules out"
-        )
-    if op is _P.GROUPREF or op is _P.GROUPREF_EXISTS:
-        group = arg[0] if op is _P.GROUPREF_EXISTS else arg
-        construct = "conditional (?(group)...)" if op is _P.GROUPREF_EXISTS else "backreference"
-        raise ValueError(
-            f"{where}: {construct} to group {group} refused: backreferences make matching time "
-            f"unbounded {_BACKTRACKING}; rule keys must be plain regular expressions"
-        )
-    if op is _P.SUBPATTERN:
-        return _paths(arg[-1], tail=tail, where=where)
-    if op is _ATOMIC:
-        return _paths(arg, tail=tail, where=where)
-    if op is _P.BRANCH:
-        return sum(_paths(alt, tail=tail, where=where) for alt in arg[1])
-    if op in _REPEATS:
-        low, high, body = arg
-        if high > 1:
-            inner = _first_choice(body)
-            if inner is not None:
-                raise ValueError(
-                    f"{where}: nested quantifier refused: a group repeated with "
-                    f"'{_repeat_text(low, high)}' contains {inner}; such a pattern can take "
-                    f"exponential time to fail on a module name {_BACKTRACKING}; use one "
-                    f"quantifier over a character class instead (e.g. '[a-z0-9_.]*')"
-                )
-        body_paths = _paths(body, tail=tail, where=where)  # 1 when high > 1; refuses lookarounds
-        if low == high:
-            return body_paths if high == 1 else 1
-        if high == 1:
-            return 1 + body_paths
-        return 1 if tail else 1 + min(high - low, RULE_NAME_MAX_CHARS)
-    return 1  # a literal, class, '.', anchor or category: one way to match
+def _check_rule_pattern(key: str, pattern: str) -> RulePattern:
+    """Compile a rule pattern, its matching time bounded, or raise ValueError.
 
-
-def _check_rule_pattern(key: str, pattern: str) -> re.Pattern[str]:
-    """Compile a rule pattern whose worst-case matching time is bounded, or raise ValueError."""
+    Refused here (cheap to decide): more than :data:`RULE_PATTERN_MAX_CHARS` characters, a
+    pattern Python's ``re`` or the ``regex`` package cannot compile, and a ``{`` that is neither
+    escaped nor a repeat count (the two read it differently). Catastrophic backtracking is
+    bounded when matching (:class:`RulePattern`).
+    """
     where = f"dynamic: rule key {key[:80]!r}" + ("..." if len(key) > 80 else "")
     if len(pattern) > RULE_PATTERN_MAX_CHARS:
         raise ValueError(
@@ -141,27 +82,25 @@ def _check_rule_pattern(key: str, pattern: str) -> re.Pattern[str]:
             f"{RULE_PATTERN_MAX_CHARS}"
         )
     try:
-        parsed = _regex_parser.parse(pattern)
-        compiled = re.compile(pattern)
-        paths = _paths(parsed, tail=True, where=where)
-    except re.error as exc:
+        re.compile(pattern)  # the meaning GPT-QModel and compressed-tensors give it
+        compiled = RulePattern(pattern, where)
+    except (re.error, regex.error) as exc:
         raise ValueError(
             f"{where} is not a valid regular expression ({exc}); keys are '+:regex', '-:regex' "
             f"or a bare regex"
         ) from None
     except RecursionError:
         raise ValueError(f"{where}: groups are nested too deeply to parse") from None
-    if paths > RULE_BACKTRACK_BUDGET:
+    if any(found[1] for found in _OTHER_BRACE.finditer(pattern)):
         raise ValueError(
-            f"{where}: too many quantifiers and alternations: about {float(paths):.3g} ways to "
-            f"backtrack over a {RULE_NAME_MAX_CHARS}-character module name, accepted: at most "
-            f"{float(RULE_BACKTRACK_BUDGET):.3g} (three '.*' besides a last one); each one "
-            f"multiplies the time a failing match can take {_BACKTRACKING}"
+            f"{where}: a '{{' that is not a repeat count ('{{2}}', '{{1,3}}'); escape it as "
+            f"'\\{{' (the regex package that matches rules reads '{{e<=1}}' as fuzzy "
+            f"matching)"
         )
     return compiled
 
 
-def _parse_rule_key(key: Any) -> tuple[str, bool, re.Pattern[str]]:
+def _parse_rule_key(key: Any) -> tuple[str, bool, RulePattern]:
     """``(pattern, exclude, compiled)`` of a rule key: ``"+:regex"``, ``"-:regex"`` or a regex."""
     if not isinstance(key, str):
         raise TypeError(
@@ -177,18 +116,18 @@ def _parse_rule_key(key: Any) -> tuple[str, bool, re.Pattern[str]]:
 class DynamicRule:
     """One per-module rule: a key (``"+:regex"``, ``"-:regex"`` or a bare regex) and its overrides.
 
-    ``pattern`` is the key without its ``+:`` / ``-:`` prefix and is matched with ``re.match``:
+    ``pattern`` is the key without its ``+:`` / ``-:`` prefix and is matched as ``re.match`` does:
     anchored at the start of the module name, not at its end (``".*q_proj"`` matches
     ``"model.layers.0.self_attn.q_proj"``, ``"q_proj"`` does not). ``exclude`` is True for ``-:``
     keys; their overrides are always empty. Overrides are stored read-only (lists as tuples).
 
-    Matching time is bounded (keys may come from a downloaded config file): the pattern is parsed
-    with Python's regex parser and refused when it has more than :data:`RULE_PATTERN_MAX_CHARS`
-    characters, a nested quantifier (a repeated group holding a quantifier or an alternation:
-    ``(a+)+``, ``(a|aa)+``, ``(.*a){20}``), a backreference or conditional, a lookaround, or more
-    backtracking paths over a :data:`RULE_NAME_MAX_CHARS`-character name than
-    :data:`RULE_BACKTRACK_BUDGET` (each quantifier or alternation multiplies them; one that ends
-    the pattern does not). Module names longer than :data:`RULE_NAME_MAX_CHARS` are refused.
+    Matching time is bounded (keys may come from a downloaded config file): a pattern of more
+    than :data:`RULE_PATTERN_MAX_CHARS` characters, one Python's ``re`` cannot compile, or one
+    with a ``{`` that is neither escaped nor a repeat count is refused here; each match runs in
+    the ``regex`` package with a timeout of :data:`RULE_MATCH_TIMEOUT_S`, and one that runs past
+    it (catastrophic backtracking: ``(a|aa)+$`` over a long run of ``a``) raises ValueError
+    naming the pattern and the module. Module names longer than :data:`RULE_NAME_MAX_CHARS` are
+    refused.
 
     Raises:
       TypeError: ``key`` is not a string or ``overrides`` not a mapping.
@@ -205,7 +144,7 @@ class DynamicRule:
     overrides: Mapping[str, Any]
     pattern: str = dataclasses.field(init=False)
     exclude: bool = dataclasses.field(init=False)
-    _regex: re.Pattern[str] = dataclasses.field(init=False, repr=False, compare=False)
+    _regex: RulePattern = dataclasses.field(init=False, repr=False, compare=False)
 
     def __init__(self, *, key: str, overrides: Mapping[str, Any]) -> None:
         pattern, exclude, compiled = _parse_rule_key(key)
@@ -227,8 +166,8 @@ class DynamicRule:
 
         Raises:
           TypeError: ``module_name`` is not a string.
-          ValueError: ``module_name`` is longer than :data:`RULE_NAME_MAX_CHARS` (the bound on
-            matching time assumes names no longer).
+          ValueError: ``module_name`` is longer than :data:`RULE_NAME_MAX_CHARS`, or matching it
+            ran past :data:`RULE_MATCH_TIMEOUT_S` (names the pattern and the module).
         """
         if not isinstance(module_name, str):
             raise TypeError(
@@ -292,9 +231,8 @@ class DynamicRules:
         Raises:
           TypeError: ``dynamic`` is not a mapping, a key is not a string, or a value is not a
             mapping.
-          ValueError: a key is not a valid regular expression or is refused because its
-            matching time could explode (see :class:`DynamicRule`), or ``normalize`` rejects
-            a rule.
+          ValueError: a key is not a valid regular expression or is refused (see
+            :class:`DynamicRule`), or ``normalize`` rejects a rule.
 
         Numerics: names only; no tensor math.
         """

@@ -33,6 +33,7 @@ __all__ = [
     "FP8RouteChoice",
     "FP8RouteFacts",
     "FP8RouteTuning",
+    "fp8_scaled_route",
     "mlx_encoder_reason",
     "quantize_fp8_weight_auto",
     "select_fp8_route",
@@ -182,6 +183,11 @@ class FP8RouteFacts:
     """Whether this torch has ``torch._scaled_mm`` (tensorwise and rowwise)."""
     has_blockwise_scaled_mm: bool = True
     """Whether this torch has ``F.scaled_mm`` with 1x128 and 128x128 block scaling."""
+    input_quant: Literal["token", "group", "tensor"] | None = None
+    """The module's declared dynamic E4M3 activations (``None``: weight-only): the ``scaled_mm``
+    route is the one quantizing ``x`` that way (:func:`fp8_scaled_route`)."""
+    input_group_size: int | None = None
+    """Columns per activation scale for ``input_quant="group"``, else ``None``."""
 
     def __post_init__(self) -> None:
         where = "FP8RouteFacts"
@@ -215,6 +221,16 @@ class FP8RouteFacts:
                 f"{where}: capability is given exactly for CUDA devices; got "
                 f"device_type={self.device_type!r}, capability={self.capability!r}"
             )
+        if self.input_quant not in (None, "token", "group", "tensor"):
+            raise ValueError(
+                f"{where}: input_quant must be None, 'token', 'group' or 'tensor', got "
+                f"{self.input_quant!r}"
+            )
+        if (self.input_quant == "group") != (self.input_group_size is not None):
+            raise ValueError(
+                f"{where}: input_group_size is given exactly for input_quant='group'; got "
+                f"input_quant={self.input_quant!r}, input_group_size={self.input_group_size!r}"
+            )
         routes = [route for route, _ in self.disabled]
         for route in routes:
             if route not in _SWITCHABLE:
@@ -234,6 +250,41 @@ class FP8RouteChoice(NamedTuple):
 
 
 _DEFAULT_TUNING = FP8RouteTuning()
+
+
+def fp8_scaled_route(
+    scale_method: FP8ScaleMethod,
+    block_size: tuple[int, int] | None = None,
+    input_quant: str | None = None,
+    input_group_size: int | None = None,
+) -> tuple[ScaledRoute | None, str | None]:
+    """The ``scaled_mm`` route (and recipe of ``fp8_small_m``) for a weight layout and the
+    module's declared activations, or ``(None, why)`` when no recipe quantizes ``x`` that way.
+
+    Weight-only modules take their layout's route (:data:`SCALED_MM_ROUTE`). Per-token
+    activations take ``scaled_mm_rowwise`` (x per row in E4M3; a tensor weight scale broadcast
+    to every row), per-token-group ones ``scaled_mm_blockwise`` when the group is the weight's
+    block width, per-tensor ones ``scaled_mm_tensorwise`` for a tensor-scaled weight.
+
+    Numerics: none; a decision.
+
+    Example:
+      >>> fp8_scaled_route("tensor", input_quant="token")
+      ('scaled_mm_rowwise', None)
+    """
+    if input_quant is None:
+        return SCALED_MM_ROUTE[scale_method], None
+    if input_quant == "token" and scale_method in ("tensor", "row"):
+        return "scaled_mm_rowwise", None
+    if input_quant == "tensor" and scale_method == "tensor":
+        return "scaled_mm_tensorwise", None
+    if input_quant == "group" and block_size is not None and input_group_size == block_size[1]:
+        return "scaled_mm_blockwise", None
+    group = f" of {input_group_size}" if input_group_size is not None else ""
+    return None, (
+        f"no scaled_mm recipe multiplies {scale_method}-scaled weights by per-{input_quant}"
+        f"{group} FP8 activations"
+    )
 
 
 def select_fp8_route(
@@ -276,7 +327,12 @@ def select_fp8_route(
         if why is not None:
             return FP8RouteChoice("dequant_matmul", f"compiled_cpu: {why}")
         return FP8RouteChoice("compiled_cpu", None)
-    scaled = SCALED_MM_ROUTE[facts.scale_method]
+    route, no_recipe = fp8_scaled_route(
+        facts.scale_method, facts.block_size, facts.input_quant, facts.input_group_size
+    )
+    if route is None:
+        return FP8RouteChoice("dequant_matmul", f"scaled_mm and fp8_small_m: {no_recipe}")
+    scaled = route
     small = facts.rows <= tuning.small_m_limit(scaled, capturing=facts.capturing)
     why = _scaled_mm_gate(facts, scaled) or off.get(scaled)
     if why is not None:

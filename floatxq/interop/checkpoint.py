@@ -62,8 +62,27 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
-    "generation_config.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.tiktoken",
+    "chat_template.jinja",
 )
+"""Files that make up a tokenizer: a directory holding one of them has a tokenizer to load."""
+TOKENIZER_LOADABLE_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.tiktoken",
+)
+"""The tokenizer files that hold a vocabulary (``tokenizer_config.json``,
+``special_tokens_map.json``, ``added_tokens.json`` or a chat template alone are no tokenizer)."""
+SIDE_FILES = (*TOKENIZER_FILES, "generation_config.json")
+"""Files a save copies from the source directory: the tokenizer's, and ``generation_config.json``
+(generation defaults, no tokenizer)."""
 _TMP_MARK = ".floatxq-tmp-"
 _OLD_MARK = ".floatxq-old-"
 _LOCK_MARK = ".floatxq-lock"
@@ -96,16 +115,21 @@ def _unique_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def _shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    return shards
+    """The shards, in file order, as ``transformers``' ``save_pretrained`` splits a state dict
+    (``huggingface_hub``'s ``split_state_dict_into_shards_factory``: in order, a new shard when
+    the next tensor would pass ``max_bytes``, a tensor over it alone in its own shard)."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    split = split_state_dict_into_shards_factory(
+        dict(tensors),
+        # the tensor's own bytes (a view's storage can be larger); ties are already dropped
+        get_storage_size=lambda t: t.numel() * t.element_size(),
+        get_storage_id=lambda t: None,
+        filename_pattern="model{suffix}.safetensors",  # the names _write_files gives
+        max_shard_size=max_bytes,
+    )
+    shards = [{n: tensors[n] for n in names} for names in split.filename_to_tensors.values()]
+    return shards or [{}]
 
 
 def _fsync_dir(path: Path) -> None:

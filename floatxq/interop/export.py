@@ -41,6 +41,7 @@ from floatxq._typing import Float, Float32, Tensor
 from floatxq.config import FP8Config, GPTQConfig
 from floatxq.formats import ACTIVATION_SCALE_BITS
 from floatxq.fp8 import fp32_reciprocal
+from floatxq.interop.activations import ct_input_activations, refuse_dropped_activations
 from floatxq.interop.checkpoint import CheckpointError
 from floatxq.interop.export_gptq import (
     _check_dynamic_activation_scale,
@@ -431,7 +432,7 @@ def _ct_payload(modules: _Modules, facts: Mapping[str, _GptqFacts] | None = None
                 schemes[key] = (_CT_PACKED_FORMAT, weights, [])
         elif isinstance(module, TorchFP8Linear):
             _, method, block = _fp8_scheme(module)
-            key: tuple[Any, ...] = ("fp8", method, block)
+            key: tuple[Any, ...] = ("fp8", method, block, module.input_quant)
             if key not in schemes:
                 schemes[key] = (_CT_FLOAT_FORMAT, _ct_fp8_weights(method, block), [])
         else:
@@ -444,11 +445,11 @@ def _ct_payload(modules: _Modules, facts: Mapping[str, _GptqFacts] | None = None
         f"group_{i}": {
             "targets": ["Linear"] if one else names,
             "weights": weights,
-            "input_activations": None,
+            "input_activations": ct_input_activations(key[3] if key[0] == "fp8" else None),
             "output_activations": None,
             "format": fmt,
         }
-        for i, (fmt, weights, names) in enumerate(schemes.values())
+        for i, (key, (fmt, weights, names)) in enumerate(schemes.items())
     }
     formats = {fmt for fmt, _, _ in schemes.values()}
     return {
@@ -635,7 +636,7 @@ def _check_loadable(
         shape = (module.out_features, module.in_features)
         original = nn.Linear(shape[1], shape[0], bias=False, device="meta")
         try:
-            read_module(
+            read = read_module(
                 decision,
                 source,
                 original,
@@ -650,3 +651,4 @@ def _check_loadable(
                 f"export: module {source.name!r} holds tensors that floatxq.load refuses, so "
                 f"layout {layout!r} is not written: {exc}{_reader_hint(module, decision.layout)}"
             ) from None
+        refuse_dropped_activations(layout, source.name, module, read)

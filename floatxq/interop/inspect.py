@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from floatxq.config import GPTQConfig
 from floatxq.formats import ACTIVATION_SCALE_BITS
+from floatxq.interop.activations import WEIGHT_ONLY, describe_declared_activations
 from floatxq.interop.checkpoint import CONFIG_FILE, QUANTIZE_CONFIG_FILE
 from floatxq.interop.layouts import decide_layout, read_gptq_config
 from floatxq.interop.payload import payload_format, payload_method
@@ -52,6 +53,10 @@ class CheckpointReport(NamedTuple):
     """A GPTQ checkpoint's W4A activation policy (its stored form), None without one."""
     activation_scales: int = 0
     """Modules with an NVFP4 activation global scale (``activation_global_scale_bits``)."""
+    activations: str = WEIGHT_ONLY
+    """The declared activation quantization, as load runs it: ``fp8 e4m3 dynamic per token``
+    (``... per token group of 128``), a W4A policy's mode, or ``none (weight-only)``
+    (:func:`floatxq.interop.activations.describe_declared_activations`)."""
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -225,6 +230,14 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
         for dim in info.shape:
             count *= dim
         total += count * sizes.get(info.dtype, 4)
+    fp8 = [
+        name
+        for name, label in scales.items()
+        if label.startswith(("tensor", "row", "block"))
+        and str(getattr(by_name.get(f"{name}.weight"), "dtype", "")).startswith("F8_")
+    ]
+    policy = gptq.activation.mode if gptq is not None and gptq.activation is not None else None
+    activations = describe_declared_activations(decision, qconfig, fp8, policy=policy)
     method = (payload_method(qconfig) or None) if qconfig is not None else None
     fmt = payload_format(qconfig) if qconfig is not None else None
     return CheckpointReport(
@@ -244,4 +257,5 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
         quantize_config_file=(root / QUANTIZE_CONFIG_FILE).is_file(),
         activation=None if gptq is None or gptq.activation is None else gptq.activation.to_dict(),
         activation_scales=sum(n.endswith(f".{ACTIVATION_SCALE_BITS}") for n in by_name),
+        activations=activations,
     )

@@ -12,7 +12,6 @@ weights, one module at a time. Which layout a directory holds is decided first, 
 """
 
 import functools
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -22,8 +21,9 @@ from torch import nn
 
 from floatxq._checks import to_float32
 from floatxq.config import GPTQConfig
-from floatxq.config.rules import _check_rule_pattern
+from floatxq.config.rules import RulePattern, _check_rule_pattern
 from floatxq.formats import FP8_WEIGHT_DTYPES
+from floatxq.interop.activations import with_declared_activations
 from floatxq.interop.checkpoint import CheckpointError
 from floatxq.interop.layouts import LayoutDecision, _lower
 from floatxq.interop.shards import bounded_json
@@ -182,7 +182,7 @@ _CT_QUANTIZED_KEYS = frozenset(
 
 
 @functools.lru_cache(maxsize=1024)
-def _ignore_pattern(entry: str) -> "re.Pattern[str]":
+def _ignore_pattern(entry: str) -> RulePattern:
     return _check_rule_pattern(entry, entry.removeprefix("re:"))
 
 
@@ -261,14 +261,10 @@ def read_module(
             block = _declared_block(source, declared, file)
         else:
             block = _block_of(qconfig.get("weight_block_size"), f"{file} quantization_config")
-        return _fp8_module(
-            source,
-            "weight_scale_inv",
-            multiply=layout == "hf",
-            block=block,
-            dtype=dtype,
-            file=file,
+        module = _fp8_module(
+            source, "weight_scale_inv", multiply=layout == "hf", block=block, dtype=dtype, file=file
         )
+        return with_declared_activations(module, decision, qconfig, source.name, original, file)
     if layout == "mimo":
         raise CheckpointError(
             f"load: {where}: MiMo mixed sources need the mimo_v2 architecture, which transformers "
@@ -328,7 +324,8 @@ def read_module(
             raise CheckpointError(f"load: {file} quantization_config targets: {exc}") from None
     elif scale.ndim == 2 and scale.numel() > 1 and scale.shape[1] != 1:
         block = _inferred_block(weight, scale)
-    return _fp8_module(source, "weight_scale", multiply=True, block=block, dtype=dtype, file=file)
+    module = _fp8_module(source, "weight_scale", multiply=True, block=block, dtype=dtype, file=file)
+    return with_declared_activations(module, decision, qconfig, source.name, original, file)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,9 +6,10 @@ What a model directory can make these readers do: open and read regular files in
 directory (or, for a Hugging Face hub cache snapshot, in the cache's sibling ``blobs`` folder)
 and nothing else. Index entries that are absolute, hold ``..`` or resolve outside, symlinks that
 lead outside, FIFOs, sockets, devices and directories are refused before anything is opened;
-headers and JSON files over 100 MB are refused before they are read; a safetensors header is
-checked field by field (dtype, shape, offsets, coverage of the file) before the safetensors
-reader sees it, so every tensor read is exactly the bytes its header names.
+headers and JSON files over 100 MB are refused before they are read. A safetensors header is
+checked by ``safetensors.safe_open`` itself (dtypes, shapes, offsets tiling the data to the
+file's last byte), after the checks it lacks: the header length, bounded JSON, a tensor or
+metadata key given twice (safetensors keeps the last), ``"__metadata__": null``.
 """
 
 import math
@@ -39,9 +40,10 @@ class TensorInfo(NamedTuple):
 MAX_HEADER_BYTES = 100_000_000
 """The largest safetensors header or JSON file read (safetensors' own header limit)."""
 
-# Bits per element of each safetensors dtype (sub-byte dtypes pack several elements per byte).
+# Bits per element of each safetensors dtype, only to name what safetensors refused.
 _DTYPE_BITS = {
     "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4,
+    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
     "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32,
     "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
 }  # fmt: skip
@@ -270,14 +272,16 @@ def shard_files(path: str | os.PathLike[str]) -> list[Path]:
 
 
 def _check_header(file: Path) -> _Header:
-    """Read and check a safetensors header: every field, the offsets, and the file's size.
+    """Read a safetensors header with ``safe_open``, after the checks safetensors lacks.
 
-    The offsets must tile the data exactly (sorted, no gap, no overlap, ending at the end of
-    the file) and each span must be exactly the bytes its dtype and shape need, so the reader
-    can only hand back the bytes the header names.
+    Before safetensors sees the file: a regular file, its length field within
+    :data:`MAX_HEADER_BYTES` and the file, and the header text bounded JSON that gives no key
+    twice (safetensors keeps the last of two tensors or metadata keys of one name). The rest
+    (dtypes, shapes, offsets tiling the data to the file's last byte) is safetensors' own; a
+    refusal is named by :func:`_diagnosis` and carries safetensors' message.
+    ``"__metadata__": null``, which safetensors reads as no metadata, is refused.
     """
-    what = "checkpoint"
-    fh, size = _open_regular(file, what)
+    fh, size = _open_regular(file, "checkpoint")
     with fh:
         head = fh.read(8)
         if len(head) < 8:
@@ -288,9 +292,7 @@ def _check_header(file: Path) -> _Header:
                 f"checkpoint: {file} declares a {header_len}-byte safetensors header (1 to "
                 f"{MAX_HEADER_BYTES} accepted); not a safetensors file, or a corrupt one"
             )
-        if header_len > size - 8:
-            raise CheckpointError(f"checkpoint: {file} is truncated (header runs past the end)")
-        raw = fh.read(header_len)
+        raw = fh.read(header_len) if header_len <= size - 8 else b""
     if len(raw) < header_len:
         raise CheckpointError(f"checkpoint: {file} is truncated (header runs past the end)")
     header = bounded_json(
@@ -299,80 +301,79 @@ def _check_header(file: Path) -> _Header:
         keys=f"checkpoint: {file}: the safetensors header",
         same_value_ok=False,
     )
+    try:
+        with safe_open(str(file), framework="pt") as reader:
+            metadata = reader.metadata()
+            tensors = {}
+            for name in reader.keys():
+                sl = reader.get_slice(name)
+                tensors[name] = (str(sl.get_dtype()), tuple(sl.get_shape()))
+    except Exception as exc:  # safetensors raises its own error types
+        why = _diagnosis(header, 8 + header_len, size) or ": not a valid safetensors file"
+        raise CheckpointError(f"checkpoint: {file}{why} (safetensors: {exc})") from None
+    if metadata is None and header.get("__metadata__", {}) is None:
+        raise CheckpointError(
+            f"checkpoint: {file}: safetensors __metadata__ must map strings to strings, got None"
+        )
+    return _Header(tensors, metadata or {})
+
+
+def _diagnosis(header: Any, data_start: int, size: int) -> str | None:
+    """Which tensor and field of a parsed header safetensors refused, as the end of a message
+    that starts with the file's name (``": tensor 'w': ..."``, ``" is truncated ..."``; None:
+    none found).
+
+    Only for the message: safetensors decides what is read, and its own message names neither
+    the tensor nor the field of most refusals.
+    """
     if not isinstance(header, dict):
-        raise CheckpointError(
-            f"checkpoint: {file}: the safetensors header is a JSON {type(header).__name__}, not "
-            f"an object"
-        )
-    metadata = header.pop("__metadata__", {})
+        return f": the safetensors header is a JSON {type(header).__name__}, not an object"
+    entries = dict(header)
+    metadata = entries.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CheckpointError(
-            f"checkpoint: {file}: safetensors __metadata__ must map strings to strings, got "
-            f"{_short(metadata)}"
-        )
-    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-    spans: list[tuple[int, int, str]] = []
-    for name, entry in header.items():
-        tensor = f"checkpoint: {file}: tensor {name!r}"
+        return f": safetensors __metadata__ must map strings to strings, got {_short(metadata)}"
+    spans = []
+    for name, entry in entries.items():
+        tensor = f": tensor {name!r}"
         if not isinstance(entry, dict):
-            raise CheckpointError(f"{tensor}: header entry is {_short(entry)}, not an object")
+            return f"{tensor}: header entry is {_short(entry)}, not an object"
         missing = [key for key in _HEADER_FIELDS if key not in entry]
         if missing:
-            raise CheckpointError(f"{tensor}: header entry lacks {', '.join(missing)}")
+            return f"{tensor}: header entry lacks {', '.join(missing)}"
         dtype, shape, offsets = (entry[key] for key in _HEADER_FIELDS)
         if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
-            raise CheckpointError(
-                f"{tensor}: dtype {_short(dtype)} is not a safetensors dtype "
-                f"({', '.join(_DTYPE_BITS)})"
-            )
+            return f"{tensor}: dtype {_short(dtype)} is not a safetensors dtype"
         if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-            raise CheckpointError(
-                f"{tensor}: shape {_short(shape)} is not a list of non-negative ints"
-            )
+            return f"{tensor}: shape {_short(shape)} is not a list of non-negative ints"
         if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(_is_count(o) for o in offsets)
+            not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets)))
             or offsets[0] > offsets[1]
         ):
-            raise CheckpointError(
-                f"{tensor}: data_offsets {_short(offsets)} is not [begin, end] with "
-                f"0 <= begin <= end"
-            )
+            return f"{tensor}: data_offsets {_short(offsets)} is not [begin, end], begin <= end"
         bits = math.prod(shape) * _DTYPE_BITS[dtype]
-        begin, end = offsets
-        if bits % 8 or end - begin != bits // 8:
-            raise CheckpointError(
-                f"{tensor}: data_offsets {offsets} hold {end - begin} bytes, but {dtype} of shape "
-                f"{shape} needs {bits / 8:g}"
+        if bits % 8 or offsets[1] - offsets[0] != bits // 8:  # F4/F6: only whole bytes
+            odd = f" and {bits % 8} bits" if bits % 8 else ""
+            return (
+                f"{tensor}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, but "
+                f"{dtype} of shape {shape} needs {bits // 8}{odd}"
             )
-        tensors[name] = (dtype, tuple(shape))
-        spans.append((begin, end, name))
-    covered = 0
-    previous = None
+        spans.append((*offsets, name))
+    covered, previous = 0, None
     for begin, end, name in sorted(spans):
-        if begin < covered:
-            raise CheckpointError(
-                f"checkpoint: {file}: tensor {name!r} (data_offsets [{begin}, {end}]) overlaps "
-                f"tensor {previous!r}"
-            )
-        if begin > covered:
-            raise CheckpointError(
-                f"checkpoint: {file}: {begin - covered} bytes before tensor {name!r} belong to no "
-                f"tensor (data_offsets must tile the data)"
+        if begin != covered:
+            return (
+                f": tensor {name!r} (data_offsets [{begin}, {end}]) overlaps tensor {previous!r}"
+                if begin < covered
+                else f": {begin - covered} bytes before tensor {name!r} belong to no tensor "
+                f"(data_offsets must tile the data)"
             )
         covered, previous = end, name
-    needed = 8 + header_len + covered
+    needed = data_start + covered
     if needed > size:
-        raise CheckpointError(
-            f"checkpoint: {file} is truncated ({size} bytes; the header needs {needed})"
-        )
+        return f" is truncated ({size} bytes; the header needs {needed})"
     if needed < size:
-        raise CheckpointError(
-            f"checkpoint: {file} has {size - needed} bytes past its last tensor (the header "
-            f"covers {needed}); corrupt or not what the header describes"
-        )
-    return _Header(tensors, metadata)
+        return f" has {size - needed} bytes past its last tensor (the header covers {needed})"
+    return None
 
 
 def _is_count(value: Any) -> bool:
@@ -432,25 +433,11 @@ def tensor_infos(path: str | os.PathLike[str]) -> list[TensorInfo]:
     Numerics: none; ``TensorInfo.file`` is the shard's path relative to ``path``.
     """
     root = Path(path)
-    infos = []
-    for file, header in _read_headers(root):
-        try:
-            with safe_open(str(file), framework="pt") as reader:
-                names = list(reader.keys())
-                for name in names:
-                    sl = reader.get_slice(name)
-                    infos.append(
-                        TensorInfo(
-                            name, str(sl.get_dtype()), tuple(sl.get_shape()), _relative(root, file)
-                        )
-                    )
-        except Exception as exc:  # safetensors raises its own error types
-            raise CheckpointError(f"checkpoint: cannot read {file} ({exc})") from None
-        if sorted(names) != sorted(header.tensors):
-            raise CheckpointError(
-                f"checkpoint: {file}: safetensors lists other tensors than its header"
-            )
-    return infos
+    return [
+        TensorInfo(name, dtype, shape, _relative(root, file))
+        for file, header in _read_headers(root)
+        for name, (dtype, shape) in header.tensors.items()
+    ]
 
 
 def iter_tensors(

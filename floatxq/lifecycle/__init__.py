@@ -25,9 +25,11 @@ from floatxq.interop.payload import (
     payload_format,
     payload_method,
 )
+from floatxq.lifecycle.calibration import load_calibration_file, prepare_calibration
 from floatxq.lifecycle.evaluate import EvalReport, evaluate_lm
 from floatxq.lifecycle.gptq import gptq_solve_options
-from floatxq.lifecycle.loading import load
+from floatxq.lifecycle.layout_check import check_layout
+from floatxq.lifecycle.loading import load, resolve_model
 from floatxq.lifecycle.model import InterruptedQuantize, QuantizedModel
 from floatxq.lifecycle.stream import (
     NVFP4BoundaryQuantizer,
@@ -58,6 +60,7 @@ __all__ = [
     "NVFP4BoundaryQuantizer",
     "QuantizedModel",
     "W4AStreamPolicy",
+    "check_layout",
     "decide_layout",
     "evaluate_lm",
     "export_layout",
@@ -72,9 +75,12 @@ __all__ = [
     "installed_w4a_stream",
     "llama_stream_boundaries",
     "load",
+    "load_calibration_file",
     "normalize_layout",
     "payload_format",
     "payload_method",
+    "prepare_calibration",
+    "resolve_model",
     "set_stream_global_scales",
     "stream_boundary_quantizers",
     "uninstall_w4a_llama_stream",

@@ -126,6 +126,10 @@ class GPTQModuleReport(NamedTuple):
     seconds: float
     """Wall time of its solve and packing."""
 
+    def to_dict(self) -> dict[str, Any]:
+        """The report as a JSON-ready dict: each field's name and value."""
+        return dict(self._asdict())
+
 
 class GPTQRunReport(NamedTuple):
     """A whole GPTQ run: every module's report and the calibration it used."""
@@ -140,6 +144,15 @@ class GPTQRunReport(NamedTuple):
     """With an activation policy: each solved module's FP32 activation global scale (the
     headroom calibration's, or ``nvfp4_global_scale`` of its inputs' running ``max|x|``); 0.0
     where its inputs are FP8. Empty without a policy."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The run as a JSON-ready dict: ``modules`` (each module's
+        :meth:`GPTQModuleReport.to_dict`, per-module losses included), the run's counts and
+        ``activation_scales`` as a dict."""
+        out = dict(self._asdict())
+        out["modules"] = [m.to_dict() for m in self.modules]
+        out["activation_scales"] = dict(self.activation_scales)
+        return out
 
 
 def _target_types() -> tuple[type, ...]:

@@ -4,11 +4,14 @@ requantize, wrapped in a :class:`~floatxq.lifecycle.model.QuantizedModel`.
 A plain model (an ``nn.Module`` or a Hugging Face model directory) is wrapped for quantization; a
 quantized directory (floatxq's or another tool's, ``docs/interop.md``) is rebuilt module by module
 from its files (:mod:`floatxq.lifecycle.rebuild`), without quantizing again, on the backend that
-runs it. Nothing is fetched from a hub: paths are local.
+runs it. A name is resolved first (:func:`resolve_model`): ``"tiny"`` is the built-in tiny Llama,
+a local path is itself, and an ``org/name`` that is no local path is a Hugging Face Hub model
+(read from the local Hub cache, downloaded only when ``HF_HUB_OFFLINE`` is not set).
 """
 
 import contextlib
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -148,6 +151,139 @@ def _backend_name(backend: Any) -> BACKEND:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+TINY_NAME = "tiny"
+"""The name :func:`resolve_model` (and the command line) gives the built-in tiny Llama."""
+HUB_FILES: tuple[str, ...] = (
+    "*.json",
+    "*.safetensors",
+    "tokenizer*",
+    "*.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jinja",
+)
+"""What a Hub download fetches: configs, safetensors shards and the tokenizer (never pickles or
+code)."""
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
+"""``org/name``: what :func:`resolve_model` takes for a Hub repository id."""
+_TRUE = ("1", "on", "yes", "true")
+
+
+def _hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` (read now, so a setting made after import counts)."""
+    value = os.environ.get("HF_HUB_OFFLINE")
+    if value is not None:
+        return value.strip().lower() in _TRUE
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _hub_cache() -> str:
+    """The Hub cache ``snapshot_download`` uses: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
+    huggingface_hub's default (read now, so a setting made after import counts)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.environ["HF_HOME"], "hub")
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    """A Hub model's snapshot directory: from the local cache, else downloaded into it."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HFValidationError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+    except ImportError as exc:  # pragma: no cover - a dependency of transformers
+        raise ImportError(
+            f"load: {repo_id!r} names a Hub model, which needs huggingface_hub"
+        ) from exc
+    offline, cache = _hub_offline(), _hub_cache()
+    at = f" at revision {revision!r}" if revision else ""
+    try:
+        found = snapshot_download(
+            repo_id,
+            revision=revision,
+            allow_patterns=list(HUB_FILES),
+            cache_dir=cache,
+            local_files_only=offline,
+        )
+    except HFValidationError as exc:
+        raise ValueError(f"load: {repo_id!r} is not a Hub model id ({exc})") from None
+    except (RepositoryNotFoundError, GatedRepoError) as exc:  # Gated is a RepositoryNotFound
+        raise FileNotFoundError(
+            f"load: no Hub model {repo_id!r}{at} that this account can read "
+            f"({type(exc).__name__}), and no local directory of that name"
+        ) from None
+    except RevisionNotFoundError:
+        raise FileNotFoundError(
+            f"load: Hub model {repo_id!r} has no revision {revision!r}"
+        ) from None
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
+        raise FileNotFoundError(
+            f"load: {repo_id!r}{at} is neither a local directory nor in the Hub cache {cache}, "
+            f"and {why}; download it (huggingface-cli download {repo_id}) or pass a directory"
+        ) from None
+    return Path(found)
+
+
+def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None) -> Path:
+    """The local directory a model name stands for.
+
+    * ``"tiny"``: the built-in tiny Llama (:data:`floatxq.tiny.TINY_LLAMA_DIR`);
+    * an existing path (or one an interrupted save can restore): itself;
+    * a string ``org/name`` that is no local path: a Hugging Face Hub model, taken from the
+      local Hub cache (``HF_HUB_CACHE`` / ``HF_HOME``) or downloaded into it
+      (``huggingface_hub.snapshot_download`` of :data:`HUB_FILES` only; nothing is downloaded
+      when ``HF_HUB_OFFLINE=1``).
+
+    ``revision`` (a branch, tag or commit) applies to Hub models only.
+
+    Raises:
+      CheckpointError (a ValueError): a path that does not exist and is no Hub id.
+      ValueError: an invalid Hub id, or ``revision`` with a local model.
+      FileNotFoundError: a Hub model that is not in the cache (offline), does not exist, or
+        lacks the revision; the id and the cache are named.
+
+    Numerics: none.
+    """
+    text = os.fspath(name)
+    if isinstance(name, str) and text == TINY_NAME:
+        from floatxq.tiny import TINY_LLAMA_DIR
+
+        path = TINY_LLAMA_DIR
+    else:
+        path = Path(text)
+        if not os.path.lexists(path) and recover_interrupted_save(path):
+            warnings.warn(
+                f"load: {path} was missing after an interrupted save; its previous contents "
+                f"were restored from the save's hidden backup",
+                UserWarning,
+                stacklevel=3,
+            )
+        if not os.path.lexists(path) and isinstance(name, str) and _HUB_ID.fullmatch(text):
+            return _download(text, revision)
+        if not os.path.lexists(path):
+            raise CheckpointError(
+                f"load: {text} is not a model directory (no such path), nor 'tiny' or a Hub "
+                f"model id 'org/name'"
+            )
+    if revision is not None:
+        raise ValueError(
+            f"load: revision={revision!r} applies to Hub models; {text} is a local directory"
+        )
+    return path
+
+
 def _as_config(value: Any) -> FP8Config | GPTQConfig:
     if isinstance(value, (FP8Config, GPTQConfig)):
         return value
@@ -173,13 +309,16 @@ def load(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     backend: str | BACKEND = "auto",
+    revision: str | None = None,
 ) -> QuantizedModel:
     """Load a model to quantize, a quantized checkpoint to run, or a native source to requantize.
 
     Args:
-      model_or_path: an ``nn.Module`` (used as is, not copied) or a local Hugging Face model
-        directory. A directory holding a quantized checkpoint (floatxq's or another tool's, see
-        ``docs/interop.md``) is rebuilt from its files: its quantized modules get the saved bytes.
+      model_or_path: an ``nn.Module`` (used as is, not copied), a local Hugging Face model
+        directory, ``"tiny"`` (the built-in tiny Llama) or a Hub id ``"org/name"`` (from the
+        local Hub cache, else downloaded: :func:`resolve_model`). A directory holding a quantized
+        checkpoint (floatxq's or another tool's, see ``docs/interop.md``) is rebuilt from its
+        files: its quantized modules get the saved bytes.
       quantize_config: an ``FP8Config`` or ``GPTQConfig`` (or a payload of either, see
         :mod:`floatxq.interop.payload`) for :meth:`QuantizedModel.quantize`. Given a native
         FP8 / NVFP4 checkpoint, a ``GPTQConfig`` requantizes it: the source modules keep their
@@ -196,15 +335,20 @@ def load(
         None, ``"mps"``, ``"gpu"`` or ``"cpu"``). An activation policy binds its backend
         (:func:`~floatxq.config.backend_for_activation`); a loaded W4A checkpoint gets its saved
         activation scales and, on a Llama, the activation stream.
+      revision: a Hub model's branch, tag or commit (Hub ids only).
 
     Raises:
-      CheckpointError (a ValueError): missing/corrupt/truncated files, inconsistent tensors.
+      CheckpointError (a ValueError): missing/corrupt/truncated files, inconsistent tensors, a
+        path that does not exist and is no Hub id.
       ValueError: unknown method, or a backend that cannot run the model. TypeError: wrong kind.
+      FileNotFoundError: a Hub id not in the local cache when offline, or not on the Hub.
 
     Numerics: loading is bit-exact; quantization as :func:`floatxq.quantize_fp8_weight` or
     :func:`floatxq.gptq_solve`.
     """
     if _is_mlx(backend):
+        if isinstance(model_or_path, (str, os.PathLike)):
+            model_or_path = resolve_model(model_or_path, revision=revision)
         return _load_mlx(model_or_path, quantize_config=quantize_config, device=device, dtype=dtype)
     dev = torch.device(device) if device is not None else None
     config = _as_config(quantize_config) if quantize_config is not None else None
@@ -225,16 +369,9 @@ def load(
             f"load: model_or_path must be an nn.Module or a directory path, got "
             f"{type(model_or_path).__name__}"
         )
-    path = Path(model_or_path)
-    if not os.path.lexists(path) and recover_interrupted_save(path):
-        warnings.warn(
-            f"load: {path} was missing after an interrupted save; its previous contents were "
-            f"restored from the save's hidden backup",
-            UserWarning,
-            stacklevel=2,
-        )
+    path = resolve_model(model_or_path, revision=revision)
     if not path.is_dir():
-        raise CheckpointError(f"load: {path} is not a model directory (no hub downloads here)")
+        raise CheckpointError(f"load: {path} is not a model directory (it is a file)")
     payload = read_json(path / CONFIG_FILE, what="load")
     model, qconfig, decision, activation_bits = _load_quantized(
         path, payload, device=None if gptq else dev, dtype=dtype
@@ -290,4 +427,4 @@ def load(
     return loaded
 
 
-__all__ = ["load"]
+__all__ = ["HUB_FILES", "TINY_NAME", "load", "resolve_model"]

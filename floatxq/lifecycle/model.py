@@ -4,7 +4,6 @@ place, calibrates an activation stream and saves a checkpoint that :func:`floatx
 """
 
 import os
-import re
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -20,7 +19,9 @@ from floatxq.config import (
     GPTQConfig,
 )
 from floatxq.interop.checkpoint import (
+    SIDE_FILES,
     TOKENIZER_FILES,
+    TOKENIZER_LOADABLE_FILES,
     write_checkpoint,
 )
 from floatxq.interop.export import DEFAULT_LAYOUT, export_layout
@@ -100,6 +101,17 @@ class QuantizedModel:
         self.interrupted: InterruptedQuantize | None = None
         """Set when a GPTQ :meth:`quantize` raised after replacing modules (the model is then
         partly quantized, and ``quantize()`` and ``save()`` refuse it); None otherwise."""
+        self.save_layout: str | None = None
+        """The layout given to ``quantize(layout=...)``: checked before the work, and the layout
+        ``save()`` writes when given none."""
+
+    def check_save_layout(self, layout: str | None = None) -> str:
+        """Refuse, before any work, a save ``layout`` that cannot hold this model once quantized
+        with its ``quantize_config`` (:func:`~floatxq.lifecycle.layout_check.check_layout`);
+        returns the canonical layout name."""
+        from floatxq.lifecycle.layout_check import check_layout
+
+        return check_layout(self, None, layout or self.save_layout, where="layout")
 
     @property
     def partially_quantized(self) -> bool:
@@ -127,6 +139,11 @@ class QuantizedModel:
         progress: bool | Callable[[str], None] = True,
         tokenizer: Any = None,
         resume: bool = False,
+        layout: str | None = None,
+        max_length: int | None = None,
+        overflow: str = "refuse",
+        num_samples: int | None = None,
+        text_column: str = "text",
     ) -> "QuantizedModel":
         """Quantize the model's linear modules in place.
 
@@ -142,13 +159,25 @@ class QuantizedModel:
           progress: show progress bars (True), stay quiet (False), or a callback per module.
           tokenizer: GPTQ: turns string samples into ids (default: the source's tokenizer).
           resume: GPTQ: finish an interrupted run (below) with the same calibration.
+          layout: the checkpoint layout the model will be saved in: checked against the config
+            and the model's modules before any work (:meth:`check_save_layout`), and the layout
+            ``save()`` writes when given none. None checks nothing.
+          max_length: GPTQ: the longest calibration sample, at most the model's
+            ``max_position_embeddings`` (the default).
+          overflow: GPTQ: a sample longer than that is refused (``"refuse"``, the default),
+            cut (``"truncate"``), or all samples are concatenated and cut into windows of
+            ``max_length`` tokens (``"chunk"``).
+          num_samples: GPTQ: use at most this many samples (windows with ``"chunk"``).
+          text_column: GPTQ: the column of a ``datasets`` Dataset (or the key of mapping
+            samples) that holds the text.
 
         Raises:
           RuntimeError: no quantize_config, or the model is already quantized.
           ValueError: GPTQ without calibration or with unusable calibration (empty, too short,
             strings without a tokenizer, ids outside the vocabulary, non-finite activations), a
             module the settings cannot pack (:func:`~floatxq.lifecycle.gptq.plan_gptq`); an
-            interrupted model without ``resume=True``, or a ``resume`` that cannot resume.
+            interrupted model without ``resume=True``, or a ``resume`` that cannot resume; a
+            ``layout`` that cannot hold a module the config quantizes (before any work).
           TypeError: ``resume`` is not a bool.
 
         On failure FP8 rolls back (every replaced module put back). GPTQ, which releases each
@@ -165,8 +194,18 @@ class QuantizedModel:
         if not isinstance(resume, bool):
             raise TypeError(f"quantize: resume must be a bool, got {type(resume).__name__}")
         self._check_resume(resume)
+        if layout is not None:
+            from floatxq.lifecycle.layout_check import check_layout
+
+            self.save_layout = check_layout(self, None, layout, where="quantize")
         if isinstance(self.quantize_config, GPTQConfig):
-            return self._quantize_gptq(calibration, batch_size, progress, tokenizer)
+            options = {
+                "max_length": max_length,
+                "overflow": overflow,
+                "num_samples": num_samples,
+                "text_column": text_column,
+            }
+            return self._quantize_gptq(calibration, batch_size, progress, tokenizer, options)
         if calibration is not None:
             warnings.warn(
                 "quantize: FP8 weight-only quantization needs no calibration data; the given "
@@ -221,7 +260,12 @@ class QuantizedModel:
             )
 
     def _quantize_gptq(
-        self, calibration: Any, batch_size: int, progress: Any, tokenizer: Any
+        self,
+        calibration: Any,
+        batch_size: int,
+        progress: Any,
+        tokenizer: Any,
+        options: Mapping[str, Any],
     ) -> "QuantizedModel":
         from floatxq.lifecycle.calibration import prepare_calibration
         from floatxq.lifecycle.gptq import plan_gptq, quantize_gptq_model
@@ -245,7 +289,10 @@ class QuantizedModel:
             batch_size=batch_size,
             pad_token_id=pad if isinstance(pad, int) else 0,
             vocab_size=getattr(hf_config, "vocab_size", None),
-            max_length=getattr(hf_config, "max_position_embeddings", None),
+            max_length=_max_length(options["max_length"], hf_config),
+            overflow=options["overflow"],
+            num_samples=options["num_samples"],
+            text_column=options["text_column"],
         )
         work = self.device or _default_work_device(self.model)
         names = [p.name for p in plans if p.config is not None]
@@ -363,7 +410,8 @@ class QuantizedModel:
 
         Args:
           path: the directory to create.
-          layout: None (``"gptq"`` for a model with a W4A activation policy, else
+          layout: None (the layout given to ``quantize(layout=...)``, else ``"gptq"`` for a
+            model with a W4A activation policy, else
             ``"compressed-tensors"``), ``"compressed-tensors"``, ``"hf"``, ``"gptqmodel"`` or
             ``"gptq"``; ``docs/interop.md`` has the table of what each writes and who reads it.
           max_shard_size: bytes per safetensors shard (an int or like ``"4GB"``).
@@ -405,6 +453,8 @@ class QuantizedModel:
         if config_obj is None or not hasattr(config_obj, "to_dict"):
             raise TypeError("save: the model has no Hugging Face config to write as config.json")
         if layout is None:
+            layout = self.save_layout
+        if layout is None:
             activation = getattr(self.quantize_config, "activation", None)
             layout = DEFAULT_LAYOUT if activation is None else "gptq"
         exported = export_layout(self.model, self.quantize_config, layout)
@@ -412,7 +462,7 @@ class QuantizedModel:
         config["quantization_config"] = exported.quantization_config
         extra = {}
         if self.source is not None:
-            extra = {n: self.source / n for n in TOKENIZER_FILES if (self.source / n).is_file()}
+            extra = {n: self.source / n for n in SIDE_FILES if (self.source / n).is_file()}
         return write_checkpoint(
             path,
             exported.state,
@@ -422,6 +472,20 @@ class QuantizedModel:
             max_shard_bytes=_parse_size(max_shard_size),
             overwrite=overwrite,
         )
+
+
+def _max_length(asked: Any, hf_config: Any) -> Any:
+    """``quantize(max_length=...)``: the model's ``max_position_embeddings`` when not given; a
+    longer one is refused (the model has no positions for it)."""
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    if asked is None or not isinstance(positions, int) or isinstance(asked, bool):
+        return positions if asked is None else asked
+    if isinstance(asked, int) and asked > positions:
+        raise ValueError(
+            f"quantize: max_length={asked} is more than the model's {positions} positions "
+            f"(max_position_embeddings); pick at most {positions}"
+        )
+    return asked
 
 
 def _describe(exc: BaseException) -> str:
@@ -442,13 +506,17 @@ def _finished_report(model: nn.Module, modules: tuple[Any, ...], calibration: An
 
 
 def _parse_size(value: object) -> int:
-    """``max_shard_size`` in bytes: a positive int, or a size like ``"4GB"``, ``"500MB"``,
-    ``"1.5GB"`` (units B, KB, MB, GB of 1024; any case; rounded down to whole bytes).
+    """``max_shard_size`` in bytes: a positive int, or a size string as ``transformers``'
+    ``save_pretrained`` reads it (``huggingface_hub``'s ``parse_size_to_int``: KB, MB, GB, TB of
+    1000, any case, so ``"4GB"`` is 4·10⁹ bytes), or in KiB, MiB, GiB, TiB of 1024 (``"4GiB"`` is
+    4·2³⁰ bytes; Hugging Face's parser has no binary units); rounded down to whole bytes.
 
     Takes any object because it is the check: bools, floats, zero, negatives, NaN/inf and unknown
     units are refused with ValueError, other kinds with TypeError.
     """
-    accepted = "a positive int of bytes or a size like '4GB', '500MB' or '1.5GB' (B, KB, MB, GB)"
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    accepted = "a positive int of bytes or a size like '4GB' (4·10^9 bytes), '500MB' or '4GiB'"
     if isinstance(value, (bool, float)):
         raise ValueError(f"save: max_shard_size must be {accepted}, got {value!r}")
     if isinstance(value, int):
@@ -459,12 +527,12 @@ def _parse_size(value: object) -> int:
         raise TypeError(
             f"save: max_shard_size must be {accepted}, got {type(value).__name__} {value!r}"
         )
-    found = re.fullmatch(r"(\d{0,20})(?:\.(\d{0,20}))?\s*([KMG]?B)", value.strip().upper())
-    size = 0
-    if found and (found[1] or found[2]):  # exact integer arithmetic: no float rounding, no inf
-        factor = {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3}[found[3]]
-        digits = found[2] or ""
-        size = int(found[1] + digits or "0") * factor // 10 ** len(digits)
+    text = value.strip()
+    binary = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}.get(text[-3:].upper())
+    try:  # float() takes "nan" and "inf": int() refuses them below
+        size = int(float(text[:-3]) * binary) if binary else parse_size_to_int(text)
+    except (ValueError, OverflowError):
+        size = 0
     if size < 1:
         raise ValueError(f"save: max_shard_size must be {accepted}, got {value!r}")
     return size
@@ -523,10 +591,14 @@ class _LazyTokenizer:
             )
         if self.path.resolve() == TINY_LLAMA_DIR.resolve():
             return encode_text
-        if not any((self.path / n).is_file() for n in TOKENIZER_FILES):
+        if not any((self.path / n).is_file() for n in TOKENIZER_LOADABLE_FILES):
+            present = [n for n in TOKENIZER_FILES if (self.path / n).is_file()]
+            only = f" (only {', '.join(present)}, which hold no vocabulary)" if present else ""
             raise ValueError(
-                f"{where}: string samples need a tokenizer, and {self.path} has no tokenizer "
-                f"files; pass token-id tensors or quantize(..., tokenizer=...)"
+                f"{where}: no tokenizer files in {self.path}{only}; string samples need a "
+                f"tokenizer: pass tokenizer= (quantize(..., tokenizer=...) or "
+                f"QuantizedModel.tokenizer), or token-id tensors; looked for "
+                f"{', '.join(TOKENIZER_LOADABLE_FILES)}"
             )
         try:
             from transformers import AutoTokenizer

@@ -12,7 +12,12 @@ and runs that route's runner (:mod:`floatxq.kernels.fp8_routes`, built once per 
 ``last_route`` names the route taken (:data:`floatxq.ROUTES`) and ``last_fallback_reason`` why
 the fastest candidate was not (``None`` when it was). A route that raises is switched off for
 this module and that input dtype (warned once) and the call takes the next route the policy
-gives. Modules built from ``nn.Conv1d/2d/3d`` decode the weight and convolve
+gives. A module whose checkpoint declares dynamic FP8 activations (``input_quant``, e.g.
+llm-compressor's ``FP8_DYNAMIC``: per token) quantizes ``x`` that way on every route: the
+``scaled_mm`` routes take the recipe that does (:func:`floatxq.dispatch.fp8_scaled_route`), and
+the weight-only ones (``dequant_matmul``, ``compiled_cpu``) quantize-dequantize ``x`` first
+(:func:`floatxq.nn.fp8_activation.input_qdq`); ``last_activations`` says what the last call did to
+``x``. Modules built from ``nn.Conv1d/2d/3d`` decode the weight and convolve
 (``conv_dequant``, :mod:`floatxq.nn.conv`). The LoRA hook ``adapter`` runs last:
 ``out = adapter(x_flat, out)``. What each route computes: ``docs/numerics.md``.
 """
@@ -36,6 +41,7 @@ from floatxq.dispatch import (
     FP8RouteFacts,
     FP8RouteTuning,
     RoutePreference,
+    fp8_scaled_route,
     quantize_fp8_weight_auto,
     select_fp8_route,
 )
@@ -52,6 +58,7 @@ from floatxq.kernels import fp8_routes, triton_unavailable_reason
 from floatxq.nn._bytes import ByteBuffers
 from floatxq.nn._preference import RoutePreferenceHolder
 from floatxq.nn.conv import ConvGeometry, conv_forward, weight_matrix
+from floatxq.nn.fp8_activation import FP8InputQuant, input_qdq, normalize_input_quant
 
 __all__ = ["TorchFP8Linear"]
 
@@ -118,9 +125,12 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
       weight_scale_method: ``"tensor"``, ``"row"`` or ``"block"`` (``None``: by block size).
       weight_block_size: ``[block_rows, block_cols]`` for ``"block"``; must divide the shape.
       device: where the buffers live.
+      input_quant: the declared dynamic E4M3 activations (:class:`FP8InputQuant`, ``"token"``,
+        ``"tensor"``, ``"group:<size>"``), or ``None`` for weight-only; settable later.
 
     Raises:
-      ValueError: bad names, negative sizes, a block size that does not divide the shape.
+      ValueError: bad names, negative sizes, a block size that does not divide the shape, an
+        ``input_quant`` group size that does not divide ``in_features``.
       TypeError: non-integer sizes.
 
     Numerics: decode is ``float32(code) / scale_inv`` rounded once to ``x.dtype``; the
@@ -152,6 +162,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         weight_scale_method: str | None = "row",
         weight_block_size: Sequence[int] | None = None,
         device: torch.device | str | None = None,
+        input_quant: FP8InputQuant | str | None = None,
     ) -> None:
         super().__init__()
         where = "TorchFP8Linear"
@@ -172,6 +183,8 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         self._scaled_route = SCALED_MM_ROUTE[method]
         self._recipe = self._scaled_route.removeprefix("scaled_mm_")
         self.conv: ConvGeometry | None = None
+        self._input_quant: FP8InputQuant | None = None
+        self.input_quant = input_quant  # type: ignore[assignment]
         codes = torch.zeros((out_features, in_features), dtype=torch.uint8, device=device)
         self.register_buffer("weight", codes.view(fp8_dtype(name)))
         self.register_buffer(
@@ -194,6 +207,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         format: str | torch.dtype = "float8_e4m3fn",
         weight_scale_method: str | None = "row",
         weight_block_size: Sequence[int] | None = None,
+        input_quant: FP8InputQuant | str | None = None,
     ) -> "TorchFP8Linear":
         """Quantize an ``nn.Linear``, a Hugging Face ``Conv1D`` or an ``nn.Conv1d/2d/3d``.
 
@@ -224,6 +238,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             getattr(module, "bias", None),
             weight_scale_method=method,
             weight_block_size=block,
+            input_quant=input_quant,
         )
         layer.conv = conv
         return layer
@@ -237,6 +252,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         weight_scale_method: str | None = "row",
         weight_block_size: Sequence[int] | None = None,
         device: torch.device | str | None = None,
+        input_quant: FP8InputQuant | str | None = None,
     ) -> "TorchFP8Linear":
         """An unfilled module shaped for ``module`` (convolution geometry included), to load into.
 
@@ -251,6 +267,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             weight_scale_method=weight_scale_method,
             weight_block_size=weight_block_size,
             device=device if device is not None else matrix.device,
+            input_quant=input_quant,
         )
         layer.conv = conv
         return layer
@@ -264,6 +281,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         *,
         weight_scale_method: str | None = None,
         weight_block_size: Sequence[int] | None = None,
+        input_quant: FP8InputQuant | str | None = None,
     ) -> "TorchFP8Linear":
         """Wrap existing FP8 codes and FP32 inverse scales (no copy of the codes when contiguous).
 
@@ -273,6 +291,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             layout is ``weight_scale_method`` / ``weight_block_size`` when given (the shape must
             fit), else :func:`floatxq.infer_scale_layout`'s.
           bias: ``(out,)`` floating, stored FP16 (finite, within ±65504), or ``None``.
+          input_quant: the declared activations, as the constructor takes them.
 
         Raises:
           TypeError: non-FP8 codes, non-floating scales or bias.
@@ -322,6 +341,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             weight_scale_method=method,
             weight_block_size=block,
             device="meta",
+            input_quant=input_quant,
         )
         layer.weight = qweight.detach().contiguous()
         layer.weight_scale_inv = scale
@@ -418,15 +438,46 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
     def route_tuning(self, tuning: FP8RouteTuning) -> None:
         self.route_preference = dataclasses.replace(self.route_preference, fp8_tuning=tuning)
 
+    @property
+    def input_quant(self) -> FP8InputQuant | None:
+        """The declared dynamic E4M3 activations every route applies to ``x`` (``None``:
+        weight-only). Set it with an :class:`FP8InputQuant`, ``"token"``, ``"tensor"``,
+        ``"group:<size>"`` or ``None``; the cached routes are dropped."""
+        return self._input_quant
+
+    @input_quant.setter
+    def input_quant(self, value: FP8InputQuant | str | None) -> None:
+        quant = normalize_input_quant(value)
+        where = "TorchFP8Linear"
+        if quant is not None and quant.group_size and self.in_features % quant.group_size:
+            raise ValueError(
+                f"{where}: input_quant {quant} needs in_features ({self.in_features}) to be a "
+                f"multiple of its group size"
+            )
+        if quant is not None and self.conv is not None:
+            raise ValueError(f"{where}: a convolution's activations are not quantized (conv)")
+        self._input_quant = quant
+        route, _ = fp8_scaled_route(
+            self.weight_scale_method,
+            self.weight_block_size if self.weight_scale_method == "block" else None,
+            quant.strategy if quant is not None else None,
+            quant.group_size if quant is not None else None,
+        )
+        self._scaled_route = route or SCALED_MM_ROUTE[self.weight_scale_method]
+        self._recipe = self._scaled_route.removeprefix("scaled_mm_")
+        if "_runtime" in self.__dict__:
+            self._runtime = _Runtime()
+
     def extra_repr(self) -> str:
         block = (
             f", weight_block_size={list(self.weight_block_size)}" if self.weight_block_size else ""
         )
         conv = f", conv{self.conv.dims}d" if self.conv is not None else ""
+        quant = f", input_quant={self._input_quant}" if self._input_quant is not None else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, format={self.format}, "
-            f"weight_scale_method={self.weight_scale_method}{block}{conv}"
+            f"weight_scale_method={self.weight_scale_method}{block}{conv}{quant}"
         )
 
     @property
@@ -443,6 +494,19 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         ``compiled_cpu``); see :func:`floatxq.nn.select_fp8_route`.
         """
         return self._last[1]
+
+    @property
+    def last_activations(self) -> str:
+        """What the last forward did to ``x`` before it met the weight (the route's recipe, or
+        the declared ``input_quant`` on a weight-only route; ``"none"`` before any call)."""
+        route, quant = self._last[0], self._input_quant
+        if route == "none":
+            return "none"
+        if route in _ROUTE_X:
+            return _ROUTE_X[route if route != "fp8_small_m" else self._scaled_route]
+        if quant is None or route == "conv_dequant":
+            return "none: x multiplies the decoded weight (weight-only)"
+        return f"{quant.describe()} (quantize-dequantize), then the decoded weight"
 
     def _set_last(self, route: str, reason: str | None) -> None:
         # A plain attribute, set past nn.Module.__setattr__ (whose checks cost microseconds per
@@ -501,7 +565,12 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         choices = self._runtime.choices
         choice = choices.get(key)
         if choice is None:
-            choice = choices[key] = select_fp8_route(self._facts(x, capturing), tuning=tuning)
+            choice = select_fp8_route(self._facts(x, capturing), tuning=tuning)
+            quant = self._input_quant
+            if quant is not None and choice.reason and choice.route in _WEIGHT_ONLY_ROUTES:
+                note = f"x is quantize-dequantized {quant.describe()} before the decoded weight"
+                choice = FP8RouteChoice(choice.route, f"{choice.reason}; {note}")
+            choices[key] = choice
         return choice
 
     def _facts(self, x: Tensor, capturing: bool) -> FP8RouteFacts:
@@ -526,6 +595,8 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             disabled=tuple(disabled.items()),
             has_scaled_mm=fp8_routes.scaled_mm_fn() is not None,
             has_blockwise_scaled_mm=fp8_routes.scaled_mm_blockwise_api() is not None,
+            input_quant=self._input_quant.strategy if self._input_quant is not None else None,
+            input_group_size=self._input_quant.group_size if self._input_quant else None,
         )
 
     def _switch_off(self, route: str, x: Tensor, exc: Exception) -> None:
@@ -568,7 +639,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         weight, bias = self.weight, self._bias_as(dtype)
         if route == "fp8_small_m":
             return fp8_routes.small_m_runner(
-                weight, self._direct_weight_scale(), bias, recipe=self._recipe
+                weight, self._row_broadcast(self._direct_weight_scale()), bias, recipe=self._recipe
             )
         if route == "scaled_mm_tensorwise":
             return fp8_routes.tensorwise_runner(
@@ -576,7 +647,10 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             )
         if route == "scaled_mm_rowwise":
             scale = self._prepared(
-                "rowwise_b", lambda: fp8_routes.rowwise_weight_scale(self._direct_weight_scale())
+                "rowwise_b",
+                lambda: fp8_routes.rowwise_weight_scale(
+                    self._row_broadcast(self._direct_weight_scale())
+                ),
             )
             return fp8_routes.rowwise_runner(weight, scale, bias, out_dtype=dtype)
         if route == "scaled_mm_blockwise":
@@ -589,10 +663,22 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             runtime = self._runtime
             if runtime.compiled is None:
                 runtime.compiled = fp8_routes.compile_dequant_linear(backend=self._compile_backend)
-            return fp8_routes.compiled_cpu_runner(
+            runner = fp8_routes.compiled_cpu_runner(
                 weight, self.weight_scale_inv, bias, compiled=runtime.compiled
             )
-        return fp8_routes.dequant_runner(weight, self.weight_scale_inv, bias)
+        else:
+            runner = fp8_routes.dequant_runner(weight, self.weight_scale_inv, bias)
+        quant = self._input_quant
+        if quant is None:
+            return runner
+        return lambda x: runner(input_qdq(x, quant))
+
+    def _row_broadcast(self, direct: Tensor) -> Tensor:
+        """A tensor weight scale as one scale per row, where the route is rowwise (per-token
+        activations on a tensor-scaled weight); else ``direct`` unchanged."""
+        if self._recipe != "rowwise" or self.weight_scale_method != "tensor":
+            return direct
+        return direct.reshape(1).expand(self.out_features).contiguous()
 
     def _bias_as(self, dtype: torch.dtype) -> Tensor | None:
         """The stored FP16 bias in ``dtype``, cached per placement."""
@@ -614,6 +700,8 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
 
     def _conv_forward(self, x: Tensor) -> Tensor:
         geometry = typing.cast(ConvGeometry, self.conv)  # forward() only routes convolutions here
+        if self._input_quant is not None:
+            raise ValueError("TorchFP8Linear: a convolution's activations are not quantized")
         weight = self.dequantize_weight(dtype=x.dtype)
         out = conv_forward(x, weight, self._bias_as(x.dtype), geometry)
         self._set_last(
@@ -623,6 +711,15 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         if self.adapter is not None:
             out = self.adapter(x, out)
         return out
+
+
+_ROUTE_X = {
+    "scaled_mm_tensorwise": "x quantized per tensor to the weight's FP8 format, in the GEMM",
+    "scaled_mm_rowwise": "x quantized per row (token) to e4m3, in the GEMM",
+    "scaled_mm_blockwise": "x quantized per row and 128 columns to e4m3, in the GEMM",
+}
+"""What each FP8 GEMM route does to ``x`` (``fp8_small_m``: its recipe's)."""
+_WEIGHT_ONLY_ROUTES = ("dequant_matmul", "compiled_cpu")
 
 
 def _source_matrix(module: nn.Module, *, where: str) -> tuple[Tensor, ConvGeometry | None]:

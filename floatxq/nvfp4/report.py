@@ -54,6 +54,40 @@ class RecipesReport(NamedTuple):
     shape: tuple[int, ...]
     """The tensor's shape."""
 
+    def to_dict(self) -> dict:
+        """The report as a JSON-ready dict: ``rows`` (one dict of fields per recipe), ``blocks``
+        and ``shape`` (a list)."""
+        return {
+            "rows": [dict(row._asdict()) for row in self.rows],
+            "blocks": self.blocks,
+            "shape": list(self.shape),
+        }
+
+    def table(self) -> str:
+        """The rows as a Markdown table: recipe, relative MSE, share of blocks at the optimum,
+        global scale and seconds.
+
+        Example:
+          >>> row = RecipeRow("nvidia", 1.0, 2.0, 1.5e-2, 0.25, 0.001)
+          >>> print(RecipesReport((row,), 4, (4, 16)).table())
+          | recipe | rel MSE | optimal | global scale | seconds |
+          | --- | ---: | ---: | ---: | ---: |
+          | nvidia | 1.500e-02 | 25.0% | 1 | 0.00 |
+        """
+        lines = [
+            "| recipe | rel MSE | optimal | global scale | seconds |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {r.recipe} | {r.rel_mse:.3e} | {100 * r.optimal_share:.1f}% | "
+            f"{r.global_scale:.6g} | {r.seconds:.2f} |"
+            for r in self.rows
+        ]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
 
 DEFAULT_REPORT_RECIPES: tuple[NVFP4Recipe, ...] = (
     "nvidia",
