@@ -331,3 +331,38 @@ def test_transformers_reads_floatxq_save_as_fp8_dynamic(fp8_dynamic, tmp_path):
             assert float((got - want).norm() / want.norm()) < 1e-2, name
         checked += 1
     assert checked == LINEARS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("method", "block", "quant", "route"),
+    [
+        ("row", None, "token", "scaled_mm_rowwise"),
+        ("tensor", None, "token", "scaled_mm_rowwise"),
+        ("block", [128, 128], "group:128", "scaled_mm_blockwise"),
+        ("tensor", None, "tensor", "scaled_mm_tensorwise"),
+    ],
+)
+def test_cuda_gemm_routes_multiply_the_declared_quantized_activations(method, block, quant, route):
+    """On CUDA the declared scheme picks the cuBLAS recipe that quantizes ``x`` the same way:
+    the output is the per-token (group, tensor) W8A8 product, far closer to it than to the
+    weight-only product."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the FP8 scaled_mm recipes need SM 9.0+ here")
+    torch.manual_seed(5)
+    layer = TorchFP8Linear.from_linear(
+        nn.Linear(512, 256), weight_scale_method=method, weight_block_size=block, input_quant=quant
+    ).to("cuda")
+    x = (torch.randn(64, 512) * torch.exp2(torch.randint(-3, 4, (64, 1)))).to(BF16).cuda()
+    out = layer(x).double()
+    assert layer.last_route == route, (layer.last_route, layer.last_reason)
+    weight = layer.dequantize_weight(dtype=torch.float32).double()
+    bias = layer.bias.double()
+    w8a8 = F.linear(input_qdq(x.float(), layer.input_quant).double(), weight, bias)
+    weight_only = F.linear(x.double(), weight, bias)
+    to_w8a8 = float((out - w8a8).norm() / w8a8.norm())
+    to_weight_only = float((out - weight_only).norm() / w8a8.norm())
+    assert to_w8a8 < 0.25 * to_weight_only, (to_w8a8, to_weight_only)
+    assert to_w8a8 < 1e-2, to_w8a8
