@@ -153,6 +153,7 @@ _OWNERS: dict[str, tuple[str, ...]] = {
         "EvalReport",
         "InterruptedQuantize",
         "QuantizedModel",
+        "activation_summary",
         "check_layout",
         "evaluate_lm",
         "inspect_checkpoint",
@@ -173,7 +174,6 @@ _OWNERS: dict[str, tuple[str, ...]] = {
         "TorchFP8Linear",
         "W4AFP8Linear",
         "W4ANVFP4Linear",
-        "activation_summary",
     ),
     "floatxq.nvfp4.e2m1": (
         "e2m1_decode",

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from floatxq.formats import FLOAT32_MAX, FP8_FORMATS
+from floatxq.formats import FLOAT32_MAX, FP8_FORMATS, FP16_MAX
 
 
 def require_tensor(x: Any, *, name: str, where: str) -> None:
@@ -300,3 +300,73 @@ def bounded_json_loads(
         raise error(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     except RecursionError:  # (the bracket count above makes this unreachable; kept as a net)
         raise error(f"{where}: JSON nested too deeply") from None
+
+
+def fp16_bias(bias: Any, out_features: int, device: torch.device, *, where: str) -> Tensor:
+    """The bias as stored: FP16 ``(out,)``; a value FP16 cannot hold is an error, never inf."""
+    require_floating(bias, name="bias", where=where)
+    require_shape(bias, (out_features,), name="bias", where=where)
+    b = bias.detach()
+    require_finite(b, name="bias", where=where)
+    if b.numel() and bool((b.abs() > FP16_MAX).any()):
+        worst = float(b.abs().max())
+        raise ValueError(
+            f"{where}: bias is stored as float16 (the FP8 checkpoint format), whose finite range "
+            f"is ±{FP16_MAX:g}; got |bias| up to {worst:g}, which would become inf"
+        )
+    return b.to(device=device, dtype=torch.float16)
+
+
+def scale_fits_layout(shape: tuple[int, ...], expected: tuple[int, ...], method: str) -> bool:
+    """Whether a stored scale tensor holds the layout's values in its order (size-1 axes aside)."""
+    if shape == expected:
+        return True
+    count = 1
+    for s in shape:
+        count *= s
+    if method == "tensor":
+        return count == 1 and len(shape) <= 2
+    squeezed = tuple(s for s in shape if s != 1)
+    want = tuple(s for s in expected if s != 1)
+    if method == "block" and len(shape) == 1:  # a flattened grid (row-major), as infer accepts
+        return count == (expected[0] * expected[1] if expected else 1)
+    return squeezed == want and len(shape) <= 2
+
+
+def fp8_state_problems(
+    state_dict: dict[str, Any], prefix: str, dtype: torch.dtype, out_features: int, *, bias: bool
+) -> list[tuple[str, str]]:
+    """``(key, message)`` for each incoming FP8-linear tensor a module must refuse: codes of
+    another FP8 dtype (bytes are never cast), inverse scales that are not finite and > 0, a bias
+    :func:`fp16_bias` refuses. Meta and empty tensors pass."""
+    problems = []
+    key = prefix + "weight"
+    incoming = state_dict.get(key)
+    if isinstance(incoming, torch.Tensor) and incoming.dtype != dtype:
+        fmt = str(dtype).removeprefix("torch.")
+        problems.append((key, (
+            f"{key}: codes of dtype {incoming.dtype} cannot load into this {fmt} module (FP8 "
+            f"codes are bytes and are never cast); build it with "
+            f"format={str(incoming.dtype).removeprefix('torch.')!r}"
+        )))  # fmt: skip
+    key = prefix + "weight_scale_inv"
+    incoming = state_dict.get(key)
+    if (
+        isinstance(incoming, torch.Tensor)
+        and incoming.is_floating_point()
+        and incoming.device.type != "meta"
+        and incoming.numel()
+        and not bool((torch.isfinite(incoming) & (incoming > 0)).all())
+    ):
+        problems.append((key, (
+            f"{key}: inverse scales must be finite and > 0 (codes are divided by them); got "
+            f"values in [{float(incoming.min()):g}, {float(incoming.max()):g}]"
+        )))  # fmt: skip
+    key = prefix + "bias"
+    incoming = state_dict.get(key)
+    if isinstance(incoming, torch.Tensor) and bias:
+        try:
+            fp16_bias(incoming, out_features, incoming.device, where=key)
+        except (TypeError, ValueError) as exc:
+            problems.append((key, str(exc)))
+    return problems

@@ -558,7 +558,7 @@ def eval_(
         ) as bar:
             report = evaluate_lm(candidate, ids, reference=ref, progress=bar.update)
         results = _run_lm_eval(candidate, model, task_names, task_limit) if task_names else None
-    from floatxq.nn.activation_summary import activation_summary
+    from floatxq.lifecycle.activation_summary import activation_summary
 
     summary = activation_summary(candidate)  # what the scored model does to its activations
     if as_json:

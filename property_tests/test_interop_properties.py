@@ -25,8 +25,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import floatxq
 import floatxq.lifecycle  # imported at collection, not in the first example's time
+from floatxq.fp8_activation import FP8InputQuant, input_qdq
 from floatxq.nn import TorchFP8Linear
-from floatxq.nn.fp8_activation import FP8InputQuant, input_qdq
 
 SLOW = settings(max_examples=max(8, settings().max_examples // 4))
 

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "gptq": 1,
     "w4a": 1,
     "stats": 1,
+    "fp8_activation": 1,
     # kernels, then the route choices
     "kernels": 2,
     "dispatch": 3,

@@ -15,10 +15,10 @@ from torch import nn
 
 import floatxq as fq
 from floatxq.fp8 import fp8_token_qdq, fp8_token_quantize
+from floatxq.fp8_activation import FP8InputQuant, input_qdq
 from floatxq.interop.checkpoint import CheckpointError, write_checkpoint
 from floatxq.interop.inspect import inspect_checkpoint
-from floatxq.nn.activation_summary import activation_summary
-from floatxq.nn.fp8_activation import FP8InputQuant, input_qdq
+from floatxq.lifecycle.activation_summary import activation_summary
 from floatxq.nn.fp8_linear import TorchFP8Linear
 from floatxq.testing import assert_bitwise_equal
 

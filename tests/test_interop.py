@@ -19,9 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import floatxq
+from floatxq.fp8_activation import FP8InputQuant, input_qdq
 from floatxq.lifecycle import CheckpointError, inspect_checkpoint
 from floatxq.nn import TorchFP4Linear, TorchFP8Linear
-from floatxq.nn.fp8_activation import FP8InputQuant, input_qdq
 
 FIXTURES = Path(__file__).parent / "fixtures"
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

@@ -25,9 +25,9 @@ from typing import Any
 from torch import nn
 
 from floatxq.config.rules import RulePattern, _check_rule_pattern
+from floatxq.fp8_activation import FP8InputQuant
 from floatxq.interop.checkpoint import CheckpointError
 from floatxq.interop.layouts import LayoutDecision
-from floatxq.nn.fp8_activation import FP8InputQuant
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
 __all__ = [

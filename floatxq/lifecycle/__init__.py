@@ -25,6 +25,7 @@ from floatxq.interop.payload import (
     payload_format,
     payload_method,
 )
+from floatxq.lifecycle.activation_summary import activation_summary
 from floatxq.lifecycle.calibration import load_calibration_file, prepare_calibration
 from floatxq.lifecycle.evaluate import EvalReport, evaluate_lm
 from floatxq.lifecycle.gptq import gptq_solve_options
@@ -60,6 +61,7 @@ __all__ = [
     "NVFP4BoundaryQuantizer",
     "QuantizedModel",
     "W4AStreamPolicy",
+    "activation_summary",
     "check_layout",
     "decide_layout",
     "evaluate_lm",

@@ -13,7 +13,6 @@ from floatxq.dispatch import (
     FP8RouteTuning,
     select_fp8_route,
 )
-from floatxq.nn.activation_summary import activation_summary
 from floatxq.nn.conv import ConvGeometry
 from floatxq.nn.fp4_linear import TorchFP4Linear
 from floatxq.nn.fp8_linear import TorchFP8Linear
@@ -32,6 +31,5 @@ __all__ = [
     "TorchFP8Linear",
     "W4AFP8Linear",
     "W4ANVFP4Linear",
-    "activation_summary",
     "select_fp8_route",
 ]

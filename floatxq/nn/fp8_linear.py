@@ -12,14 +12,10 @@ and runs that route's runner (:mod:`floatxq.kernels.fp8_routes`, built once per 
 ``last_route`` names the route taken (:data:`floatxq.ROUTES`) and ``last_fallback_reason`` why
 the fastest candidate was not (``None`` when it was). A route that raises is switched off for
 this module and that input dtype (warned once) and the call takes the next route the policy
-gives. A module whose checkpoint declares dynamic FP8 activations (``input_quant``, e.g.
-llm-compressor's ``FP8_DYNAMIC``: per token) quantizes ``x`` that way on every route: the
-``scaled_mm`` routes take the recipe that does (:func:`floatxq.dispatch.fp8_scaled_route`), and
-the weight-only ones (``dequant_matmul``, ``compiled_cpu``) quantize-dequantize ``x`` first
-(:func:`floatxq.nn.fp8_activation.input_qdq`); ``last_activations`` says what the last call did to
-``x``. Modules built from ``nn.Conv1d/2d/3d`` decode the weight and convolve
-(``conv_dequant``, :mod:`floatxq.nn.conv`). The LoRA hook ``adapter`` runs last:
-``out = adapter(x_flat, out)``. What each route computes: ``docs/numerics.md``.
+gives. Declared dynamic FP8 activations (``input_quant``: :mod:`floatxq.fp8_activation`) are
+applied on every route; ``last_activations`` says how. Convolutions decode the weight and
+convolve (``conv_dequant``, :mod:`floatxq.nn.conv`); the LoRA hook ``adapter`` runs last. What
+each route computes: ``docs/numerics.md``.
 """
 
 import dataclasses
@@ -33,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from floatxq._checks import fp8_scale_shape, require_finite, require_floating, require_shape
+from floatxq._checks import fp8_scale_shape, fp8_state_problems, fp16_bias, scale_fits_layout
 from floatxq._typing import Float, FP8Dtype, Tensor
 from floatxq.dispatch import (
     SCALED_MM_ROUTE,
@@ -47,18 +43,23 @@ from floatxq.dispatch import (
 )
 from floatxq.formats import (
     FP8_DTYPES,
-    FP16_MAX,
     fp8_dtype,
     normalize_fp8_block_size,
     normalize_fp8_format,
     normalize_fp8_scale_method,
 )
 from floatxq.fp8 import dequantize_fp8_weight, infer_scale_layout
+from floatxq.fp8_activation import (
+    WEIGHT_ONLY_ROUTES,
+    FP8InputQuant,
+    checked_input_quant,
+    describe_x,
+    input_qdq,
+)
 from floatxq.kernels import fp8_routes, triton_unavailable_reason
 from floatxq.nn._bytes import ByteBuffers
 from floatxq.nn._preference import RoutePreferenceHolder
 from floatxq.nn.conv import ConvGeometry, conv_forward, weight_matrix
-from floatxq.nn.fp8_activation import FP8InputQuant, input_qdq, normalize_input_quant
 
 __all__ = ["TorchFP8Linear"]
 
@@ -70,21 +71,6 @@ def _capability(index: int) -> tuple[int, int]:
 
 def _device_capability(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def _fp16_bias(bias: Any, out_features: int, device: torch.device, *, where: str) -> Tensor:
-    """The bias as stored: FP16 ``(out,)``; a value FP16 cannot hold is an error, never inf."""
-    require_floating(bias, name="bias", where=where)
-    require_shape(bias, (out_features,), name="bias", where=where)
-    b = bias.detach()
-    require_finite(b, name="bias", where=where)
-    if b.numel() and bool((b.abs() > FP16_MAX).any()):
-        worst = float(b.abs().max())
-        raise ValueError(
-            f"{where}: bias is stored as float16 (the FP8 checkpoint format), whose finite range "
-            f"is ±{FP16_MAX:g}; got |bias| up to {worst:g}, which would become inf"
-        )
-    return b.to(device=device, dtype=torch.float16)
 
 
 class _Runtime:
@@ -125,13 +111,12 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
       weight_scale_method: ``"tensor"``, ``"row"`` or ``"block"`` (``None``: by block size).
       weight_block_size: ``[block_rows, block_cols]`` for ``"block"``; must divide the shape.
       device: where the buffers live.
-      input_quant: the declared dynamic E4M3 activations (:class:`FP8InputQuant`, ``"token"``,
-        ``"tensor"``, ``"group:<size>"``), or ``None`` for weight-only; settable later.
+      input_quant: declared dynamic E4M3 activations (``"token"``, ``"tensor"``,
+        ``"group:<size>"``, an :class:`FP8InputQuant`) or ``None`` (weight-only).
 
     Raises:
-      ValueError: bad names, negative sizes, a block size that does not divide the shape, an
-        ``input_quant`` group size that does not divide ``in_features``.
-      TypeError: non-integer sizes.
+      ValueError: bad names, negative sizes, a block size (or an ``input_quant`` group) that does
+        not divide the shape. TypeError: non-integer sizes.
 
     Numerics: decode is ``float32(code) / scale_inv`` rounded once to ``x.dtype``; the
     ``scaled_mm`` and ``fp8_small_m`` routes also round ``x`` to FP8 (weight formula) and
@@ -316,7 +301,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         else:
             method = normalize_fp8_scale_method(weight_scale_method, weight_block_size=block)
         expected = fp8_scale_shape(out_features, in_features, method, block, where=where)
-        if not _scale_fits(tuple(scale_inv.shape), expected, method):
+        if not scale_fits_layout(tuple(scale_inv.shape), expected, method):
             raise ValueError(
                 f"{where}: scale_inv shape {tuple(scale_inv.shape)} does not fit the {method} "
                 f"layout of a {tuple(qweight.shape)} weight"
@@ -332,7 +317,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             )
         stored_bias = None
         if bias is not None:
-            stored_bias = _fp16_bias(bias, out_features, qweight.device, where=where)
+            stored_bias = fp16_bias(bias, out_features, qweight.device, where=where)
         layer = cls(
             in_features,
             out_features,
@@ -358,39 +343,12 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
     def _incoming(
         self, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
     ) -> tuple[dict[str, Any], list[str]]:
-        rejected = []
-        key = prefix + "weight"
-        incoming = state_dict.get(key)
-        if isinstance(incoming, torch.Tensor) and incoming.dtype != self.weight.dtype:
-            rejected.append(key)
-            error_msgs.append(
-                f"{key}: codes of dtype {incoming.dtype} cannot load into this {self.format} "
-                f"module (FP8 codes are bytes and are never cast); build it with "
-                f"format={str(incoming.dtype).removeprefix('torch.')!r}"
-            )
-        key = prefix + "weight_scale_inv"
-        incoming = state_dict.get(key)
-        if (
-            isinstance(incoming, torch.Tensor)
-            and incoming.is_floating_point()
-            and incoming.device.type != "meta"
-            and incoming.numel()
-            and not bool((torch.isfinite(incoming) & (incoming > 0)).all())
-        ):  # checked once here, so the forward routes need no per-call check (or host sync)
-            rejected.append(key)
-            error_msgs.append(
-                f"{key}: inverse scales must be finite and > 0 (codes are divided by them); got "
-                f"values in [{float(incoming.min()):g}, {float(incoming.max()):g}]"
-            )
-        key = prefix + "bias"
-        incoming = state_dict.get(key)
-        if isinstance(incoming, torch.Tensor) and self.bias is not None:
-            try:
-                _fp16_bias(incoming, self.out_features, incoming.device, where=key)
-            except (TypeError, ValueError) as exc:
-                rejected.append(key)
-                error_msgs.append(str(exc))
-        return {}, rejected
+        # checked once here, so the forward routes need no per-call check (or host sync)
+        problems = fp8_state_problems(
+            state_dict, prefix, self.weight.dtype, self.out_features, bias=self.bias is not None
+        )
+        error_msgs.extend(message for _, message in problems)
+        return {}, [key for key, _ in problems]
 
     def _loaded(self, prefix: str, missing_keys: list[str]) -> None:
         # load_state_dict(assign=True) puts the incoming tensors in place: restore the format.
@@ -447,15 +405,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
 
     @input_quant.setter
     def input_quant(self, value: FP8InputQuant | str | None) -> None:
-        quant = normalize_input_quant(value)
-        where = "TorchFP8Linear"
-        if quant is not None and quant.group_size and self.in_features % quant.group_size:
-            raise ValueError(
-                f"{where}: input_quant {quant} needs in_features ({self.in_features}) to be a "
-                f"multiple of its group size"
-            )
-        if quant is not None and self.conv is not None:
-            raise ValueError(f"{where}: a convolution's activations are not quantized (conv)")
+        quant = checked_input_quant(value, in_features=self.in_features, conv=bool(self.conv))
         self._input_quant = quant
         route, _ = fp8_scaled_route(
             self.weight_scale_method,
@@ -497,16 +447,9 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
 
     @property
     def last_activations(self) -> str:
-        """What the last forward did to ``x`` before it met the weight (the route's recipe, or
-        the declared ``input_quant`` on a weight-only route; ``"none"`` before any call)."""
-        route, quant = self._last[0], self._input_quant
-        if route == "none":
-            return "none"
-        if route in _ROUTE_X:
-            return _ROUTE_X[route if route != "fp8_small_m" else self._scaled_route]
-        if quant is None or route == "conv_dequant":
-            return "none: x multiplies the decoded weight (weight-only)"
-        return f"{quant.describe()} (quantize-dequantize), then the decoded weight"
+        """What the last forward did to ``x`` before it met the weight (``"none"`` before any
+        call): :func:`floatxq.fp8_activation.describe_x`."""
+        return describe_x(self._last[0], self._scaled_route, self._input_quant)
 
     def _set_last(self, route: str, reason: str | None) -> None:
         # A plain attribute, set past nn.Module.__setattr__ (whose checks cost microseconds per
@@ -567,7 +510,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         if choice is None:
             choice = select_fp8_route(self._facts(x, capturing), tuning=tuning)
             quant = self._input_quant
-            if quant is not None and choice.reason and choice.route in _WEIGHT_ONLY_ROUTES:
+            if quant is not None and choice.reason and choice.route in WEIGHT_ONLY_ROUTES:
                 note = f"x is quantize-dequantized {quant.describe()} before the decoded weight"
                 choice = FP8RouteChoice(choice.route, f"{choice.reason}; {note}")
             choices[key] = choice
@@ -713,33 +656,8 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         return out
 
 
-_ROUTE_X = {
-    "scaled_mm_tensorwise": "x quantized per tensor to the weight's FP8 format, in the GEMM",
-    "scaled_mm_rowwise": "x quantized per row (token) to e4m3, in the GEMM",
-    "scaled_mm_blockwise": "x quantized per row and 128 columns to e4m3, in the GEMM",
-}
-"""What each FP8 GEMM route does to ``x`` (``fp8_small_m``: its recipe's)."""
-_WEIGHT_ONLY_ROUTES = ("dequant_matmul", "compiled_cpu")
-
-
 def _source_matrix(module: nn.Module, *, where: str) -> tuple[Tensor, ConvGeometry | None]:
     """:func:`floatxq.nn.conv.weight_matrix` of a module that is not already FP8."""
     if isinstance(module, TorchFP8Linear):
         raise TypeError(f"{where}: the module is already a TorchFP8Linear")
     return weight_matrix(module, where=where)
-
-
-def _scale_fits(shape: tuple[int, ...], expected: tuple[int, ...], method: str) -> bool:
-    """Whether a stored scale tensor holds the layout's values in its order (size-1 axes aside)."""
-    if shape == expected:
-        return True
-    count = 1
-    for s in shape:
-        count *= s
-    if method == "tensor":
-        return count == 1 and len(shape) <= 2
-    squeezed = tuple(s for s in shape if s != 1)
-    want = tuple(s for s in expected if s != 1)
-    if method == "block" and len(shape) == 1:  # a flattened grid (row-major), as infer accepts
-        return count == (expected[0] * expected[1] if expected else 1)
-    return squeezed == want and len(shape) <= 2

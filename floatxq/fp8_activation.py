@@ -117,3 +117,40 @@ def input_qdq(x: Float[Tensor, "*b k"], quant: FP8InputQuant) -> Float[Tensor, "
     scale = _token_scale(x32)
     codes = _saturating_cast(x32 / scale, torch.float8_e4m3fn, FP8_E4M3_MAX)
     return (codes.to(torch.float32) * scale).reshape(x.shape).to(x.dtype)
+
+
+def checked_input_quant(
+    value: object, *, in_features: int, conv: bool, where: str = "TorchFP8Linear"
+) -> FP8InputQuant | None:
+    """:func:`normalize_input_quant` for a module of ``in_features`` inputs: ``ValueError`` when a
+    group size does not divide them, or for a convolution (its activations are not quantized)."""
+    quant = normalize_input_quant(value)
+    if quant is not None and quant.group_size and in_features % quant.group_size:
+        raise ValueError(
+            f"{where}: input_quant {quant} needs in_features ({in_features}) to be a multiple of "
+            f"its group size"
+        )
+    if quant is not None and conv:
+        raise ValueError(f"{where}: a convolution's activations are not quantized (conv)")
+    return quant
+
+
+_ROUTE_X = {
+    "scaled_mm_tensorwise": "x quantized per tensor to the weight's FP8 format, in the GEMM",
+    "scaled_mm_rowwise": "x quantized per row (token) to e4m3, in the GEMM",
+    "scaled_mm_blockwise": "x quantized per row and 128 columns to e4m3, in the GEMM",
+}
+WEIGHT_ONLY_ROUTES = ("dequant_matmul", "compiled_cpu")
+"""The FP8 routes that multiply the decoded weight (they apply :func:`input_qdq` themselves)."""
+
+
+def describe_x(route: str, scaled_route: str, quant: FP8InputQuant | None) -> str:
+    """What an FP8 linear's ``route`` did to ``x`` before the weight (``fp8_small_m`` runs
+    ``scaled_route``'s recipe; ``"none"`` before any call)."""
+    if route == "none":
+        return "none"
+    if route in _ROUTE_X or route == "fp8_small_m":
+        return _ROUTE_X[route if route != "fp8_small_m" else scaled_route]
+    if quant is None or route == "conv_dequant":
+        return "none: x multiplies the decoded weight (weight-only)"
+    return f"{quant.describe()} (quantize-dequantize), then the decoded weight"
