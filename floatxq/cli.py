@@ -503,6 +503,9 @@ def eval_(
         f"HFLM on the loaded model; needs pip install 'floatxq[{LM_EVAL_EXTRA}]'.",
     ),
     task_limit: int | None = typer.Option(None, "--limit", help="lm-eval: examples per task."),
+    include_path: Path | None = typer.Option(
+        None, help="lm-eval: a folder of your own task YAML files (with --tasks)."
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print one JSON object (the report's fields) instead."
     ),
@@ -557,7 +560,11 @@ def eval_(
             total=passes * ids.shape[0], desc="eval", unit="window", leave=False, disable=_quiet()
         ) as bar:
             report = evaluate_lm(candidate, ids, reference=ref, progress=bar.update)
-        results = _run_lm_eval(candidate, model, task_names, task_limit) if task_names else None
+        results = (
+            _run_lm_eval(candidate, str(loaded.source), task_names, task_limit, include_path)
+            if task_names
+            else None
+        )
     from floatxq.lifecycle.activation_summary import activation_summary
 
     summary = activation_summary(candidate)  # what the scored model does to its activations
@@ -600,16 +607,24 @@ def _lm_eval_tasks(tasks: str, model: str, limit: int | None) -> list[str]:
     return names
 
 
-def _run_lm_eval(model: Any, model_dir: str, tasks: list[str], limit: int | None) -> dict:
+def _run_lm_eval(
+    model: Any, model_dir: str, tasks: list[str], limit: int | None, include: Path | None = None
+) -> dict:
     """lm-eval's ``simple_evaluate`` on the loaded (quantized) model through its ``HFLM``
-    wrapper; returns its ``results`` (task → metric → value)."""
+    wrapper (``include``: a folder of task YAML files for its ``TaskManager``); returns its
+    ``results`` (task → metric → value)."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    extra: dict[str, Any] = {}
+    if include is not None:
+        from lm_eval.tasks import TaskManager
+
+        extra["task_manager"] = TaskManager(include_path=str(include))
     out = lm_eval.simple_evaluate(
-        model=HFLM(pretrained=model, tokenizer=tokenizer), tasks=tasks, limit=limit
+        model=HFLM(pretrained=model, tokenizer=tokenizer), tasks=tasks, limit=limit, **extra
     )
     return dict((out or {}).get("results", {}))
 

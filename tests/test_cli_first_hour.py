@@ -4,9 +4,11 @@ and the reports' dicts and tables."""
 
 import importlib.metadata
 import json
+import shutil
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,3 +262,58 @@ def test_tasks_run_lm_eval_on_the_loaded_model(monkeypatch):
     assert json.loads(result.stdout)["tasks"]["hellaswag"]["acc,none"] == 0.25
     table = _ok(*args, "--tasks", "hellaswag").stdout
     assert "hellaswag" in table and "acc,none" in table and "0.2500" in table
+
+
+_TASK = """task: floatxq_local_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def test_tasks_run_the_real_lm_eval_harness_on_a_quantized_model(tmp_path, monkeypatch):
+    """lm-eval itself (when installed): HFLM wraps the loaded FP8 model, a local task (no
+    download) scores it, and the result reaches --json."""
+    pytest.importorskip("lm_eval")
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    source = tmp_path / "model"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "tiny_random_llama", source)
+    words = "the cat sat on mat sky one two three four blue red green seven".split()
+    vocab = {"[UNK]": 0, "[PAD]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]"
+    ).save_pretrained(source)
+    qm = floatxq.load(source, quantize_config=floatxq.FP8Config())
+    qm.quantize()
+    qm.save(tmp_path / "fp8")
+    rows = [
+        {"question": "the cat sat on the", "choices": ["mat", "sky"], "answer": 0},
+        {"question": "one two three", "choices": ["four", "blue"], "answer": 1},
+    ]
+    data = tmp_path / "tasks" / "data.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "tasks" / "task.yaml").write_text(_TASK.format(data=data))
+    args = ["eval", str(tmp_path / "fp8"), "--tasks", "floatxq_local_mc", "--limit", "2"]
+    args += ["--include-path", str(tmp_path / "tasks"), "--windows", "1", "--seq-len", "16"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    task = out["tasks"]["floatxq_local_mc"]
+    assert task["sample_len"] == 2 and 0.0 <= task["acc,none"] <= 1.0
