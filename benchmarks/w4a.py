@@ -2,9 +2,10 @@
 """INT4-weight linears on an H200: W4A-FP8 and W4A16 against bf16, FP8 and tinygemm.
 
 Usage (GPU): ``python3 benchmarks/w4a.py [pack] [linear] [sweep] [decode] [--rows 1,8,...]
-[--batches 1,16] [--layers 32]`` (no section: pack and linear; ``--rows`` / ``--batches`` limit
-the linear table's M and the decode batches; ``--layers`` shortens the decode model for a quick
-check).
+[--shapes 8192x8192,...] [--batches 1,16] [--layers 32] [--only bf16,w4a16]`` (no section: pack
+and linear; ``--rows`` / ``--shapes`` / ``--batches`` limit the linear table's M and (N, K) and
+the decode batches; ``--layers`` shortens the decode model for a quick check; ``--only`` keeps
+the decode rows whose names start with one of the given prefixes).
 
 Every figure is the median GPU time per call over CUDA-graph replays (``graph_us``). A graph
 cycles through several copies of each weight, together at least three times the L2 cache, so
@@ -13,12 +14,14 @@ stream from HBM as they do in a model.
 
 - ``pack``: :func:`floatxq.kernels.fp8_pack` on 8192×8192 bf16 against a plain copy of the same
   tensor (bytes read + written per second).
-- ``linear``: for M ∈ {1, 8, 16, 128, 4096} and (N, K) ∈ {(8192, 8192), (28672, 8192),
-  (8192, 28672)}, bf16 activations: bf16 ``F.linear``; FP8 ``torch._scaled_mm`` rowwise on
-  already quantized operands (the raw cuBLAS call, no input quantization); torch's tinygemm
+- ``linear``: for M ∈ {1, 2, 4, 8, 16, 32, 128, 4096} and (N, K) ∈ {(8192, 8192), (28672,
+  8192), (8192, 28672)}, bf16 activations: bf16 ``F.linear``; FP8 ``torch._scaled_mm`` rowwise
+  on already quantized operands (the raw cuBLAS call, no input quantization); torch's tinygemm
   INT4 kernel (``torch._weight_int4pack_mm``, the layout torchao's INT4 weight-only layer
-  uses); floatxq's W4A-FP8 ``fp8_linear`` (token packing included) and its GEMM alone on packed
-  tokens; floatxq's W4A16 kernel (the route ``GPTQLinear`` takes).
+  uses); GemLite 0.6's A16Wn 4-bit g128 layer (Triton; where importable, M ≤ 128); floatxq's
+  W4A-FP8 ``fp8_linear`` (token packing included) and its GEMM alone on packed tokens;
+  floatxq's W4A16 kernel; both on the weight form and route the modules take (the decode words
+  up to 32 rows).
 - ``sweep``: launch shapes of the words-form W4A-FP8 GEMM and the fused W4A16 kernel at M = 1
   and 16, and of the E4M3 GEMM at M = 4096.
 - ``decode``: one-token forwards of a random Llama-3-8B-shaped model (32 layers, hidden 4096,
@@ -54,7 +57,7 @@ from floatxq.kernels import w4a16 as w4a16_kernels
 from floatxq.kernels import w4a_fp8 as w4a_fp8_kernels
 
 SHAPES = ((8192, 8192), (28672, 8192), (8192, 28672))
-ROWS = (1, 8, 16, 128, 4096)
+ROWS = (1, 2, 4, 8, 16, 32, 128, 4096)
 BATCHES = (1, 16)
 
 
@@ -152,11 +155,32 @@ def _tinygemm(n: int, k: int):
         return None
 
 
+def _gemlite(packed):
+    """GemLite 0.6's A16Wn layer (4-bit, groups of 128, bf16) of a GPTQ weight, or None where
+    GemLite is not installed."""
+    try:
+        from gemlite.helper import A16Wn
+    except ImportError:
+        return None
+    u = fq.unpack_gptq(packed)
+    return A16Wn(device=str(packed.qweight.device), dtype=torch.bfloat16).from_weights(
+        u.codes.T.contiguous(), u.scales.T.contiguous().to(torch.bfloat16),
+        u.zeros.T.contiguous().to(torch.bfloat16), W_nbits=4, group_size=128,
+    )  # fmt: skip
+
+
 def linear_bench() -> None:
-    print("| N | K | M | bf16 us | fp8 scaled_mm us | tinygemm us | w4a-fp8 us | w4a-fp8 gemm "
-          "us | w4a16 us | w4a-fp8 / fp8 | w4a-fp8 / bf16 | w4a16 / bf16 |")  # fmt: skip
-    print("|---" * 13 + "|")
-    for n, k in SHAPES:
+    from floatxq.gptq.decode_words import gptq_decode_operands, stage_decode_words
+
+    print("| N | K | M | bf16 us | fp8 scaled_mm us | tinygemm us | gemlite us | w4a-fp8 us | "
+          "w4a-fp8 gemm us | w4a16 us | w4a-fp8 / fp8 | w4a-fp8 / bf16 | w4a16 / bf16 | "
+          "w4a16 / gemlite |")  # fmt: skip
+    print("|---" * 15 + "|")
+    shapes = SHAPES
+    if "--shapes" in sys.argv:  # e.g. --shapes 8192x8192,28672x8192 (N x K)
+        spec = sys.argv[sys.argv.index("--shapes") + 1].split(",")
+        shapes = tuple(tuple(int(v) for v in item.split("x")) for item in spec)
+    for n, k in shapes:
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                  for _ in range(copies_for(n * k * 2))]  # fmt: skip
         fp8 = [(torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn),
@@ -166,6 +190,9 @@ def linear_bench() -> None:
             int4_to_e4m3(centered_int4(p)).T.contiguous().T for p in gptq[: copies_for(n * k)]
         ]
         tiny = [_tinygemm(n, k) for _ in range(copies_for(n * k // 2))]
+        gl = [_gemlite(p) for p in gptq]
+        ops = [gptq_decode_operands(p, group_size=128, dtype=torch.bfloat16)[0] for p in gptq]
+        dwords = [stage_decode_words(fq.unpack_gptq(p).codes) for p in gptq]
         for m in _option("--rows", ROWS):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq = x.to(torch.float8_e4m3fn)
@@ -180,32 +207,41 @@ def linear_bench() -> None:
             if tiny[0] is not None:
                 t_tiny = graph_us([lambda p=p: torch._weight_int4pack_mm(x, p[0], 128, p[1])
                                    for p in tiny])  # fmt: skip
+            t_gl = float("nan")
+            if gl[0] is not None and m <= 128:
+                gl[0](x)  # (GemLite tunes a row count on its first call)
+                t_gl = graph_us([lambda g=g: g(x) for g in gl])
             # the operand and GEMM the modules take for m rows (floatxq.dispatch)
-            operand = fq.dispatch.w4a_fp8_operand(m)
-            weights = [p.qweight for p in gptq] if operand == "words" else staged
+            operand = fq.dispatch.w4a_fp8_operand(m, decode_words=True)
+            weights = {"decode_words": dwords, "words": [p.qweight for p in gptq]}.get(
+                operand, staged
+            )
             gemm = fq.dispatch.w4a_fp8_gemm_route(m, weights[0])[0]
             t_w4a = graph_us([lambda w=w, p=p: fq.fp8_linear(x, w, p.scales, route=gemm)
                               for w, p in zip(weights, gptq)])  # fmt: skip
             t_gemm = graph_us([lambda w=w, p=p: fq.fp8_linear_prepacked(
                 codes, row_scale, w, p.scales, None, torch.bfloat16, route=gemm)
                 for w, p in zip(weights, gptq)])  # fmt: skip
-            w16 = fq.dispatch.w4a16_route(m)
-            t_w16 = graph_us([lambda p=p: fq.w4a16_linear_kernel(x, p, group_size=128, route=w16)
-                              for p in gptq])  # fmt: skip
+            w16 = fq.dispatch.w4a16_route(m, decode_words=True)
+            t_w16 = graph_us([
+                lambda p=p, o=o: fq.w4a16_linear_kernel(
+                    x, p, group_size=128, route=w16, operands=o
+                ) for p, o in zip(gptq, ops)
+            ])  # fmt: skip
             print(
-                f"| {n} | {k} | {m} | {t_bf16:.1f} | {t_fp8:.1f} | {t_tiny:.1f} | {t_w4a:.1f} | "
-                f"{t_gemm:.1f} | {t_w16:.1f} | {t_fp8 / t_w4a:.2f} | {t_bf16 / t_w4a:.2f} | "
-                f"{t_bf16 / t_w16:.2f} |",
+                f"| {n} | {k} | {m} | {t_bf16:.1f} | {t_fp8:.1f} | {t_tiny:.1f} | {t_gl:.1f} | "
+                f"{t_w4a:.1f} | {t_gemm:.1f} | {t_w16:.1f} | {t_fp8 / t_w4a:.2f} | "
+                f"{t_bf16 / t_w4a:.2f} | {t_bf16 / t_w16:.2f} | {t_gl / t_w16:.2f} |",
                 flush=True,
             )
             if m == 4096:
                 flop = 2 * m * n * k
                 print(
                     f"|   |   | TFLOP/s | {flop / t_bf16 / 1e6:.0f} | {flop / t_fp8 / 1e6:.0f} | "
-                    f"{flop / t_tiny / 1e6:.0f} | {flop / t_w4a / 1e6:.0f} | "
-                    f"{flop / t_gemm / 1e6:.0f} | {flop / t_w16 / 1e6:.0f} | | | |"
+                    f"{flop / t_tiny / 1e6:.0f} | | {flop / t_w4a / 1e6:.0f} | "
+                    f"{flop / t_gemm / 1e6:.0f} | {flop / t_w16 / 1e6:.0f} | | | | |"
                 )
-        del dense, fp8, gptq, staged, tiny
+        del dense, fp8, gptq, staged, tiny, gl, ops, dwords
         torch.cuda.empty_cache()
 
 
@@ -338,7 +374,10 @@ def decode_bench() -> None:
     print("| model | batch | ms / step | tokens/s | vs bf16 |")
     print("|---|---|---|---|---|")
     base_tps = {}
+    only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
     for name, build in decode_variants(base).items():
+        if only is not None and not any(name.startswith(o) for o in only):
+            continue
         started = time.time()
         try:
             model = build()

@@ -370,3 +370,89 @@ def fp8_state_problems(
         except (TypeError, ValueError) as exc:
             problems.append((key, str(exc)))
     return problems
+
+
+def check_size(value: Any, *, name: str, where: str) -> int:
+    """A size argument: a non-negative int (``TypeError`` / ``ValueError`` otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{where}: {name} must be >= 0, got {value}")
+    return value
+
+
+def check_group_size(group_size: Any, *, where: str) -> int:
+    """A GPTQ group size: -1 (one group) or an int >= 1."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(
+            f"{where}: group_size must be an int (-1 or >= 1), got {type(group_size).__name__}"
+        )
+    if group_size != -1 and group_size < 1:
+        raise ValueError(f"{where}: group_size must be -1 (one group) or >= 1, got {group_size}")
+    return group_size
+
+
+def check_float_dtype(dtype: Any, *, name: str, where: str) -> torch.dtype:
+    """A floating ``torch.dtype`` (``TypeError`` otherwise)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{where}: {name} must be a floating torch.dtype, got {dtype!r}")
+    return dtype
+
+
+def check_gptq_state(
+    state_dict: dict[str, Any], prefix: str, buffers: dict[str, Any], *, in_features: int,
+    out_features: int, bits: int, group_size: int, groups: int,
+) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """A GPTQ module's incoming state-dict tensors checked (``ValueError`` naming the key):
+    shapes, int32 words, integer ``g_idx`` within the groups, finite floating scales and bias.
+    Returns ``(replaced, adopt)``: entries to replace (``g_idx`` as int32) and the buffers to
+    reallocate in an incoming floating dtype (``buffers``: the module's, not changed here)."""
+    per = 32 // bits
+    out = out_features
+    shapes = {
+        "qweight": (in_features // per, out),
+        "qzeros": (groups, out // per),
+        "scales": (groups, out),
+        "g_idx": (in_features,),
+        "bias": (out,),
+    }
+    replaced: dict[str, Tensor] = {}
+    adopt: dict[str, Tensor] = {}
+    for name, shape in shapes.items():
+        key = prefix + name
+        if key not in state_dict or buffers.get(name) is None:
+            continue  # missing / unexpected keys are the loader's to report
+        t = state_dict[key]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{key}: expected a tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"{key}: expected shape {shape} for this GPTQLinear (in={in_features}, "
+                f"out={out}, bits={bits}, group_size={group_size}), got "
+                f"{tuple(t.shape)}"
+            )
+        if name in ("qweight", "qzeros") and t.dtype != torch.int32:
+            raise ValueError(
+                f"{key}: packed GPTQ words are int32, got {t.dtype} (bytes are never converted)"
+            )
+        if name == "g_idx":
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise ValueError(f"{key}: g_idx must hold integers, got {t.dtype}")
+            if not t.is_meta and t.numel():
+                low, high = int(t.min()), int(t.max())
+                if low < 0 or high >= groups:
+                    raise ValueError(
+                        f"{key}: every group index must lie in [0, {groups - 1}] "
+                        f"({groups} group(s)), got values in [{low}, {high}]"
+                    )
+            if t.dtype != torch.int32:
+                replaced[key] = t.to(torch.int32)
+        if name in ("scales", "bias"):
+            if not t.is_floating_point():
+                raise ValueError(f"{key}: {name} must be floating, got {t.dtype}")
+            if not t.is_meta and t.numel() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{key}: {name} contains NaN or infinity")
+            held = buffers[name]
+            if held is not None and held.dtype != t.dtype:
+                adopt[name] = torch.empty(shape, dtype=t.dtype, device=held.device)
+    return replaced, adopt

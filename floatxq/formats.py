@@ -69,6 +69,14 @@ K_GROUP: int = 128
 span of one FP8 blockwise scale (``(1, 128)`` activations, ``(128, 128)`` weights) and one staged
 NVFP4 operand group (eight blocks of 16)."""
 
+DECODE_TILE_ROWS: int = 128
+"""Input rows of one tile of the decode words (:mod:`floatxq.gptq.decode_words`): 32 int16 rows
+of four 4-bit codes each."""
+
+DECODE_SLICE_ROWS: int = 32
+"""Input rows one nibble position of a decode-words tile holds (a quarter of the tile); a group
+size that is a multiple of it keeps every slice in one group."""
+
 W4AActivationMode = Literal["w4afp8", "w4a_nvfp4"]
 """How a W4A layer quantizes its activations: per-token E4M3, or NVFP4 with swizzled scales."""
 

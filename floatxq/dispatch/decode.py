@@ -83,20 +83,29 @@ def fp4_decode_route(
     return route, reason
 
 
-def w4a16_route(rows: int, tuning: W4A16Tuning = DEFAULT_W4A16_TUNING) -> W4A16Route:
-    """The faster W4A16 kernel route for an ``rows``-row call: ``"w4a16_fused"`` (one launch
-    decoding in registers) up to ``tuning.fused_max_rows`` rows, else ``"w4a16_decode_gemm"``
-    (decode once, then the library GEMM at its full rate). Measured crossover: RESULTS.md.
+def w4a16_route(
+    rows: int, tuning: W4A16Tuning = DEFAULT_W4A16_TUNING, *, decode_words: bool = False
+) -> W4A16Route:
+    """The faster W4A16 kernel route for an ``rows``-row call: ``"w4a16_words"`` (the decode
+    words, two weights decoded per instruction) up to ``tuning.words_max_rows`` rows where the
+    caller holds them (``decode_words``), ``"w4a16_fused"`` (one launch decoding the checkpoint
+    words in registers) up to ``tuning.fused_max_rows``, else ``"w4a16_decode_gemm"`` (decode
+    once, then the library GEMM at its full rate). Measured crossovers: RESULTS.md.
 
     Example:
-      >>> w4a16_route(1), w4a16_route(4096)
-      ('w4a16_fused', 'w4a16_decode_gemm')
+      >>> w4a16_route(1), w4a16_route(1, decode_words=True), w4a16_route(4096)
+      ('w4a16_fused', 'w4a16_words', 'w4a16_decode_gemm')
     """
+    if decode_words and rows <= tuning.words_max_rows:
+        return "w4a16_words"
     return "w4a16_fused" if rows <= tuning.fused_max_rows else "w4a16_decode_gemm"
 
 
-def gptq_route(device: torch.device, dtype: torch.dtype, rows: int) -> tuple[str, str | None]:
-    """``(route, reason)`` of a ``GPTQLinear`` call of ``rows`` rows: ``"w4a16_fused"`` or
+def gptq_route(
+    device: torch.device, dtype: torch.dtype, rows: int, *, decode_words: bool = False
+) -> tuple[str, str | None]:
+    """``(route, reason)`` of a ``GPTQLinear`` call of ``rows`` rows: ``"w4a16_words"`` (where
+    the module holds decode words for ``dtype``: ``decode_words``), ``"w4a16_fused"`` or
     ``"w4a16_decode_gemm"`` (the W4A16 kernels, by row count) where Triton runs on CUDA for
     ``dtype``, else ``"dequant_matmul"`` and why not the kernels.
 
@@ -111,4 +120,4 @@ def gptq_route(device: torch.device, dtype: torch.dtype, rows: int) -> tuple[str
     reason = triton_unavailable_reason(device)
     if reason is not None:
         return GPTQ_DECODE_ROUTE, reason
-    return w4a16_route(rows), None
+    return w4a16_route(rows, decode_words=decode_words), None

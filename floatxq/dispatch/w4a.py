@@ -110,17 +110,20 @@ def w4a_fp8_carrier_route(requested: str, device: torch.device) -> tuple[str, st
 
 
 def w4a_fp8_operand(
-    rows: int, tuning: W4AFP8Tuning = DEFAULT_W4A_FP8_TUNING
-) -> Literal["words", "e4m3"]:
-    """Which weight form an ``rows``-row W4A-FP8 Triton GEMM reads fastest: the int32 words
-    (half a byte per weight: few rows are memory-bound) up to ``tuning.words_max_rows`` rows,
-    else the staged E4M3 operand (the FP8 tensor cores). Both give the same sums up to FP32
-    order.
+    rows: int, tuning: W4AFP8Tuning = DEFAULT_W4A_FP8_TUNING, *, decode_words: bool = False
+) -> Literal["decode_words", "words", "e4m3"]:
+    """Which weight form an ``rows``-row W4A-FP8 Triton GEMM reads fastest: the int16 decode
+    words (half a byte per weight, decoded two per instruction) up to
+    ``tuning.dwords_max_rows`` rows where the caller holds them (``decode_words``), the int32
+    checkpoint words (also half a byte) up to ``tuning.words_max_rows``, else the staged E4M3
+    operand (the FP8 tensor cores). All give the same sums up to FP32 order.
 
     Example:
-      >>> w4a_fp8_operand(1), w4a_fp8_operand(4096)
-      ('words', 'e4m3')
+      >>> w4a_fp8_operand(1), w4a_fp8_operand(1, decode_words=True), w4a_fp8_operand(4096)
+      ('words', 'decode_words', 'e4m3')
     """
+    if decode_words and rows <= tuning.dwords_max_rows:
+        return "decode_words"
     return "words" if rows <= tuning.words_max_rows else "e4m3"
 
 

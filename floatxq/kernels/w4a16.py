@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from floatxq._typing import Float, Tensor
 from floatxq.formats import normalize_gptq_format
+from floatxq.gptq.decode_words import DecodeOperands, gptq_decode_operands
 from floatxq.gptq.int4 import GPTQPacked, _check_bits, _check_packed
 from floatxq.kernels import fp8_small_m
 from floatxq.kernels._triton import (
@@ -48,8 +49,8 @@ __all__ = [
     "w4a16_linear_kernel",
 ]
 
-W4A16Route = Literal["w4a16_fused", "w4a16_decode_gemm"]
-W4A16_ROUTES = ("w4a16_fused", "w4a16_decode_gemm")
+W4A16Route = Literal["w4a16_words", "w4a16_fused", "w4a16_decode_gemm"]
+W4A16_ROUTES = ("w4a16_words", "w4a16_fused", "w4a16_decode_gemm")
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -79,13 +80,20 @@ class W4A16Tuning:
     decode_block_k: int = 64
     decode_block_n: int = 128
     decode_warps: int = 4
+    words_max_rows: int = 32
+    """Largest row count for which :func:`floatxq.dispatch.w4a16_route` picks the decode-words
+    route (when the module holds its decode words)."""
+    words_block_n: int = 256
+    words_warps: int = 4
+    words_stages: int = 3
+    words_target_programs: int = 2
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"W4A16Tuning: {f.name} must be an int >= 1, got {value!r}")
-        for name in ("block_n", "block_k", "decode_block_k", "decode_block_n"):
+        for name in ("block_n", "block_k", "decode_block_k", "decode_block_n", "words_block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"W4A16Tuning: {name} must be a power of two >= 16, got {value}")
@@ -106,6 +114,14 @@ def _launchers(interpret: bool) -> tuple[CachedLauncher, CachedLauncher]:
         "floatxq.kernels._w4a_jit", interpret=interpret, where="floatxq.kernels.w4a16"
     )
     return CachedLauncher(sources.w4a16_kernel), CachedLauncher(sources.gptq_decode_kernel)
+
+
+@functools.cache
+def _words_launcher(interpret: bool) -> CachedLauncher:
+    sources = import_kernel_sources(
+        "floatxq.kernels._w4a_words_jit", interpret=interpret, where="floatxq.kernels.w4a16"
+    )
+    return CachedLauncher(sources.w4a16_words_kernel)
 
 
 def _checked(
@@ -216,6 +232,7 @@ def w4a16_linear_kernel(
     group_size: int | None = None,
     route: W4A16Route | None = None,
     tuning: W4A16Tuning = DEFAULT_W4A16_TUNING,
+    operands: DecodeOperands | None = None,
 ) -> Float[Tensor, "m n"]:
     """:func:`floatxq.w4a16_linear` on CUDA.
 
@@ -226,21 +243,24 @@ def w4a16_linear_kernel(
       bits, format: as :func:`floatxq.dequantize_gptq`.
       group_size: the contiguous group size the caller guarantees, or None (gather by
         ``g_idx``; see :func:`dequantize_gptq_kernel`).
-      route: ``"w4a16_fused"`` (also for None) or ``"w4a16_decode_gemm"``;
+      route: ``"w4a16_fused"`` (also for None), ``"w4a16_words"`` (4-bit, contiguous groups:
+        the decode words of :mod:`floatxq.gptq.decode_words`) or ``"w4a16_decode_gemm"``;
         :func:`floatxq.dispatch.w4a16_route` names the faster for a row count.
       tuning: launch shapes.
+      operands: the route ``"w4a16_words"``'s staged operands for ``x``'s dtype
+        (:func:`floatxq.gptq.decode_words.gptq_decode_operands`; staged here when None).
 
     Returns:
       ``(m, n)`` in ``x.dtype``.
 
     Raises:
       TypeError, ValueError: wrong dtypes, shapes, devices (as the pure function); an unknown
-        route.
+        route; ``"w4a16_words"`` for a weight it cannot read exactly (the reason named).
       RuntimeError: Triton missing.
 
     Numerics: the reference's decoded operands (bit for bit), FP32 accumulation in another
-    order, the bias (in ``x``'s dtype) added in FP32 (the fused route) or by the library
-    GEMM, one rounding.
+    order, the bias (in ``x``'s dtype) added in FP32 (the fused and words routes) or by the
+    library GEMM, one rounding.
     """
     where = "w4a16_linear_kernel"
     if route is not None and route not in W4A16_ROUTES:
@@ -257,7 +277,69 @@ def w4a16_linear_kernel(
         raise ValueError(f"{where}: bias must be a floating ({n},) tensor")
     extra = (bias,) if bias is not None else ()
     device = require_kernel_device((x, *packed, *extra), where=where)
+    if route == "w4a16_words":
+        if bits != 4 or not group:
+            raise ValueError(f"{where}: the route 'w4a16_words' reads 4-bit contiguous groups")
+        if operands is None:
+            operands, why = gptq_decode_operands(
+                packed, format="gptq" if v1 else "gptq_v2", group_size=group, dtype=x.dtype
+            )
+            if operands is None:
+                raise ValueError(f"{where}: the route 'w4a16_words' cannot run: {why}")
+        return _words_linear(x, operands, packed.scales, bias, k, n, group, device, tuning)
     return _linear(x, packed, bias, k, n, bits, v1, group, device, route, tuning)
+
+
+_WORD_PLANS: dict[Any, tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]] = {}
+
+
+def _words_linear(
+    x: Tensor, ops: DecodeOperands, scales: Tensor, bias: Tensor | None, k: int, n: int,
+    group: int, device: torch.device, tuning: W4A16Tuning,
+) -> Tensor:  # fmt: skip
+    """The decode-words launch, arguments already checked (``GPTQLinear`` calls this with the
+    operands it staged)."""
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.to(x.dtype).expand(m, n)) if bias is not None else out.zero_()
+    interpret = triton_interpret_enabled()
+    key = (m, n, k, group, x.dtype, bias is not None, device, interpret, _tuning_key(tuning))
+    plan = _WORD_PLANS.get(key)
+    if plan is None:
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        block_n = tuning.words_block_n
+        tiles = -(-m // block_m) * -(-n // block_n)
+        steps = ops.words.shape[0] // 32
+        sms = fp8_small_m._sm_count(device) or 1
+        split = 1
+        for d in range(1, steps + 1):  # the largest even split near the target programs
+            if steps % d == 0 and tiles * d <= tuning.words_target_programs * sms:
+                split = d
+        per_tile = group >= k or group % 128 == 0
+        tail = (group, per_tile, bias is not None, not interpret, block_m, block_n,
+                steps // split, split)  # fmt: skip
+        options = {"num_warps": tuning.words_warps, "num_stages": tuning.words_stages}
+        plan = _WORD_PLANS[key] = ((tiles, split, 1), tail, options)
+    grid, tail, options = plan
+    split = grid[1]
+    if not all(t.is_contiguous() for t in ops):  # (the kernel steps rows by n)
+        ops = DecodeOperands(*(t.contiguous() for t in ops))
+    guard, index = launch_device(device)
+    with guard:
+        if split > 1:
+            part, counts, _ = fp8_small_m._workspace(device, index, split * m * n, grid[0])
+        else:
+            part = counts = out
+        args = (
+            x, ops.words, ops.zeros, ops.hi, ops.lo, scales,
+            bias if bias is not None else ops.hi, out, part, counts, m, n, k,
+            ops.zeros.shape[0], x.stride(0), x.stride(1), out.stride(0), *tail,
+        )  # fmt: skip
+        _words_launcher(interpret)(key, grid, args, options, index)
+    return out
 
 
 def _linear(

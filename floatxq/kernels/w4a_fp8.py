@@ -79,6 +79,17 @@ class W4AFP8Tuning:
       128
     """
 
+    dwords_max_rows: int = 32
+    """Largest row count that reads the int16 decode words (where the module holds them), as
+    :func:`floatxq.dispatch.w4a_fp8_operand` picks."""
+    dwords_block_n: int = 128
+    dwords_stages: int = 2
+    dwords_target_programs: int = 4
+    dwords_wide_rows: int = 17
+    """From this row count on the decode-words launch takes the ``dwords_wide_*`` shapes."""
+    dwords_wide_block_n: int = 256
+    dwords_wide_stages: int = 3
+    dwords_wide_target_programs: int = 2
     words_max_rows: int = 64
     """Largest row count that reads the int32 words (above it: the staged E4M3 operand), as
     :func:`floatxq.dispatch.w4a_fp8_operand` picks; also the largest that gets the split-K
@@ -109,8 +120,8 @@ class W4AFP8Tuning:
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"W4AFP8Tuning: {f.name} must be an int >= 1, got {value!r}")
-        for name in ("words_block_n", "e4m3_block_m", "e4m3_block_n", "pack_rows",
-                     "pack_block_k"):  # fmt: skip
+        for name in ("words_block_n", "dwords_block_n", "dwords_wide_block_n", "e4m3_block_m",
+                     "e4m3_block_n", "pack_rows", "pack_block_k"):  # fmt: skip
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"W4AFP8Tuning: {name} must be a power of two, got {value}")
@@ -141,6 +152,14 @@ def _launchers(interpret: bool) -> tuple[CachedLauncher, CachedLauncher]:
         "floatxq.kernels._w4a_jit", interpret=interpret, where="floatxq.kernels.w4a_fp8"
     )
     return CachedLauncher(sources.fp8_pack_kernel), CachedLauncher(sources.w4a_fp8_kernel)
+
+
+@functools.cache
+def _dwords_launcher(interpret: bool) -> CachedLauncher:
+    sources = import_kernel_sources(
+        "floatxq.kernels._w4a_words_jit", interpret=interpret, where="floatxq.kernels.w4a_fp8"
+    )
+    return CachedLauncher(sources.w4a_fp8_words_kernel)
 
 
 def fp8_pack(
@@ -221,7 +240,8 @@ def fp8_linear(
 
     Args:
       x: ``(m, k)`` float16/bfloat16/float32 CUDA activations; ``k`` a multiple of 128.
-      weight: int32 GPTQ words ``(k/8, n)`` (symmetric, zero point 8) or the staged
+      weight: int32 GPTQ words ``(k/8, n)`` (symmetric, zero point 8), their int16 decode
+        words ``(k/4, n)`` (:func:`floatxq.gptq.decode_words.stage_decode_words`) or the staged
         ``float8_e4m3fn (k, n)`` operand (see :func:`floatxq.centered_weight`).
       scales: ``(k/128, n)`` GPTQ group scales (any floating dtype).
       bias: ``(n,)`` floating or None.
@@ -445,6 +465,8 @@ def _gemm(
         return out
     if k == 0:
         return out.copy_(bias.to(output_dtype).expand(m, n)) if bias is not None else out.zero_()
+    if weight.dtype == torch.int16:
+        return _dwords_gemm(codes, row_scale, weight, scales, bias, out, tuning)
     words = weight.dtype == torch.int32
     interpret = triton_interpret_enabled()
     key = (
@@ -475,4 +497,53 @@ def _gemm(
         )  # fmt: skip
         aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:8])
         _launchers(interpret)[1]((key, aligned), grid, args, options, index)
+    return out
+
+
+_DWORD_PLANS: dict[Any, tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]] = {}
+
+
+def _dwords_gemm(
+    codes: Tensor, row_scale: Tensor, words: Tensor, scales: Tensor, bias: Tensor | None,
+    out: Tensor, tuning: W4AFP8Tuning,
+) -> Tensor:  # fmt: skip
+    """The decode-words launch (``out`` allocated, at least one row, column and group)."""
+    (m, k), n = codes.shape, words.shape[1]
+    words = words.contiguous()  # (the kernel steps rows by n; the modules' words already are)
+    device = codes.device
+    interpret = triton_interpret_enabled()
+    key = (
+        m, n, k, codes.stride(0), scales.dtype, None if bias is None else bias.dtype, out.dtype,
+        device, interpret, None if tuning is DEFAULT_W4A_FP8_TUNING else tuning,
+    )  # fmt: skip
+    plan = _DWORD_PLANS.get(key)
+    if plan is None:
+        wide = m >= tuning.dwords_wide_rows
+        block_n = tuning.dwords_wide_block_n if wide else tuning.dwords_block_n
+        stages = tuning.dwords_wide_stages if wide else tuning.dwords_stages
+        target = tuning.dwords_wide_target_programs if wide else tuning.dwords_target_programs
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        tiles = -(-m // block_m) * -(-n // block_n)
+        groups = k // K_GROUP
+        sms = fp8_small_m._sm_count(device) or 1
+        split = 1
+        for d in _divisors(groups):
+            if tiles * d <= target * sms:
+                split = d
+        tail = (bias is not None, not interpret, block_m, block_n, groups // split, split)
+        plan = _DWORD_PLANS[key] = ((tiles, split, 1), tail, {"num_warps": 4, "num_stages": stages})
+    grid, tail, options = plan
+    split = grid[1]
+    guard, index = launch_device(device)
+    with guard:
+        if split > 1:
+            part, counts, _ = fp8_small_m._workspace(device, index, split * m * n, grid[0])
+        else:
+            part = counts = out
+        args = (
+            codes.view(torch.int8), row_scale, words, scales, bias if bias is not None else scales,
+            out, part, counts, m, n, k, codes.stride(0), scales.stride(0), scales.stride(1),
+            out.stride(0), *tail,
+        )  # fmt: skip
+        _dwords_launcher(interpret)(key, grid, args, options, index)
     return out

@@ -21,10 +21,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from floatxq._checks import (
+    check_float_dtype as _check_float_dtype,
+)
+from floatxq._checks import (
+    check_gptq_state,
+)
+from floatxq._checks import (
+    check_group_size as _check_group_size,
+)
+from floatxq._checks import (
+    check_size as _check_size,
+)
 from floatxq._typing import Float, Tensor
 from floatxq.dispatch import GPTQ_DECODE_ROUTE as DECODE_ROUTE
 from floatxq.dispatch import gptq_route
 from floatxq.formats import normalize_gptq_format
+from floatxq.gptq.decode_words import DecodeOperands, gptq_decode_operands
 from floatxq.gptq.int4 import (
     GPTQPacked,
     GPTQUnpacked,
@@ -42,30 +55,7 @@ from floatxq.nn._bytes import ByteBuffers
 __all__ = ["GPTQLinear"]
 
 _BUFFERS = ("qweight", "qzeros", "scales", "g_idx", "bias")
-
-
-def _check_size(value: Any, *, name: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{where}: {name} must be >= 0, got {value}")
-    return value
-
-
-def _check_group_size(group_size: Any, *, where: str) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(
-            f"{where}: group_size must be an int (-1 or >= 1), got {type(group_size).__name__}"
-        )
-    if group_size != -1 and group_size < 1:
-        raise ValueError(f"{where}: group_size must be -1 (one group) or >= 1, got {group_size}")
-    return group_size
-
-
-def _check_float_dtype(dtype: Any, *, name: str, where: str) -> torch.dtype:
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"{where}: {name} must be a floating torch.dtype, got {dtype!r}")
-    return dtype
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _group_count(in_features: int, group_size: int) -> int:
@@ -315,71 +305,60 @@ class GPTQLinear(ByteBuffers, nn.Module):
     def _byte_buffer_names(self) -> tuple[str, ...]:
         return _BUFFERS
 
+    def _applied(self, *_: Any) -> None:  # (staged for the old device: restaged on use)
+        self.__dict__["_decode"] = {}
+
+    _loaded = _applied
+
+    def post_init(self) -> "GPTQLinear":
+        """Stage the decode words on CUDA for both half dtypes now (else the first call of a
+        dtype does, reading the weight back once); returns self. Again after in-place edits."""
+        self.__dict__["_decode"] = {}
+        for dtype in _HALF if self.qweight.is_cuda else ():
+            self.decode_operands(dtype)
+        return self
+
+    def decode_operands(self, dtype: torch.dtype) -> tuple[DecodeOperands | None, str | None]:
+        """``(operands, None)``: the decode words for ``dtype`` activations (route
+        ``"w4a16_words"``; :func:`floatxq.gptq.decode_words.gptq_decode_operands`, staged once
+        per dtype and device), or ``(None, why not)`` (also when unstaged during graph capture).
+        """
+        cache = self.__dict__.setdefault("_decode", {})
+        held = cache.get(dtype)
+        if held is not None:
+            return held
+        if self.bits != 4:
+            return None, f"bits={self.bits}; the decode words hold 4-bit codes"
+        if self.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None, "the decode words are staged outside CUDA graph capture (post_init())"
+        group = self.contiguous_group_size()
+        if group is None:
+            held = (None, "g_idx is not arange(in) // group_size (desc_act)")
+        else:
+            held = gptq_decode_operands(
+                self.packed(), format=self.format, group_size=group, dtype=dtype
+            )
+        cache[dtype] = held
+        return held
+
     def _incoming(
         self, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
     ) -> tuple[dict[str, Any], list[str]]:
-        return self._checked_state(state_dict, prefix), []
-
-    def _checked_state(self, state_dict: dict[str, Any], prefix: str) -> dict[str, Tensor]:
-        """Check this module's incoming tensors (``ValueError`` naming the key); returns the
-        entries to replace (``g_idx`` of another integer dtype, as int32). Incoming scales and
-        bias of another floating dtype are adopted: their buffers are reallocated in that dtype
-        so the load copies them exactly."""
-        per = 32 // self.bits
-        groups, out = self.groups, self.out_features
-        shapes = {
-            "qweight": (self.in_features // per, out),
-            "qzeros": (groups, out // per),
-            "scales": (groups, out),
-            "g_idx": (self.in_features,),
-            "bias": (out,),
-        }
-        replaced: dict[str, Tensor] = {}
-        adopt: dict[str, Tensor] = {}
-        for name, shape in shapes.items():
-            key = prefix + name
-            if key not in state_dict or self._buffers.get(name) is None:
-                continue  # missing / unexpected keys are the loader's to report
-            t = state_dict[key]
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{key}: expected a tensor, got {type(t).__name__}")
-            if tuple(t.shape) != shape:
-                raise ValueError(
-                    f"{key}: expected shape {shape} for this GPTQLinear (in={self.in_features}, "
-                    f"out={out}, bits={self.bits}, group_size={self.group_size}), got "
-                    f"{tuple(t.shape)}"
-                )
-            if name in ("qweight", "qzeros") and t.dtype != torch.int32:
-                raise ValueError(
-                    f"{key}: packed GPTQ words are int32, got {t.dtype} (bytes are never converted)"
-                )
-            if name == "g_idx":
-                if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-                    raise ValueError(f"{key}: g_idx must hold integers, got {t.dtype}")
-                if not t.is_meta and t.numel():
-                    low, high = int(t.min()), int(t.max())
-                    if low < 0 or high >= groups:
-                        raise ValueError(
-                            f"{key}: every group index must lie in [0, {groups - 1}] "
-                            f"({groups} group(s)), got values in [{low}, {high}]"
-                        )
-                if t.dtype != torch.int32:
-                    replaced[key] = t.to(torch.int32)
-            if name in ("scales", "bias"):
-                if not t.is_floating_point():
-                    raise ValueError(f"{key}: {name} must be floating, got {t.dtype}")
-                if not t.is_meta and t.numel() and not bool(torch.isfinite(t).all()):
-                    raise ValueError(f"{key}: {name} contains NaN or infinity")
-                held = self._buffers[name]
-                if held is not None and held.dtype != t.dtype:
-                    adopt[name] = torch.empty(shape, dtype=t.dtype, device=held.device)
-        self._buffers.update(adopt)  # only once every key passed: a refused load changes nothing
-        return replaced
+        """Check this module's incoming tensors (:func:`floatxq._checks.check_gptq_state`).
+        Scales and bias of another floating dtype are adopted: their buffers are reallocated in
+        that dtype (once every key passed: a refused load changes nothing)."""
+        replaced, adopt = check_gptq_state(
+            state_dict, prefix, self._buffers, in_features=self.in_features,
+            out_features=self.out_features, bits=self.bits, group_size=self.group_size,
+            groups=self.groups,
+        )  # fmt: skip
+        self._buffers.update(adopt)
+        return replaced, []
 
     @property
     def last_route(self) -> str:
-        """The route the last forward took (``"w4a16_fused"``, ``"w4a16_decode_gemm"``,
-        ``"dequant_matmul"``; ``"none"`` before any call)."""
+        """The route the last forward took (``"w4a16_words"``, ``"w4a16_fused"``,
+        ``"w4a16_decode_gemm"``, ``"dequant_matmul"``; ``"none"`` before any call)."""
         return self._last
 
     @property
@@ -433,14 +412,24 @@ class GPTQLinear(ByteBuffers, nn.Module):
                 f"{self.qweight.device}; move one of them with .to()"
             )
         x_flat = x.reshape(math.prod(x.shape[:-1]), self.in_features)
-        route, reason = gptq_route(x_flat.device, x_flat.dtype, x_flat.shape[0])
+        rows, tuning = x_flat.shape[0], w4a16.DEFAULT_W4A16_TUNING
+        ops = None
+        if x.is_cuda and x.dtype in _HALF and rows <= tuning.words_max_rows:
+            ops = self.decode_operands(x.dtype)[0]
+        route, reason = gptq_route(x_flat.device, x_flat.dtype, rows, decode_words=ops is not None)
+        k, n = self.in_features, self.out_features
         if route == DECODE_ROUTE:
             out = _dequant_matmul(self, x_flat)
+        elif route == "w4a16_words":
+            out = w4a16._words_linear(
+                x_flat, ops, self.scales, self.bias, k, n, self.contiguous_group_size(),
+                x.device, tuning,
+            )  # fmt: skip
         else:  # the W4A16 kernels (floatxq.kernels.w4a16) on the buffers
-            k, n, group = self.in_features, self.out_features, self.contiguous_group_size()
+            group = self.contiguous_group_size()
             out = w4a16._linear(
                 x_flat, self.packed(), self.bias, k, n, self.bits, self.format == "gptq",
-                group or 0, x.device, route, w4a16.DEFAULT_W4A16_TUNING,
+                group or 0, x.device, route, tuning,
             )  # fmt: skip
         self._set_last(route, reason)
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -37,6 +37,7 @@ from floatxq.formats import (
     normalize_nvfp4_recipe,
 )
 from floatxq.fp8 import fp8_token_quantize
+from floatxq.gptq.decode_words import unstage_decode_words
 from floatxq.gptq.int4 import GPTQPacked, _unpack_fields, dequantize_gptq
 from floatxq.gptq.planes import Int4Planes, split_int4_planes
 from floatxq.nvfp4.operand import nvfp4_decode_swizzled, nvfp4_pack_swizzled, padded_rows
@@ -61,9 +62,10 @@ def centered_weight(weight: Shaped[Tensor, "rows n"], *, where: str = "centered_
     """The centered integer weight ``(k, n)`` as FP32, from either W4A-FP8 weight operand.
 
     Args:
-      weight: ``float8_e4m3fn (k, n)`` staged operand (values ``-8..7``), or ``int32 (k/8, n)``
+      weight: ``float8_e4m3fn (k, n)`` staged operand (values ``-8..7``), ``int32 (k/8, n)``
         symmetric GPTQ words (zero point 8: each nibble ``code`` stands for ``code - 8``; input
-        row ``k`` in word ``k // 8`` at bits ``4 * (k % 8)``).
+        row ``k`` in word ``k // 8`` at bits ``4 * (k % 8)``), or ``int16 (k/4, n)`` decode words
+        of the same codes (:func:`floatxq.gptq.decode_words.stage_decode_words`).
       where: the caller's name, for error messages.
 
     Returns:
@@ -81,16 +83,20 @@ def centered_weight(weight: Shaped[Tensor, "rows n"], *, where: str = "centered_
     _check_weight(weight, where=where)
     if weight.dtype == torch.int32:
         return (_unpack_fields(weight, 0, 4).to(torch.int16) - 8).to(torch.float32)
+    if weight.dtype == torch.int16:
+        codes = unstage_decode_words(weight, weight.shape[0] * 4)
+        return (codes.to(torch.int16) - 8).to(torch.float32)
     return weight.to(torch.float32)
 
 
 def _check_weight(weight: object, *, where: str) -> None:
     require_tensor(weight, name="weight", where=where)
     require_data(weight, name="weight", where=where)
-    if weight.ndim != 2 or weight.dtype not in (torch.float8_e4m3fn, torch.int32):
+    if weight.ndim != 2 or weight.dtype not in (torch.float8_e4m3fn, torch.int32, torch.int16):
         raise TypeError(
-            f"{where}: weight must be a 2-D float8_e4m3fn (k, n) staged operand or int32 "
-            f"(k/8, n) GPTQ words, got {weight.dtype} {tuple(weight.shape)}"
+            f"{where}: weight must be a 2-D float8_e4m3fn (k, n) staged operand, int32 "
+            f"(k/8, n) GPTQ words or int16 (k/4, n) decode words, got {weight.dtype} "
+            f"{tuple(weight.shape)}"
         )
 
 
@@ -100,8 +106,9 @@ def _check_operands(
 ) -> int:  # fmt: skip
     """Shapes, dtypes and devices of the weight side; returns ``n``."""
     _check_weight(weight, where=where)  # dtype and rank (no data read: no device work)
-    packed = weight.dtype == torch.int32
-    depth = weight.shape[0] * 8 if packed else weight.shape[0]
+    per_row = {torch.int32: 8, torch.int16: 4}.get(weight.dtype, 1)
+    packed = per_row > 1
+    depth = weight.shape[0] * per_row
     n = weight.shape[1]
     if k % K_GROUP:
         raise ValueError(
@@ -109,7 +116,8 @@ def _check_operands(
             f"desc_act=False)"
         )
     if depth != k:
-        got = f"({weight.shape[0]}, {n}) int32 words" if packed else f"({depth}, {n})"
+        kind = "int32" if weight.dtype == torch.int32 else "int16 decode"
+        got = f"({weight.shape[0]}, {n}) {kind} words" if packed else f"({depth}, {n})"
         raise ValueError(f"{where}: weight must hold k={k} input rows, got {got}")
     require_floating(scales, name="scales", where=where)
     require_data(scales, name="scales", where=where)
@@ -492,7 +500,7 @@ def _weight_planes(weight: Tensor, *, where: str) -> tuple[Tensor, Int4Planes]:
     must hold integers in ``-8..7``: only those split into exact planes (GPTQ words always do).
     """
     c = centered_weight(weight, where=where)
-    if weight.dtype != torch.int32:
+    if weight.dtype == torch.float8_e4m3fn:
         bad = (c != c.round()) | (c < -8) | (c > 7)  # (NaN is not its own rounding)
         if bool(bad.any()):
             raise ValueError(

@@ -1,0 +1,120 @@
+# ruff: noqa: B023  (each lambda is timed within its own loop iteration)
+"""Host cost of the quantized modules in eager mode (no CUDA graphs), on an H200.
+
+Usage (GPU): ``python3 benchmarks/eager_host.py [calls] [model] [--layers 8]``
+(no section: both).
+
+- ``calls``: host microseconds per ``forward`` of each quantized module against ``nn.Linear``
+  of the same 512 × 512 shape at 1 row (the GPU work is a few microseconds, so a stream of
+  2,000 calls is bound by the host): wall time of the calls, one synchronisation at the end.
+- ``model``: one-token steps of a random Llama-3-8B-shaped model of ``--layers`` decoder layers
+  (lm_head bf16), eager and under CUDA graphs, for bf16, ``TorchFP8Linear`` (row), ``GPTQLinear``
+  (W4A16) and ``W4AFP8Linear``; milliseconds per step and the eager ratio to bf16.
+"""
+
+import copy
+import pathlib
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from w4a import _converted, _option, _w4a16, _w4a_fp8, eager_us, graph_us
+
+import floatxq as fq
+
+
+def host_us(fn, calls: int = 2000) -> float:
+    """Wall microseconds per call of ``fn`` over ``calls`` calls (one sync at the end)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1e6 / calls
+
+
+def calls_bench() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(512, 512, bias=False).cuda().to(torch.bfloat16)
+    fp32 = copy.deepcopy(linear).float()  # (nn.Module.float() converts in place)
+    modules = {
+        "nn.Linear": linear,
+        "TorchFP8Linear (row)": fq.TorchFP8Linear.from_linear(linear),
+        "TorchFP8Linear (token activations)": fq.TorchFP8Linear.from_linear(
+            linear, input_quant="token"
+        ),
+        "TorchFP4Linear": fq.TorchFP4Linear.from_linear(fp32).cuda(),
+        "GPTQLinear": _w4a16(fp32).cuda().post_init(),
+        "W4AFP8Linear": _w4a_fp8(fp32).cuda().post_init(),
+    }
+    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    print("| module | host us / call | over nn.Linear | route |")
+    print("|---|---|---|---|")
+    base = None
+    with torch.inference_mode():
+        for name, module in modules.items():
+            us = host_us(lambda: module(x))
+            base = base if base is not None else us
+            route = getattr(module, "last_route", "")
+            print(f"| {name} | {us:.1f} | {us - base:+.1f} | {route} |", flush=True)
+
+
+def model_bench() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    (layers,) = _option("--layers", (8,))
+    config = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=8192, torch_dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    variants = {
+        "bf16": lambda: base,
+        "TorchFP8Linear (row)": lambda: _converted(base, fq.TorchFP8Linear.from_linear),
+        "GPTQLinear (W4A16)": lambda: _converted(base, lambda lin: _w4a16(lin).post_init()),
+        "W4AFP8Linear": lambda: _converted(base, _w4a_fp8),
+    }
+    print(f"| model ({layers} layers) | batch | eager ms / step | graph ms / step | eager / bf16 |")
+    print("|---|---|---|---|---|")
+    eager_base = {}
+    for name, build in variants.items():
+        model = build()
+        for batch in (1, 16):
+            ids = torch.randint(0, config.vocab_size, (batch, 1), device="cuda")
+            with torch.inference_mode():
+                eager = eager_us(lambda: model(input_ids=ids, use_cache=False))
+                graph = graph_us([lambda: model(input_ids=ids, use_cache=False)], calls=5,
+                                 replays=5)  # fmt: skip
+            eager_base.setdefault(batch, eager)
+            print(f"| {name} | {batch} | {eager / 1e3:.2f} | {graph / 1e3:.2f} | "
+                  f"{eager / eager_base[batch]:.2f}x |", flush=True)  # fmt: skip
+        if model is not base:
+            del model
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    if "--help" in sys.argv or "-h" in sys.argv:
+        print(__doc__)
+        return
+    wanted = {a for a in sys.argv[1:] if a in ("calls", "model")} or {"calls", "model"}
+    props = torch.cuda.get_device_properties(0)
+    print(f"# {props.name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC')}")
+    if "calls" in wanted:
+        calls_bench()
+    if "model" in wanted:
+        model_bench()
+
+
+if __name__ == "__main__":
+    main()
