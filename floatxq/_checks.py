@@ -456,3 +456,26 @@ def check_gptq_state(
             if held is not None and held.dtype != t.dtype:
                 adopt[name] = torch.empty(shape, dtype=t.dtype, device=held.device)
     return replaced, adopt
+
+
+def stored_bias_of(
+    bias: Any, out_features: int, dtype: torch.dtype | None, device: Any, *, where: str
+) -> Tensor:
+    """A module's bias as stored: floating ``(out,)``, in ``dtype`` (``None``: its own), on
+    ``device``, finite (``TypeError`` / ``ValueError`` naming what is wrong)."""
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+        got = bias.dtype if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise TypeError(f"{where}: bias must be a floating tensor or None, got {got}")
+    if tuple(bias.shape) != (out_features,):
+        raise ValueError(
+            f"{where}: bias must have shape ({out_features},), got {tuple(bias.shape)}"
+        )
+    b = bias.detach()
+    if dtype is not None:
+        b = b.to(device=device, dtype=dtype)
+    if not b.is_meta and b.numel() and not bool(torch.isfinite(b).all()):
+        stored = f" once stored as {dtype}" if dtype is not None else ""
+        raise ValueError(
+            f"{where}: bias contains NaN or infinity{stored}; finite values are required"
+        )
+    return b.to(device=device)

@@ -117,3 +117,17 @@ def test_dispatched_pack_gives_the_pure_bytes(mode, rows, seed):
     pure, routed = pure_pack(x, mode), fq.pack_activation(x, mode)
     assert_bitwise_equal(pure.codes.view(torch.uint8), routed.codes.view(torch.uint8))
     assert_bitwise_equal(pure.scales.view(torch.uint8), routed.scales.view(torch.uint8))
+
+
+@given(st.integers(0, 1 << 20), st.integers(0, 1 << 20), st.booleans())
+def test_row_counts_of_one_class_get_the_same_int4_routes(a, b, decode_words):
+    """Modules keep one route decision per :func:`floatxq.dispatch.rows_bucket` class: every
+    row-count switch of the default tunings agrees across a class."""
+    if dispatch.rows_bucket(a) != dispatch.rows_bucket(b):
+        return
+    for choice in (dispatch.w4a16_route, dispatch.w4a_fp8_operand):
+        assert choice(a, decode_words=decode_words) == choice(b, decode_words=decode_words)
+    staged = torch.zeros(256, 8, dtype=torch.float8_e4m3fn).T.contiguous().T  # K-contiguous
+    (route_a, why_a), (route_b, why_b) = (dispatch.w4a_fp8_gemm_route(r, staged) for r in (a, b))
+    assert route_a == route_b
+    assert (why_a is None) == (why_b is None)  # (a reason may name its own row count)

@@ -242,7 +242,7 @@ def test_from_nvfp4_validates_the_record_and_bias():
         TorchFP4Linear.from_nvfp4(w._replace(global_scale=torch.tensor(-1.0)))
     with pytest.raises(ValueError, match=r"bias must have shape \(24,\)"):
         TorchFP4Linear.from_nvfp4(w, torch.zeros(3))
-    with pytest.raises(ValueError, match="bias holds NaN or infinity once stored"):
+    with pytest.raises(ValueError, match="bias contains NaN or infinity once stored"):
         TorchFP4Linear.from_nvfp4(w, torch.full((24,), 1e6), dtype=torch.float16)
 
 

@@ -379,6 +379,9 @@ def test_routes_and_reasons(monkeypatch):
     with pytest.raises(RuntimeError, match=r"SM 8\.0 < 8\.9"):
         w4a_fp8_route("triton", torch.device("cpu"))
     layer.route = "auto"
+    layer(x)  # the decision for "auto" on this device and row count was kept from the first call
+    assert layer.last_reason != old_gpu
+    layer.post_init()  # rebuilt caches: decided again, from the facts of now
     layer(x)
     assert (layer.last_route, layer.last_reason) == ("reference", old_gpu)
     assert "route=auto" in repr(layer)

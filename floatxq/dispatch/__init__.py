@@ -43,11 +43,13 @@ from floatxq.dispatch.mlx import (
 )
 from floatxq.dispatch.preference import W4A_FP8_ROUTES, W4A_NVFP4_ROUTES, RoutePreference
 from floatxq.dispatch.w4a import (
+    ROWS_BUCKET_EXACT,
     fp8_pack_reason,
     nvfp4_accumulator,
     nvfp4_operand,
     nvfp4_pack_reason,
     pack_activation,
+    rows_bucket,
     stream_pack_reason,
     w4a_fp8_carrier_route,
     w4a_fp8_gemm_route,
@@ -65,6 +67,7 @@ __all__ = [
     "PREFILL_MAX_IN",
     "PREFILL_MIN_OUT",
     "ROUTES",
+    "ROWS_BUCKET_EXACT",
     "SCALED_MM_ROUTE",
     "W4A_FP8_ROUTES",
     "W4A_NVFP4_ROUTES",
@@ -84,6 +87,7 @@ __all__ = [
     "nvfp4_pack_reason",
     "pack_activation",
     "quantize_fp8_weight_auto",
+    "rows_bucket",
     "select_fp8_route",
     "stream_pack_reason",
     "torchao_missing",

@@ -26,11 +26,13 @@ from floatxq.w4a.activation import W4AActivation
 from floatxq.w4a.linear import w4a_nvfp4_accumulate_group
 
 __all__ = [
+    "ROWS_BUCKET_EXACT",
     "fp8_pack_reason",
     "nvfp4_accumulator",
     "nvfp4_operand",
     "nvfp4_pack_reason",
     "pack_activation",
+    "rows_bucket",
     "stream_pack_reason",
     "w4a_fp8_carrier_route",
     "w4a_fp8_gemm_route",
@@ -41,6 +43,24 @@ __all__ = [
 ]
 
 _NATIVE_MIN_CAPABILITY = (12, 1)
+
+ROWS_BUCKET_EXACT = 128
+"""Row counts up to this are their own class for the route choices (every row-count threshold
+of the default tunings lies at or below it)."""
+
+
+def rows_bucket(rows: int) -> int:
+    """The class of a row count for the INT4 route choices, so a module can keep one decision
+    per class: ``rows`` itself up to :data:`ROWS_BUCKET_EXACT`, above it one class per residue
+    mod 4 (cuBLAS's blockwise GEMM needs a multiple of 4 rows). Two row counts of one class get
+    the same routes from :func:`w4a16_route`, :func:`w4a_fp8_operand` and
+    :func:`w4a_fp8_gemm_route` under the default tunings.
+
+    Example:
+      >>> rows_bucket(7), rows_bucket(4096) == rows_bucket(132), rows_bucket(4097) == rows_bucket(8)
+      (7, True, False)
+    """
+    return rows if rows <= ROWS_BUCKET_EXACT else ROWS_BUCKET_EXACT + 1 + rows % 4
 
 
 def _w4a_fp8_unavailable(device: torch.device) -> str | None:

@@ -275,6 +275,16 @@ def fp8_linear(
     return _run(codes, row_scale, weight, scales, bias, x.dtype, route, tuning, where=where)
 
 
+def _linear(
+    x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, route: str | None
+) -> Tensor:
+    """:func:`fp8_linear` with its arguments already checked (``W4AFP8Linear`` checked them when
+    it was built, and its plan chose the weight form and the GEMM route)."""
+    codes, row_scale = _pack(x, x.device, DEFAULT_W4A_FP8_TUNING)
+    return _run(codes, row_scale, weight, scales, bias, x.dtype, route, DEFAULT_W4A_FP8_TUNING,
+                where="W4AFP8Linear")  # fmt: skip
+
+
 def fp8_linear_prepacked(
     codes: Float8e4m3fn[Tensor, "m k"],
     row_scale: Float32[Tensor, "m"],  # noqa: F821
@@ -531,7 +541,13 @@ def _dwords_gemm(
             if tiles * d <= target * sms:
                 split = d
         tail = (bias is not None, not interpret, block_m, block_n, groups // split, split)
-        plan = _DWORD_PLANS[key] = ((tiles, split, 1), tail, {"num_warps": 4, "num_stages": stages})
+        options: dict[str, Any] = {"num_warps": 4, "num_stages": stages}
+        if not interpret:
+            # at most 128 registers a thread: four programs of 4 warps fit an SM. A row count
+            # Triton does not specialize (2..15) otherwise compiles to 136 and runs the grid in
+            # two waves (RESULTS.md: 25 against 18.6 µs at M = 2..8); ptxas spills nothing at 128
+            options["maxnreg"] = 128
+        plan = _DWORD_PLANS[key] = ((tiles, split, 1), tail, options)
     grid, tail, options = plan
     split = grid[1]
     guard, index = launch_device(device)

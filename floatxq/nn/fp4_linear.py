@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from floatxq import dispatch
+from floatxq._checks import stored_bias_of
 from floatxq._typing import Float, Tensor
 from floatxq.formats import MODEL_DTYPES, NVFP4_BLOCK, NVFP4RecipeName
 from floatxq.kernels.nvfp4_decoding import nvfp4_dequantize_kernel
@@ -42,23 +43,6 @@ def _check_dtype(dtype: Any, *, where: str) -> torch.dtype:
             f"{where}: dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype}"
         )
     return dtype
-
-
-def _stored_bias(
-    bias: Any, out_features: int, dtype: torch.dtype, device: torch.device, *, where: str
-) -> Tensor:
-    """The bias as stored: ``(out,)`` in ``dtype``, finite."""
-    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
-        got = bias.dtype if isinstance(bias, torch.Tensor) else type(bias).__name__
-        raise TypeError(f"{where}: bias must be a floating tensor or None, got {got}")
-    if tuple(bias.shape) != (out_features,):
-        raise ValueError(
-            f"{where}: bias must have shape ({out_features},), got {tuple(bias.shape)}"
-        )
-    b = bias.detach().to(device=device, dtype=dtype)
-    if b.numel() and not bool(torch.isfinite(b).all()):
-        raise ValueError(f"{where}: bias holds NaN or infinity once stored as {dtype}")
-    return b
 
 
 class TorchFP4Linear(ByteBuffers, nn.Module):
@@ -161,7 +145,7 @@ class TorchFP4Linear(ByteBuffers, nn.Module):
         out_features, in_features = checked.shape
         stored_bias = None
         if bias is not None:
-            stored_bias = _stored_bias(
+            stored_bias = stored_bias_of(
                 bias, out_features, dtype, checked.packed.device, where=where
             )
         layer = cls(in_features, out_features, bias=bias is not None, dtype=dtype, device="meta")

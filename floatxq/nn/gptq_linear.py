@@ -22,20 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from floatxq._checks import (
-    check_float_dtype as _check_float_dtype,
-)
-from floatxq._checks import (
+    check_float_dtype,
     check_gptq_state,
-)
-from floatxq._checks import (
-    check_group_size as _check_group_size,
-)
-from floatxq._checks import (
-    check_size as _check_size,
+    check_group_size,
+    check_size,
+    stored_bias_of,
 )
 from floatxq._typing import Float, Tensor
 from floatxq.dispatch import GPTQ_DECODE_ROUTE as DECODE_ROUTE
-from floatxq.dispatch import gptq_route
+from floatxq.dispatch import gptq_route, rows_bucket
 from floatxq.formats import normalize_gptq_format
 from floatxq.gptq.decode_words import DecodeOperands, gptq_decode_operands
 from floatxq.gptq.int4 import (
@@ -61,21 +56,6 @@ _HALF = (torch.float16, torch.bfloat16)
 def _group_count(in_features: int, group_size: int) -> int:
     """``ceil(in / group_size)``, or 1 for ``group_size == -1`` (one group per output column)."""
     return 1 if group_size == -1 else -(-in_features // group_size)
-
-
-def _stored_bias(bias: Any, out_features: int, device: torch.device, *, where: str) -> Tensor:
-    """The bias as stored: floating ``(out,)``, finite, in its own dtype, on ``device``."""
-    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
-        got = bias.dtype if isinstance(bias, torch.Tensor) else type(bias).__name__
-        raise TypeError(f"{where}: bias must be a floating tensor or None, got {got}")
-    if tuple(bias.shape) != (out_features,):
-        raise ValueError(
-            f"{where}: bias must have shape ({out_features},), got {tuple(bias.shape)}"
-        )
-    b = bias.detach()
-    if not b.is_meta and b.numel() and not bool(torch.isfinite(b).all()):
-        raise ValueError(f"{where}: bias contains NaN or infinity; finite values are required")
-    return b.to(device=device)
 
 
 class GPTQLinear(ByteBuffers, nn.Module):
@@ -131,13 +111,13 @@ class GPTQLinear(ByteBuffers, nn.Module):
     ) -> None:
         super().__init__()
         where = "GPTQLinear"
-        _check_size(in_features, name="in_features", where=where)
-        _check_size(out_features, name="out_features", where=where)
+        check_size(in_features, name="in_features", where=where)
+        check_size(out_features, name="out_features", where=where)
         bits = _check_bits(bits, where=where)
-        group_size = _check_group_size(group_size, where=where)
+        group_size = check_group_size(group_size, where=where)
         fmt = normalize_gptq_format(format, where=where)
-        _check_float_dtype(scales_dtype, name="scales_dtype", where=where)
-        _check_float_dtype(bias_dtype, name="bias_dtype", where=where)
+        check_float_dtype(scales_dtype, name="scales_dtype", where=where)
+        check_float_dtype(bias_dtype, name="bias_dtype", where=where)
         per = 32 // bits
         if in_features % per or out_features % per:
             raise ValueError(
@@ -196,7 +176,7 @@ class GPTQLinear(ByteBuffers, nn.Module):
             raise TypeError(
                 f"{where}: solution must be a GPTQSolution, got {type(solution).__name__}"
             )
-        group_size = _check_group_size(group_size, where=where)
+        group_size = check_group_size(group_size, where=where)
         rows, groups = solution.codes.shape[1], solution.scales.shape[1]
         if groups != _group_count(rows, group_size):
             raise ValueError(
@@ -241,7 +221,7 @@ class GPTQLinear(ByteBuffers, nn.Module):
         where = "GPTQLinear.from_packed"
         bits = _check_bits(bits, where=where)
         fmt = normalize_gptq_format(format, where=where)
-        group_size = _check_group_size(group_size, where=where)
+        group_size = check_group_size(group_size, where=where)
         rows, out, groups = _check_packed(packed, where=where, bits=bits)
         if groups != _group_count(rows, group_size):
             raise ValueError(
@@ -254,7 +234,7 @@ class GPTQLinear(ByteBuffers, nn.Module):
             raise TypeError(
                 f"{where}: packed's tensors must share one device, got {sorted(map(str, devices))}"
             )
-        stored = None if bias is None else _stored_bias(bias, out, device, where=where)
+        stored = None if bias is None else stored_bias_of(bias, out, None, device, where=where)
         layer = cls(
             rows,
             out,
@@ -307,13 +287,14 @@ class GPTQLinear(ByteBuffers, nn.Module):
 
     def _applied(self, *_: Any) -> None:  # (staged for the old device: restaged on use)
         self.__dict__["_decode"] = {}
+        self.__dict__["_plans"] = {}
 
     _loaded = _applied
 
     def post_init(self) -> "GPTQLinear":
         """Stage the decode words on CUDA for both half dtypes now (else the first call of a
         dtype does, reading the weight back once); returns self. Again after in-place edits."""
-        self.__dict__["_decode"] = {}
+        self._applied()
         for dtype in _HALF if self.qweight.is_cuda else ():
             self.decode_operands(dtype)
         return self
@@ -340,6 +321,23 @@ class GPTQLinear(ByteBuffers, nn.Module):
             )
         cache[dtype] = held
         return held
+
+    def _plan(self, x: Tensor) -> tuple[str, str | None, DecodeOperands | None, int | None]:
+        """``(route, reason, decode operands, group size)`` of a call on ``x`` ``(rows, in)``:
+        decided once per device, dtype and row class (:func:`floatxq.dispatch.rows_bucket`)
+        until the buffers move or load (decisions made during graph capture are not kept)."""
+        key = (x.device, x.dtype, rows_bucket(x.shape[0]))
+        plan = self.__dict__.setdefault("_plans", {}).get(key)
+        if plan is not None:
+            return plan
+        rows, ops = x.shape[0], None
+        if x.is_cuda and x.dtype in _HALF and rows <= w4a16.DEFAULT_W4A16_TUNING.words_max_rows:
+            ops = self.decode_operands(x.dtype)[0]
+        route, reason = gptq_route(x.device, x.dtype, rows, decode_words=ops is not None)
+        plan = (route, reason, ops, None if route == DECODE_ROUTE else self.contiguous_group_size())
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.__dict__["_plans"][key] = plan
+        return plan
 
     def _incoming(
         self, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
@@ -412,21 +410,15 @@ class GPTQLinear(ByteBuffers, nn.Module):
                 f"{self.qweight.device}; move one of them with .to()"
             )
         x_flat = x.reshape(math.prod(x.shape[:-1]), self.in_features)
-        rows, tuning = x_flat.shape[0], w4a16.DEFAULT_W4A16_TUNING
-        ops = None
-        if x.is_cuda and x.dtype in _HALF and rows <= tuning.words_max_rows:
-            ops = self.decode_operands(x.dtype)[0]
-        route, reason = gptq_route(x_flat.device, x_flat.dtype, rows, decode_words=ops is not None)
-        k, n = self.in_features, self.out_features
+        route, reason, ops, group = self._plan(x_flat)
+        k, n, tuning = self.in_features, self.out_features, w4a16.DEFAULT_W4A16_TUNING
         if route == DECODE_ROUTE:
             out = _dequant_matmul(self, x_flat)
         elif route == "w4a16_words":
             out = w4a16._words_linear(
-                x_flat, ops, self.scales, self.bias, k, n, self.contiguous_group_size(),
-                x.device, tuning,
-            )  # fmt: skip
+                x_flat, ops, self.scales, self.bias, k, n, group, x.device, tuning
+            )
         else:  # the W4A16 kernels (floatxq.kernels.w4a16) on the buffers
-            group = self.contiguous_group_size()
             out = w4a16._linear(
                 x_flat, self.packed(), self.bias, k, n, self.bits, self.format == "gptq",
                 group or 0, x.device, route, tuning,

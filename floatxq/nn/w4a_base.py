@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
+from floatxq._checks import check_size
 from floatxq._typing import Float, Tensor
 from floatxq.dispatch import RoutePreference
 from floatxq.formats import K_GROUP
 from floatxq.gptq.int4 import GPTQPacked
 from floatxq.nn._preference import RoutePreferenceHolder
-from floatxq.nn.gptq_linear import _BUFFERS, GPTQLinear, _check_size
+from floatxq.nn.gptq_linear import _BUFFERS, GPTQLinear
 from floatxq.w4a.linear import W4A_OUTPUT_DTYPES
 from floatxq.w4a.weight import W4A_COLUMNS, w4a_weight_ineligibility
 
@@ -93,8 +94,8 @@ class W4ALinear(RoutePreferenceHolder, GPTQLinear):
         """The constructor checks: sizes, the only settings the GEMMs take (4 / 128 / False /
         True), ``in % 128`` and ``out % 32``."""
         where, gemm = type(self).__name__, self._GEMM
-        _check_size(in_features, name="in_features", where=where)
-        _check_size(out_features, name="out_features", where=where)
+        check_size(in_features, name="in_features", where=where)
+        check_size(out_features, name="out_features", where=where)
         for name, value, kind, wanted in (
             ("bits", bits, int, 4),
             ("group_size", group_size, int, K_GROUP),
@@ -193,6 +194,7 @@ class W4ALinear(RoutePreferenceHolder, GPTQLinear):
             )
         for name in self._CACHES:
             self._buffers[name] = None
+        self.__dict__["_plans"] = {}
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             self._buffers[name] = like._buffers[name]
         self.format = like.format
@@ -204,6 +206,7 @@ class W4ALinear(RoutePreferenceHolder, GPTQLinear):
         # stale once a buffer may have changed (a refused load raised and changed nothing)
         for name in self._CACHES:
             self._buffers[name] = None
+        self.__dict__["_plans"] = {}
 
     @property
     def route(self) -> str:

@@ -149,21 +149,35 @@ class W4AFP8Linear(W4ALinear):
         # K-contiguous (strides (1, in)): the E4M3 GEMM tiles read 128-long runs of K
         self._buffers[_CACHE] = int4_to_e4m3(centered.T.contiguous()).T
         self._buffers[_DWORDS] = stage_decode_words(centered + 8)
+        self.__dict__["_plans"] = {}
         return self
 
     def _forward_tensor(self, x: Tensor) -> Tensor:
         x2d = self._rows_of(x)
-        staged = self._staged()
-        route, reason = dispatch.w4a_fp8_route(self.route, x.device)
-        if route == "triton":
-            from floatxq.kernels.w4a_fp8 import fp8_linear
+        route, reason, weight, gemm = self._plan(x2d)
+        if route == "triton":  # (the arguments were checked when the module was built)
+            from floatxq.kernels.w4a_fp8 import _linear
 
-            weight, gemm = _operand(self, x2d.shape[0], staged, words=True)
-            out = fp8_linear(x2d, weight, self.scales, self.bias, route=gemm)
+            out = _linear(x2d, weight, self.scales, self.bias, gemm)
         else:
-            out = w4a_fp8_linear(x2d, staged, self.scales, self.bias)
+            out = w4a_fp8_linear(x2d, weight, self.scales, self.bias)
         self._set_last(route, reason)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _plan(self, x: Tensor) -> tuple[str, str | None, Tensor, str | None]:
+        """``(route, reason, weight operand, GEMM route)`` of a call on ``x`` ``(rows, in)``:
+        decided once per device, row class (:func:`floatxq.dispatch.rows_bucket`) and route
+        preference, until the caches are rebuilt or the buffers move or load."""
+        key = (x.device, dispatch.rows_bucket(x.shape[0]), self.route_preference)
+        plan = self.__dict__.setdefault("_plans", {}).get(key)
+        if plan is None:
+            staged = self._staged()
+            route, reason = dispatch.w4a_fp8_route(self.route, x.device)
+            weight, gemm = staged, None
+            if route == "triton":
+                weight, gemm = _operand(self, x.shape[0], staged, words=True)
+            plan = self.__dict__["_plans"][key] = (route, reason, weight, gemm)
+        return plan
 
     def _forward_carrier(self, carrier: Any) -> Tensor:
         where = "W4AFP8Linear"
