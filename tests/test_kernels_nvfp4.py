@@ -17,7 +17,8 @@ import torch
 
 import floatxq as fq
 from floatxq.dispatch import nvfp4_operand
-from floatxq.gptq.int4 import pack_gptq
+from floatxq.gptq.decode_words import stage_decode_words
+from floatxq.gptq.int4 import pack_gptq, unpack_gptq
 from floatxq.gptq.planes import centered_int4, int4_to_e4m3
 from floatxq.kernels.nvfp4 import (
     NVFP4Tuning,
@@ -95,6 +96,8 @@ def _weight(seed, k, n, device):
 def _operand(packed, form):
     if form == "words":
         return packed.qweight
+    if form == "dwords":  # the int16 decode words of the same codes
+        return stage_decode_words(unpack_gptq(packed).codes)
     e4m3 = int4_to_e4m3(centered_int4(packed, format="gptq"))
     return e4m3 if form == "e4m3" else e4m3.T.contiguous().T  # row-major or K-contiguous
 
@@ -205,7 +208,7 @@ def test_interpreted_pack_marks_non_finite_blocks():
 @needs_interpreter
 def test_interpreted_linear():
     for seed, (m, n, k) in enumerate([(1, 64, 128), (5, 96, 384), (70, 64, 256)]):
-        for form in ("words", "e4m3_kmajor"):
+        for form in ("words", "dwords", "e4m3_kmajor"):
             _check_linear(seed, m, n, k, torch.float16, form, "cpu", token=seed % 2 == 0)
 
 
@@ -271,7 +274,7 @@ def test_pack_marks_non_finite_blocks():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["words", "e4m3", "e4m3_kmajor"])
+@pytest.mark.parametrize("form", ["words", "dwords", "e4m3", "e4m3_kmajor"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_linear_within_the_bound(form, dtype):
     shapes = [(0, 96, 128), (1, 96, 128), (7, 160, 384), (16, 256, 4096), (33, 1024, 8192),

@@ -170,16 +170,19 @@ def w4a_fp8_gemm_route(
 
 
 def nvfp4_operand(
-    rows: int, tuning: NVFP4Tuning = DEFAULT_NVFP4_TUNING
-) -> Literal["words", "e4m3"]:
-    """Which weight form an ``rows``-row W4A-NVFP4 emulation GEMM reads fastest: the int32
-    words up to ``tuning.words_max_rows`` rows, else the staged E4M3 operand (same sums up to
-    FP32 order).
+    rows: int, tuning: NVFP4Tuning = DEFAULT_NVFP4_TUNING, *, decode_words: bool = False
+) -> Literal["decode_words", "words", "e4m3"]:
+    """Which weight form an ``rows``-row W4A-NVFP4 emulation GEMM reads fastest: the int16
+    decode words up to ``tuning.dwords_max_rows`` rows where the caller holds them
+    (``decode_words``), the int32 words up to ``tuning.words_max_rows``, else the staged E4M3
+    operand (same sums up to FP32 order).
 
     Example:
-      >>> nvfp4_operand(1), nvfp4_operand(4096)
-      ('words', 'e4m3')
+      >>> nvfp4_operand(1), nvfp4_operand(1, decode_words=True), nvfp4_operand(4096)
+      ('words', 'decode_words', 'e4m3')
     """
+    if decode_words and rows <= tuning.dwords_max_rows:
+        return "decode_words"
     return "words" if rows <= tuning.words_max_rows else "e4m3"
 
 

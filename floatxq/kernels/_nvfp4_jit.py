@@ -29,6 +29,7 @@ from triton import knobs
 
 from floatxq.kernels._fp8_weight_jit import fp8_encode
 from floatxq.kernels._w4a_jit import split_k_reduce, tile_of, unpack_fields
+from floatxq.kernels._w4a_words_jit import centered_slice
 
 __all__ = ["INTERPRETED", "nvfp4_pack_kernel", "w4a_nvfp4_kernel"]
 
@@ -275,11 +276,12 @@ def nvfp4_pack_kernel(
 @triton.jit
 @no_type_check
 def decoded_activation(c_ptr, sc_ptr, offs_m, m_ok, g, padded_rows, stride_cm,
-                       BLOCK_M: tl.constexpr):  # fmt: skip
+                       BLOCK_M: tl.constexpr, FIRST: tl.constexpr = 0,
+                       WIDTH: tl.constexpr = 128):  # fmt: skip
     """``(BLOCK_M, 128)`` FP16 values ``e2m1(code) · block_scale`` of K group ``g`` (no global
     scale): exact, as each has at most 6 significant bits between 2**-10 and 2688. Each element
     reads its own byte and scale (repeats come from L1), so no tile is reshaped."""
-    kk = tl.arange(0, 128)
+    kk = FIRST + tl.arange(0, WIDTH)  # (a slice of the group: columns FIRST.. of it)
     rows = offs_m.to(tl.int64)[:, None]
     b = tl.load(c_ptr + rows * stride_cm + (g * 64 + kk // 2)[None, :], mask=m_ok[:, None],
                 other=0).to(tl.int32)  # fmt: skip
@@ -329,6 +331,7 @@ def w4a_nvfp4_kernel(
     GROUP_ITERS: tl.constexpr,
     SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """``out[m-tile, n-tile]`` of :func:`floatxq.w4a_nvfp4_linear_prepacked`, emulated.
 
@@ -336,7 +339,9 @@ def w4a_nvfp4_kernel(
     scales at ``sc_ptr``), decoded per 128-wide group to exact FP16 values (without the global
     scale), or (``ACT_FP16``) those values already decoded, FP16 ``(M, K)``. The weight
     (``WEIGHT``) is 0: the int32 GPTQ words ``(K/8, N)`` read as ``code - 8``, 1: the staged
-    E4M3 operand ``(K, N)``, 2: the same values in FP16; all convert exactly to FP16. Each group
+    E4M3 operand ``(K, N)``, 2: the same values in FP16, 3: the int16 decode words ``(K/4, N)``
+    (:mod:`floatxq.gptq.decode_words`: four MMAs of 32 rows a group, decoded two weights per
+    instruction where ``ASM``); all convert exactly to FP16. Each group
     is one FP16 MMA with a fresh FP32 accumulator (every product exact), then ``total = total +
     partial · scales[g, n]`` in ascending groups (``SPLIT`` > 1: per split, summed in split
     order), then ``· global_scale``, ``· token_scale[m]``, ``+ bias``, one rounding. Compiled
@@ -354,22 +359,31 @@ def w4a_nvfp4_kernel(
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for gi in range(GROUP_ITERS):
         g = pid_k * GROUP_ITERS + gi
-        if ACT_FP16:  # already decoded (exactly) to FP16, (M, K) row-major
+        if WEIGHT == 3:  # decode words: a group is 32 word rows, four slices of 32 input rows
+            words = tl.load(w_cols + (g * 32 + tl.arange(0, 32)).to(tl.int64)[:, None] * N,
+                            mask=n_ok[None, :], other=0)  # fmt: skip
+            partial = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(4):
+                a = decoded_activation(c_ptr, sc_ptr, offs_m, m_ok, g, padded_rows, stride_cm,
+                                       BLOCK_M, 32 * j, 32)  # fmt: skip
+                partial = tl.dot(a, centered_slice(words, j, ASM), partial)
+        elif ACT_FP16:  # already decoded (exactly) to FP16, (M, K) row-major
             a = tl.load(c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm
                         + (g * 128 + offs_k)[None, :], mask=m_ok[:, None], other=0.0)  # fmt: skip
         else:
             a = decoded_activation(c_ptr, sc_ptr, offs_m, m_ok, g, padded_rows, stride_cm, BLOCK_M)
-        if WEIGHT == 0:  # sixteen words per column, unpacked in registers to code - 8 (exact)
-            rows = g * 16 + tl.arange(0, 16)
-            words = tl.load(w_cols + rows.to(tl.int64)[:, None] * stride_wk,
+        if WEIGHT != 3:
+            if WEIGHT == 0:  # sixteen words per column, unpacked in registers to code - 8 (exact)
+                rows = g * 16 + tl.arange(0, 16)
+                words = tl.load(w_cols + rows.to(tl.int64)[:, None] * stride_wk,
+                                mask=n_ok[None, :], other=0)  # fmt: skip
+                w = (unpack_fields(words, 4, 128, BLOCK_N) - 8).to(tl.float16)
+            else:
+                w = tl.load(w_cols + (g * 128 + offs_k).to(tl.int64)[:, None] * stride_wk,
                             mask=n_ok[None, :], other=0)  # fmt: skip
-            w = (unpack_fields(words, 4, 128, BLOCK_N) - 8).to(tl.float16)
-        else:
-            w = tl.load(w_cols + (g * 128 + offs_k).to(tl.int64)[:, None] * stride_wk,
-                        mask=n_ok[None, :], other=0)  # fmt: skip
-            if WEIGHT == 1:  # the staged E4M3 operand
-                w = w.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        partial = tl.dot(a, w, out_dtype=tl.float32)
+                if WEIGHT == 1:  # the staged E4M3 operand
+                    w = w.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            partial = tl.dot(a, w, out_dtype=tl.float32)
         s = tl.load(s_ptr + g * stride_sg + offs_n * stride_sn, mask=n_ok, other=0.0)
         total = total + partial * s.to(tl.float32)[None, :]
     last = True

@@ -108,7 +108,7 @@ def plain_slice(words, zero, scale, J: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 @no_type_check
-def _centered(words, J: tl.constexpr, ASM: tl.constexpr):
+def centered_slice(words, J: tl.constexpr, ASM: tl.constexpr):
     """Slice ``J`` of a words tile as ``code - 8`` in float16 (exact)."""
     if ASM:
         if J == 0:
@@ -261,7 +261,7 @@ def w4a_fp8_words_kernel(
                         mask=n_ok[None, :], other=0)  # fmt: skip
         partial = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for j in tl.static_range(4):
-            w = _centered(words, j, ASM)
+            w = centered_slice(words, j, ASM)
             kk = g * 128 + j * 32 + rr
             a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None], other=0)
             a = a.to(tl.float8e4nv, bitcast=True).to(tl.float16)

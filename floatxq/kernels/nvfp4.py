@@ -36,6 +36,7 @@ from floatxq.formats import (
     normalize_nvfp4_recipe,
     nvfp4_kernel_recipe,
 )
+from floatxq.gptq.decode_words import unstage_decode_words
 from floatxq.gptq.int4 import _unpack_fields
 from floatxq.kernels import fp8_small_m
 from floatxq.kernels._triton import (
@@ -87,6 +88,9 @@ class NVFP4Tuning:
     pack_rows_search: int = 16
     """Rows per program of the searching recipes (``least_squares*``, ``exhaustive``)."""
     pack_warps: int = 4
+    dwords_max_rows: int = 32
+    """Largest row count for which :func:`floatxq.dispatch.nvfp4_operand` picks the int16 decode
+    words (where the module holds them)."""
     words_max_rows: int = 64
     """Largest row count for which the GEMM reads the int32 words when it is given them (above
     it the staged E4M3 operand is faster; :func:`floatxq.dispatch.nvfp4_operand` picks)."""
@@ -376,7 +380,7 @@ def _gemm(
     out = torch.empty((m, n), dtype=output_dtype, device=device)
     if m == 0 or n == 0:
         return out
-    words = weight.dtype == torch.int32
+    words = weight.dtype in (torch.int32, torch.int16)
     interpret = triton_interpret_enabled()
     c = codes.view(torch.uint8)
     key = (
@@ -390,12 +394,16 @@ def _gemm(
     grid, tail, options = plan
     split = grid[1]
     decoded = m > tuning.words_max_rows and not interpret
-    act, mode = c, 0 if words else 1
+    act, mode = c, {torch.int32: 0, torch.int16: 3}.get(weight.dtype, 1)
+    if mode == 3:
+        weight = weight.contiguous()  # (the kernel steps the decode words' rows by n)
     if decoded:  # prefill: both operands decoded exactly to FP16 first (pipelined MMA loads)
         from floatxq.kernels.nvfp4_decoding import nvfp4_decode
 
         act = nvfp4_decode(codes, scales, 1.0, k, torch.float16)  # e2m1 · block scale: exact
-        if words:
+        if mode == 3:
+            weight = (unstage_decode_words(weight, k).to(torch.int16) - 8).to(torch.float16)
+        elif words:
             weight = (_unpack_fields(weight, 0, 4).to(torch.int16) - 8).to(torch.float16)
         else:
             weight = weight.to(torch.float16)  # (keeps the operand's strides)
@@ -415,7 +423,7 @@ def _gemm(
             group_scales, bias if bias is not None else group_scales, out, part, counts, m, n, k,
             padded_rows(m), act.stride(0), w.stride(0), w.stride(1), group_scales.stride(0),
             group_scales.stride(1), out.stride(0), mode, decoded, token_scale is not None,
-            bias is not None, *tail,
+            bias is not None, *tail, not interpret,
         )  # fmt: skip
         aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:10])
         _launchers(interpret)[1]((key, aligned), grid, args, options, index)

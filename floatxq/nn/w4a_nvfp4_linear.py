@@ -32,6 +32,7 @@ from floatxq.formats import (
     NVFP4_DEFAULT_RECIPE,
     normalize_nvfp4_recipe,
 )
+from floatxq.gptq.decode_words import stage_decode_words
 from floatxq.gptq.int4 import GPTQPacked
 from floatxq.gptq.planes import centered_int4, int4_to_e4m3
 from floatxq.nn.gptq_linear import GPTQLinear
@@ -59,6 +60,7 @@ _NATIVE_MIN_CAPABILITY = (12, 1)
 _E4M3 = "_weight_e4m3"
 _BOTH = "_weight_both"
 _UNIT = "_unit_weight_scales"
+_DWORDS = "_weight_dwords"
 _FP4X2 = torch.float4_e2m1fn_x2
 
 
@@ -116,7 +118,7 @@ class W4ANVFP4Linear(W4ALinear):
     backend = BACKEND.GPTQ_W4A_NVFP4
     MIN_COMPUTE_CAPABILITY = _NATIVE_MIN_CAPABILITY
     """FP4 tensor cores (SM 12.1 and newer) for the ``"native"`` route on CUDA."""
-    _CACHES = (_E4M3, _BOTH, _UNIT)
+    _CACHES = (_E4M3, _BOTH, _UNIT, _DWORDS)
     _PERSISTENT = (ACTIVATION_SCALE_BITS,)
     _ROUTE_FIELD = "w4a_nvfp4"
     _GEMM = "W4A-NVFP4"
@@ -168,6 +170,7 @@ class W4ANVFP4Linear(W4ALinear):
         centered = centered_int4(self.packed(), format=self.format)
         # K-contiguous (strides (1, in)): the kernels' E4M3 tiles read 128-long runs of K
         self._buffers[_E4M3] = int4_to_e4m3(centered.T.contiguous()).T
+        self._buffers[_DWORDS] = stage_decode_words(centered + 8)  # (few-row emulation calls)
         native = dispatch.w4a.w4a_nvfp4_native_unavailable_reason(self.qweight.device) is None
         planes = w4a_nvfp4_weight_planes(centered) if stage_planes or native else None
         self._buffers[_BOTH] = None if planes is None else planes.both
@@ -298,8 +301,9 @@ class W4ANVFP4Linear(W4ALinear):
             if route == "emulation":
                 from floatxq.kernels.nvfp4 import nvfp4_linear_prepacked as gemm
 
-                if dispatch.nvfp4_operand(rows) == "words":  # few rows: half the bytes to stream
-                    weight = self.qweight
+                form = dispatch.nvfp4_operand(rows, decode_words=True)
+                if form != "e4m3":  # few rows: half the bytes to stream
+                    weight = self.qweight if form == "words" else self._buffers[_DWORDS]
             else:
                 gemm = w4a_nvfp4_linear_prepacked
             out = gemm(
