@@ -12,13 +12,15 @@ import sys
 import torch
 
 GPU_ONLY = {
+    "eager_host.py",
     "fp8_limits.py",
     "fp8_linear.py",
     "fp8_linear_host.py",
     "fp8_small_m_sweep.py",
     "lifecycle.py",
+    "w4a_decode_probe.py",
 }
-CPU_ARGS = {"gptq.py": ["--small"], "recipes.py": ["--size", "2048"]}
+CPU_ARGS = {"gptq.py": ["--small"], "recipes.py": ["--size", "2048"], "w4a.py": ["--smoke"]}
 GPU_ARGS = {"fp8_small_m_sweep.py": ["--quick"]}
 
 
