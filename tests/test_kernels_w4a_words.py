@@ -243,3 +243,31 @@ def test_modules_take_the_decode_words_on_cuda():
             accumulation=FP32_ACCUMULATION,
         )  # fmt: skip
         assert_within_bound(w4a(x), bound)
+
+
+def test_gptq_linear_keeps_one_route_decision_per_row_class(monkeypatch):
+    from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
+    from floatxq.nn import gptq_linear as module
+
+    sol = rtn_quantize(torch.randn(32, 128), GPTQSolveOptions(bits=4, group_size=128))
+    layer = fq.GPTQLinear.from_solution(sol, bits=4, group_size=128)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    first = layer(x)
+    asked = []
+    real = module.gptq_route
+
+    def counting(*args, **kwargs):
+        asked.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "gptq_route", counting)
+    assert torch.equal(layer(x), first) and layer(x[:2]) is not None  # 3 kept; 2 decided
+    assert len(asked) == 1 and asked[0][2] == 2
+    for rebuild in (layer.post_init, lambda: layer.load_state_dict(layer.state_dict()),
+                    lambda: layer.to(torch.device("cpu"), torch.float16)):  # fmt: skip
+        asked.clear()
+        rebuild()
+        layer(x)
+        assert [a[2] for a in asked] == [3], "decided again after the rebuild"
+        layer(x)
+        assert len(asked) == 1  # and kept again
