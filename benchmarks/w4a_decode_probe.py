@@ -29,6 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from floatxq.kernels._w4a_jit import split_k_reduce
+from floatxq.kernels._w4a_words_jit import BF16_0, BF16_1, BF16_2, BF16_3, _bf16x2
 
 
 def stage(codes: torch.Tensor, r: int) -> torch.Tensor:
@@ -689,5 +690,122 @@ def compare_library() -> None:
                   flush=True)  # fmt: skip
 
 
+@triton.jit
+def w4a16_swapped_kernel(
+    x_ptr, w_ptr, z_ptr, hi_ptr, lo_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """``out^T = W^T · x^T`` on decode words (group 128, bf16, no split): the weight tile is
+    the MMA's A operand (``BLOCK_N`` rows: wgmma-sized), the few activation rows its N side.
+    For reading the compiled code (does the decode land in wgmma's register operand?)."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    rr = tl.arange(0, 32)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for it in range(K_ITERS):
+        t = pid_k * K_ITERS + it
+        words = tl.load(w_ptr + ((t * 32 + rr).to(tl.int64) * N)[None, :] + offs_n[:, None],
+                        mask=n_ok[:, None], other=0)  # fmt: skip
+        zero = tl.load(z_ptr + t * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+        zz = tl.broadcast_to((zero + 128.0).to(tl.bfloat16)[:, None], words.shape)
+        hh = tl.broadcast_to(tl.load(hi_ptr + t * N + offs_n, mask=n_ok, other=0.0)[:, None],
+                             words.shape)  # fmt: skip
+        ll = tl.broadcast_to(tl.load(lo_ptr + t * N + offs_n, mask=n_ok, other=0.0)[:, None],
+                             words.shape)  # fmt: skip
+        for j in tl.static_range(4):
+            if j == 0:
+                wt = _bf16x2(BF16_0, words, zz, hh, ll)
+            elif j == 1:
+                wt = _bf16x2(BF16_1, words, zz, hh, ll)
+            elif j == 2:
+                wt = _bf16x2(BF16_2, words, zz, hh, ll)
+            else:
+                wt = _bf16x2(BF16_3, words, zz, hh, ll)
+            kk = t * 128 + j * 32 + rr
+            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None],
+                         mask=m_ok[None, :], other=0.0)  # fmt: skip
+            acc = tl.dot(wt, xt, acc)
+    out = tl.trans(acc)  # (BLOCK_M, BLOCK_N)
+    last = True
+    if SPLIT > 1:
+        out, last = split_k_reduce(
+            out, part_ptr, count_ptr, pid, pid_k, offs_m, offs_n, M, N, SPLIT, BLOCK_M, BLOCK_N
+        )
+    if last:
+        o_ptrs = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(o_ptrs, out.to(tl.bfloat16), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def w4a16_swapped(x, words, zeros, hi, lo, *, bn=128, warps=8, stages=3, target=4):
+    """The swapped probe kernel on decode words (group 128, bf16 activations)."""
+    m, k = x.shape
+    n = words.shape[1]
+    block_m = 16 if m <= 16 else 32
+    tiles = -(-n // bn)
+    steps = words.shape[0] // 32
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    split = _split(tiles, steps, target, sms)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part, counts = _workspace(max(split * m * n, 1), max(tiles, 1), x.device)
+    w4a16_swapped_kernel[(tiles, split, 1)](
+        x, words, zeros, hi, lo, out, part, counts, m, n, k, x.stride(0), block_m, bn,
+        steps // split, split, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def swapped_bench() -> None:
+    """The swapped kernel (wgmma, decoded weights as the register operand) against the
+    library's words kernel, 8192 × 8192, bf16 activations, fp16 scales, one run."""
+    from w4a import copies_for, graph_us
+
+    from floatxq.gptq.decode_words import DecodeOperands, split_scales, stage_decode_words
+    from floatxq.kernels.w4a16 import DEFAULT_W4A16_TUNING, _words_linear
+
+    dev = torch.device("cuda")
+    n = k = 8192
+    gen = torch.Generator(device=dev).manual_seed(0)
+    sets = []
+    for _ in range(copies_for(n * k // 2)):
+        codes = torch.randint(0, 16, (k, n), device=dev, generator=gen)
+        zeros = torch.randint(0, 16, (k // 128, n), device=dev, generator=gen).to(torch.uint8)
+        scales = (torch.rand(k // 128, n, device=dev, generator=gen) * 0.01 + 0.001).half()
+        split = split_scales(scales, torch.bfloat16)
+        ops = DecodeOperands(stage_decode_words(codes), zeros, split.hi, split.lo)
+        sets.append((codes, scales, ops))
+    c0, s0, o0 = sets[0]
+    zeros_k = o0.zeros.repeat_interleave(128, 0).long()
+    ref_w = (s0.float().repeat_interleave(128, 0) * (c0 - zeros_k)).to(torch.bfloat16).float()
+    for m in (1, 16, 32):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        ref = x.float() @ ref_w
+        lib = graph_us([lambda s=s, o=o: _words_linear(x, o, s, None, k, n, 128, dev,
+                        DEFAULT_W4A16_TUNING) for _, s, o in sets])  # fmt: skip
+        print(f"M={m} library words kernel: {lib:.2f} us", flush=True)
+        shapes = ((128, 8, 3, 4), (128, 4, 3, 4), (64, 4, 3, 4), (128, 8, 4, 2), (256, 8, 3, 2),
+                  (128, 8, 2, 8))  # fmt: skip
+        for bn, warps, stages, target in shapes:
+            try:
+                got = w4a16_swapped(x, o0.words, o0.zeros, o0.hi, o0.lo, bn=bn, warps=warps,
+                                    stages=stages, target=target)  # fmt: skip
+                err = float((got.float() - ref).norm() / ref.norm())
+                us = graph_us([lambda o=o: w4a16_swapped(
+                    x, o.words, o.zeros, o.hi, o.lo, bn=bn, warps=warps, stages=stages,
+                    target=target) for _, _, o in sets])  # fmt: skip
+                print(f"M={m} swapped bn={bn} warps={warps} stages={stages} target={target}: "
+                      f"{us:.2f} us err {err:.1e}", flush=True)  # fmt: skip
+            except Exception as exc:
+                print(f"M={m} swapped {bn}/{warps}/{stages}: {type(exc).__name__}: {exc!s:.200}")
+
+
 if __name__ == "__main__":
-    compare_library() if "--compare-library" in sys.argv else main()
+    if "--compare-library" in sys.argv:
+        compare_library()
+    elif "--swapped" in sys.argv:
+        swapped_bench()
+    else:
+        main()
