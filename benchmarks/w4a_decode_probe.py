@@ -7,11 +7,12 @@ row count: the anchors (bf16 ``F.linear``, FP8 ``_scaled_mm``, GemLite's A16Wn w
 then a sweep of launch shapes of two probe kernels on int16 words (W4A16 with the split-scale
 decode; W4A-FP8), each checked against the exact decode before it is timed, until ``--budget``
 seconds; a summary table last. ``stream_kernel`` reads the same int16 words with the same grid
-and does nothing else: the bandwidth floor of this structure. The int32 variants of the first
-probe (``w4a16_perm_kernel``, ``w4afp8_perm_kernel``: eight 16-row slices per word, integer or
-FP32 magic-number decodes) are kept for comparison; RESULTS.md records what each measured.
+and does nothing else: the bandwidth floor of this structure. The probe kernels decode with the
+library's own packed-PTX helpers; only their launch structure is the probe's. The int32
+variants of the first probe (eight 16-row slices per word, integer or FP32 magic-number
+decodes) are in this file at commit f2e7eb3; RESULTS.md records what each measured.
 
-Layout: a tile of ``8·R`` (int32) or ``4·R`` (int16) input rows is ``R`` word rows; word ``r``
+Layout: a tile of ``4·R`` input rows is ``R`` int16 word rows; word ``r``
 holds in nibble ``j`` the code of input row ``tile·rows + R·j + r``, so nibble ``j`` of a word
 tile is the ``(R, N)`` operand of one input slice: small products, no reshapes.
 """
@@ -29,167 +30,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from floatxq.kernels._w4a_jit import split_k_reduce
-from floatxq.kernels._w4a_words_jit import BF16_0, BF16_1, BF16_2, BF16_3, _bf16x2
-
-
-def stage(codes: torch.Tensor, r: int) -> torch.Tensor:
-    """``(K, N)`` codes 0..15 → the permuted int32 words ``(Kp / 8, N)``."""
-    k, n = codes.shape
-    kp = -(-k // (8 * r)) * 8 * r
-    padded = torch.zeros((kp, n), dtype=torch.int64, device=codes.device)
-    padded[:k] = codes
-    tiles = padded.view(kp // (8 * r), 8, r, n)
-    shifts = (torch.arange(8, device=codes.device) * 4).view(1, 8, 1, 1)
-    words = (tiles << shifts).sum(dim=1)  # (t, r, n)
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.reshape(kp // 8, n).to(torch.int32).contiguous()
-
-
-@triton.jit
-def _decode(q, z, s, DECODE: tl.constexpr, DT: tl.constexpr):
-    """``(q - z) · s`` rounded once to ``DT`` (q: int32 codes, z/s: per-column prepared)."""
-    BF16: tl.constexpr = DT == tl.bfloat16
-    MAGIC: tl.constexpr = 0x4300 if BF16 else 0x6400
-    if DECODE == 0:  # integer subtract, int→float conversion
-        w = ((q - z[None, :]).to(tl.float32) * s[None, :]).to(DT)
-    elif DECODE == 1:  # FP32 magic number: 2^23 + q, exact subtract, exact product, one rounding
-        v = (q | 0x4B000000).to(tl.float32, bitcast=True)
-        w = ((v - z[None, :]) * s[None, :]).to(DT)
-    elif DECODE == 2:  # 16-bit magic: 128 + q (bf16) or 1024 + q (fp16), exact subtract
-        v = (q | MAGIC).to(tl.int16).to(DT, bitcast=True)
-        w = (v - z[None, :]) * s[None, :]
-    else:  # 16-bit magic with packed x2 subtract and multiply
-        v = (q | MAGIC).to(tl.int16).to(DT, bitcast=True)
-        zz = tl.broadcast_to(z[None, :], v.shape)
-        ss = tl.broadcast_to(s[None, :], v.shape)
-        if BF16:
-            w = tl.inline_asm_elementwise(
-                "{ sub.rn.bf16x2 $0, $1, $2; mul.rn.bf16x2 $0, $0, $3; }", "=r,r,r,r",
-                [v, zz, ss], dtype=tl.bfloat16, is_pure=True, pack=2)  # fmt: skip
-        else:
-            w = tl.inline_asm_elementwise(
-                "{ sub.rn.f16x2 $0, $1, $2; mul.rn.f16x2 $0, $0, $3; }", "=r,r,r,r",
-                [v, zz, ss], dtype=tl.float16, is_pure=True, pack=2)  # fmt: skip
-    return w
-
-
-@triton.jit
-def _prepare(zq, sq, DECODE: tl.constexpr, DT: tl.constexpr):
-    if DECODE == 0:
-        return zq.to(tl.int32), sq.to(tl.float32)
-    elif DECODE == 1:
-        return zq.to(tl.float32) + 8388608.0, sq.to(tl.float32)
-    else:
-        base: tl.constexpr = 128.0 if DT == tl.bfloat16 else 1024.0
-        return (zq.to(tl.float32) + base).to(DT), sq.to(DT)
-
-
-@triton.jit
-def w4a16_perm_kernel(
-    x_ptr, w_ptr, z_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
-    R: tl.constexpr, GROUP: tl.constexpr, DECODE: tl.constexpr, DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    DT: tl.constexpr = x_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // tiles_n
-    pid_n = pid % tiles_n
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rr = tl.arange(0, R)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    vec = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for it in range(K_ITERS):
-        t = pid_k * K_ITERS + it
-        words = tl.load(w_ptr + (t * R + rr).to(tl.int64)[:, None] * N + offs_n[None, :],
-                        mask=n_ok[None, :], other=0)  # fmt: skip
-        if GROUP >= 8 * R:
-            g = (t * 8 * R) // GROUP
-            zq = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0)
-            sq = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)
-            z, s = _prepare(zq, sq, DECODE, DT)
-        for j in tl.static_range(8):
-            k0 = t * 8 * R + j * R
-            if GROUP < 8 * R:
-                g = k0 // GROUP
-                zq = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0)
-                sq = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)
-                z, s = _prepare(zq, sq, DECODE, DT)
-            w = _decode((words >> (4 * j)) & 15, z, s, DECODE, DT)
-            kk = k0 + rr
-            if DOT:
-                a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :],
-                            other=0.0)  # fmt: skip
-                acc = tl.dot(a, w, acc)
-            else:
-                a = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-                vec += tl.sum(a[:, None] * w.to(tl.float32), axis=0)
-    if not DOT:
-        acc = tl.broadcast_to(vec[None, :], (BLOCK_M, BLOCK_N))
-    last = True
-    if SPLIT > 1:
-        tile = pid_m * tiles_n + pid_n
-        acc, last = split_k_reduce(
-            acc, part_ptr, count_ptr, tile, pid_k, offs_m, offs_n, M, N, SPLIT, BLOCK_M, BLOCK_N
-        )
-    if last:
-        o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(o_ptrs, acc.to(DT), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def w4afp8_perm_kernel(
-    a_ptr, rs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
-    R: tl.constexpr, MAGIC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_ITERS: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    """Group 128 = one tile of 8R rows (R = 16)."""
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // tiles_n
-    pid_n = pid % tiles_n
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rr = tl.arange(0, R)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * K
-    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for it in range(K_ITERS):
-        t = pid_k * K_ITERS + it
-        words = tl.load(w_ptr + (t * R + rr).to(tl.int64)[:, None] * N + offs_n[None, :],
-                        mask=n_ok[None, :], other=0)  # fmt: skip
-        s = tl.load(s_ptr + t * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(8):
-            q = (words >> (4 * j)) & 15
-            if MAGIC:
-                w = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
-                w = w.to(tl.float16)
-            else:
-                w = (q - 8).to(tl.float16)
-            kk = t * 8 * R + j * R + rr
-            a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None], other=0)
-            a = a.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            part = tl.dot(a, w, part)
-        total += part * s[None, :]
-    last = True
-    if SPLIT > 1:
-        tile = pid_m * tiles_n + pid_n
-        total, last = split_k_reduce(
-            total, part_ptr, count_ptr, tile, pid_k, offs_m, offs_n, M, N, SPLIT, BLOCK_M, BLOCK_N
-        )
-    if last:
-        rs = tl.load(rs_ptr + offs_m, mask=m_ok, other=0.0)
-        out = total * rs[:, None]
-        o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(o_ptrs, out.to(tl.bfloat16), mask=m_ok[:, None] & n_ok[None, :])
+from floatxq.kernels._w4a_words_jit import (
+    BF16_0,
+    BF16_1,
+    BF16_2,
+    BF16_3,
+    _bf16x2,
+    centered_slice,
+    packed_slice,
+)
 
 
 def stage16(codes: torch.Tensor, r: int) -> torch.Tensor:
@@ -204,56 +53,6 @@ def stage16(codes: torch.Tensor, r: int) -> torch.Tensor:
     words = (tiles << shifts).sum(dim=1)
     words = torch.where(words >= 2**15, words - 2**16, words)
     return words.reshape(kp // 4, n).to(torch.int16).contiguous()
-
-
-@triton.jit
-def _decode16(words, z, s, lo, J: tl.constexpr):
-    """Nibble ``J`` of int16 words, two per packed instruction: ``d = (q + 128) - (128 + z)``
-    (exact), ``w = fma(d, s_hi, d · s_lo)`` in bf16x2 (one rounding of the exact product)."""
-    zz = tl.broadcast_to(z[None, :], words.shape)
-    ss = tl.broadcast_to(s[None, :], words.shape)
-    ll = tl.broadcast_to(lo[None, :], words.shape)
-    if J == 0:
-        w = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, d, p; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; "
-            "sub.rn.bf16x2 d, t, $2; mul.rn.bf16x2 p, d, $4; fma.rn.bf16x2 $0, d, $3, p; }",
-            "=r,r,r,r,r",
-            [words, zz, ss, ll],
-            dtype=tl.bfloat16,
-            is_pure=True,
-            pack=2,
-        )
-    elif J == 1:
-        w = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, d, p; shr.b32 t, $1, 4; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
-            "sub.rn.bf16x2 d, t, $2; mul.rn.bf16x2 p, d, $4; fma.rn.bf16x2 $0, d, $3, p; }",
-            "=r,r,r,r,r",
-            [words, zz, ss, ll],
-            dtype=tl.bfloat16,
-            is_pure=True,
-            pack=2,
-        )
-    elif J == 2:
-        w = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, d, p; shr.b32 t, $1, 8; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
-            "sub.rn.bf16x2 d, t, $2; mul.rn.bf16x2 p, d, $4; fma.rn.bf16x2 $0, d, $3, p; }",
-            "=r,r,r,r,r",
-            [words, zz, ss, ll],
-            dtype=tl.bfloat16,
-            is_pure=True,
-            pack=2,
-        )
-    else:
-        w = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, d, p; shr.b32 t, $1, 12; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
-            "sub.rn.bf16x2 d, t, $2; mul.rn.bf16x2 p, d, $4; fma.rn.bf16x2 $0, d, $3, p; }",
-            "=r,r,r,r,r",
-            [words, zz, ss, ll],
-            dtype=tl.bfloat16,
-            is_pure=True,
-            pack=2,
-        )
-    return w
 
 
 @triton.jit
@@ -286,7 +85,7 @@ def w4a16_perm16_kernel(
         lo = tl.load(lo_ptr + g * N + offs_n, mask=n_ok, other=0.0)
         z = (zq.to(tl.float32) + 128.0).to(tl.bfloat16)
         for j in tl.static_range(4):
-            w = _decode16(words, z, s, lo, j)
+            w = packed_slice(words, z, s, lo, j, tl.bfloat16)
             kk = t * 4 * R + j * R + rr
             a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
             if ACCS == 2 and j % 2 == 1:
@@ -324,52 +123,6 @@ def w4a16_perm16(x, words, zeros, scales, lo, k, group, *, r=16, accs=1, bn=128,
 
 
 @triton.jit
-def _decode16_fp8(words, J: tl.constexpr):
-    """Nibble ``J`` of int16 words as ``code - 8`` in fp16x2 (exact)."""
-    if J == 0:
-        w = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, c; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; "
-            "mov.b32 c, 0x64086408; sub.rn.f16x2 $0, t, c; }",
-            "=r,r",
-            [words],
-            dtype=tl.float16,
-            is_pure=True,
-            pack=2,
-        )
-    elif J == 1:
-        w = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, c; shr.b32 t, $1, 4; lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA; "
-            "mov.b32 c, 0x64086408; sub.rn.f16x2 $0, t, c; }",
-            "=r,r",
-            [words],
-            dtype=tl.float16,
-            is_pure=True,
-            pack=2,
-        )
-    elif J == 2:
-        w = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, c; shr.b32 t, $1, 8; lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA; "
-            "mov.b32 c, 0x64086408; sub.rn.f16x2 $0, t, c; }",
-            "=r,r",
-            [words],
-            dtype=tl.float16,
-            is_pure=True,
-            pack=2,
-        )
-    else:
-        w = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, c; shr.b32 t, $1, 12; lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA; "
-            "mov.b32 c, 0x64086408; sub.rn.f16x2 $0, t, c; }",
-            "=r,r",
-            [words],
-            dtype=tl.float16,
-            is_pure=True,
-            pack=2,
-        )
-    return w
-
-
-@triton.jit
 def w4afp8_perm16_kernel(
     a_ptr, rs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
     R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_ITERS: tl.constexpr,
@@ -397,7 +150,7 @@ def w4afp8_perm16_kernel(
             words = tl.load(w_ptr + (t * R + rr).to(tl.int64)[:, None] * N + offs_n[None, :],
                             mask=n_ok[None, :], other=0)  # fmt: skip
             for j in tl.static_range(4):
-                w = _decode16_fp8(words, j)
+                w = centered_slice(words, j, True)
                 kk = t * 4 * R + j * R + rr
                 a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None], other=0)
                 a = a.to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -448,9 +201,7 @@ def stream_kernel(w_ptr, out_ptr, N, ROWS, R: tl.constexpr, BLOCK_N: tl.constexp
         t = pid_k * K_ITERS + it
         words = tl.load(w_ptr + (t * R + rr).to(tl.int64)[:, None] * N + offs_n[None, :])
         acc = acc ^ words.to(tl.int32)
-    tl.store(
-        out_ptr + pid_k * N + offs_n, tl.reduce_or(acc, axis=0) if False else tl.sum(acc, axis=0)
-    )
+    tl.store(out_ptr + pid_k * N + offs_n, tl.sum(acc, axis=0))
 
 
 def stream(words, *, r=16, bn=128, warps=4, stages=3, target=4):
@@ -483,45 +234,6 @@ def _split(tiles, steps, target, sms):
         if steps % d == 0 and tiles * d <= target * sms:
             split = d
     return split
-
-
-def w4a16_perm(x, words, zeros, scales, k, group, *, r=16, decode=1, dot=True, bn=128,
-               warps=4, stages=3, target=4, block_m=None):  # fmt: skip
-    m, n = x.shape[0], words.shape[1]
-    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
-    if not dot:
-        block_m = 1
-    tiles = -(-m // block_m) * -(-n // bn)
-    steps = words.shape[0] // r
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    split = _split(tiles, steps, target, sms)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part, counts = _workspace(max(split * m * n, 1), max(tiles, 1), x.device)
-    w4a16_perm_kernel[(tiles, split, 1)](
-        x, words, zeros, scales, out, part, counts, m, n, k, x.stride(0), r, group, decode,
-        dot, block_m, bn, steps // split, split, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
-
-
-def w4afp8_perm(codes, row_scale, words, scales, k, *, magic=True, bn=128, warps=4, stages=3,
-                target=4):  # fmt: skip
-    m, n = codes.shape[0], words.shape[1]
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    tiles = -(-m // block_m) * -(-n // bn)
-    steps = words.shape[0] // 16
-    sms = (
-        torch.cuda.get_device_properties(codes.device).multi_processor_count if codes.is_cuda else 4
-    )
-    split = _split(tiles, steps, target, sms)
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=codes.device)
-    part, counts = _workspace(max(split * m * n, 1), max(tiles, 1), codes.device)
-    w4afp8_perm_kernel[(tiles, split, 1)](
-        codes.view(torch.int8), row_scale, words, scales, out, part, counts, m, n, k, 16, magic,
-        block_m, bn,
-        steps // split, split, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
 
 
 BUDGET_S = float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 40.0

@@ -286,8 +286,17 @@ def w4a16_linear_kernel(
             )
             if operands is None:
                 raise ValueError(f"{where}: the route 'w4a16_words' cannot run: {why}")
+        # (the kernel steps the operands' rows by n; staged ones already are contiguous)
+        operands = DecodeOperands(*(t.contiguous() for t in operands))
         return _words_linear(x, operands, packed.scales, bias, k, n, group, device, tuning)
     return _linear(x, packed, bias, k, n, bits, v1, group, device, route, tuning)
+
+
+def _even_split(steps: int, tiles: int, programs: int) -> int:
+    """The largest divisor of ``steps`` (K steps) that keeps ``tiles`` times it within
+    ``programs`` (about the programs the GPU runs at once): an even split of K."""
+    fits = [d for d in range(1, steps + 1) if steps % d == 0 and tiles * d <= programs]
+    return max(fits, default=1)
 
 
 _WORD_PLANS: dict[Any, tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]] = {}
@@ -297,8 +306,8 @@ def _words_linear(
     x: Tensor, ops: DecodeOperands, scales: Tensor, bias: Tensor | None, k: int, n: int,
     group: int, device: torch.device, tuning: W4A16Tuning,
 ) -> Tensor:  # fmt: skip
-    """The decode-words launch, arguments already checked (``GPTQLinear`` calls this with the
-    operands it staged)."""
+    """The decode-words launch, arguments already checked and the operands contiguous
+    (``GPTQLinear`` calls this with the operands it staged)."""
     m = x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=device)
     if m == 0 or n == 0:
@@ -314,10 +323,7 @@ def _words_linear(
         tiles = -(-m // block_m) * -(-n // block_n)
         steps = ops.words.shape[0] // 32
         sms = fp8_small_m._sm_count(device) or 1
-        split = 1
-        for d in range(1, steps + 1):  # the largest even split near the target programs
-            if steps % d == 0 and tiles * d <= tuning.words_target_programs * sms:
-                split = d
+        split = _even_split(steps, tiles, tuning.words_target_programs * sms)
         per_tile = group >= k or group % 128 == 0
         tail = (group, per_tile, bias is not None, not interpret, block_m, block_n,
                 steps // split, split)  # fmt: skip
@@ -325,8 +331,6 @@ def _words_linear(
         plan = _WORD_PLANS[key] = ((tiles, split, 1), tail, options)
     grid, tail, options = plan
     split = grid[1]
-    if not all(t.is_contiguous() for t in ops):  # (the kernel steps rows by n)
-        ops = DecodeOperands(*(t.contiguous() for t in ops))
     guard, index = launch_device(device)
     with guard:
         if split > 1:
@@ -371,10 +375,7 @@ def _linear(
         tiles = -(-m // block_m) * -(-n // block_n)
         steps = -(-k // block_k)
         sms = fp8_small_m._sm_count(device) or 1
-        split = 1
-        for d in range(1, steps + 1):  # the largest even split near the target programs
-            if steps % d == 0 and tiles * d <= tuning.target_programs * sms:
-                split = d
+        split = _even_split(steps, tiles, tuning.target_programs * sms)
         tail = (bits, v1, gather, bias is not None, block_m, block_n, block_k, steps // split,
                 split)  # fmt: skip
         options = {"num_warps": tuning.warps, "num_stages": tuning.stages}
