@@ -1,0 +1,211 @@
+# ruff: noqa: B023, B905
+"""Probe of the fragment-words kernels (issue 31, second part): Gluon ``mma.sync`` kernels whose
+weights are the MMA's register operand, decoded in place (``floatxq/kernels/_w4a_frag_jit.py``).
+
+Usage (GPU): ``python3 benchmarks/w4a_frag_probe.py [--rows 1,2,4,8,16,32] [--shapes 8192x8192]``.
+For each shape and row count: the anchors in the same run (bf16 ``F.linear``, FP8 ``_scaled_mm``,
+GemLite's A16Wn where importable, the library's decode-words kernels), then a sweep of the
+fragment kernels' launch shapes (``NU`` column tiles of 16, warps, programs per SM), each checked
+against the exact decode before it is timed.
+"""
+
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import floatxq as fq
+from floatxq.gptq.decode_words import DecodeOperands, split_scales, stage_decode_words
+
+
+def stage_frag(words: torch.Tensor) -> torch.Tensor:
+    """Decode words ``(32·T, N)`` → fragment words ``(32·T, N16)``: per tile, ``[u, g, t, r, s,
+    h, p]`` holds word row ``16s + 8h + 2t + p`` of column ``16u + 8r + g``."""
+    rows, n = words.shape
+    n16 = -(-n // 16) * 16
+    w = torch.zeros((rows, n16), dtype=torch.int16, device=words.device)
+    w[:, :n] = words
+    t = rows // 32
+    w = w.view(t, 2, 2, 4, 2, n16 // 16, 2, 8)  # t, s, h, tq, p, u, r, g
+    return w.permute(0, 5, 7, 3, 6, 1, 2, 4).reshape(rows, n16).contiguous()
+
+
+_WS: dict = {}
+
+
+def _ws(numel, tiles, device):
+    key = (numel, tiles)
+    if key not in _WS:
+        _WS[key] = (torch.empty(max(numel, 1), dtype=torch.float32, device=device),
+                    torch.zeros(max(tiles, 1), dtype=torch.int32, device=device))  # fmt: skip
+    return _WS[key]
+
+
+def _split(tiles, steps, target, sms):
+    fits = [d for d in range(1, steps + 1) if steps % d == 0 and tiles * d <= target * sms]
+    return max(fits, default=1)
+
+
+SMS = None
+
+
+def w4a16_frag(x, fw, zeros, hi, lo, bias, n, k, group, *, nu=16, warps=4, target=3, has_lo=True):
+    from floatxq.kernels._w4a_frag_jit import w4a16_frag_kernel
+
+    global SMS
+    SMS = SMS or torch.cuda.get_device_properties(x.device).multi_processor_count
+    m = x.shape[0]
+    mw = 8 if m <= 8 else (16 if m <= 16 else 32)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles = -(-n // (16 * nu))
+    steps = fw.shape[0] // 32
+    split = _split(tiles, steps, target, SMS)
+    part, counts = _ws(split * m * n, tiles, x.device)
+    per_tile = group >= k or group % 128 == 0
+    w4a16_frag_kernel[(tiles, split, 1)](
+        x, fw, zeros, hi, lo, bias if bias is not None else hi, out, part, counts, m, n, k,
+        zeros.shape[0], x.stride(0), out.stride(0), group, per_tile,
+        has_lo, bias is not None,
+        k % 128 == 0, nu, mw, steps // split, split, warps, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def w4afp8_frag(codes, row_scale, fw, scales, bias, n, k, out_dtype, *, nu=16, warps=4,
+                target=3):  # fmt: skip
+    from floatxq.kernels._w4a_frag_jit import w4a_fp8_frag_kernel
+
+    global SMS
+    SMS = SMS or torch.cuda.get_device_properties(codes.device).multi_processor_count
+    m = codes.shape[0]
+    mw = 8 if m <= 8 else (16 if m <= 16 else 32)
+    out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
+    tiles = -(-n // (16 * nu))
+    steps = fw.shape[0] // 32
+    split = _split(tiles, steps, target, SMS)
+    part, counts = _ws(split * m * n, tiles, codes.device)
+    w4a_fp8_frag_kernel[(tiles, split, 1)](
+        codes.view(torch.uint8), row_scale, fw, scales, bias if bias is not None else scales, out,
+        part, counts, m, n, k, codes.stride(0), scales.stride(0), scales.stride(1), out.stride(0),
+        bias is not None, k % 128 == 0, nu, mw, steps // split, split, warps, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def _opt(name, default):
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
+def check() -> None:
+    """Exactness on ragged shapes: W4A16 against F.linear of the exact decode (FP32 bound),
+    groups 32/64/128/all, fp16 and bf16, with and without bias; W4A-FP8 against the library's
+    own pure reference."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(1)
+    bad = 0
+    for n, k in ((8192, 8192), (200, 320), (24, 4096), (1000, 1100), (16, 128)):
+        for group in (32, 64, 128, k):
+            if group > k or (group < k and k % group):
+                continue
+            for sdt, xdt in ((torch.float16, torch.bfloat16), (torch.float16, torch.float16),
+                             (torch.bfloat16, torch.bfloat16)):  # fmt: skip
+                codes = torch.randint(0, 16, (k, n), device=dev, generator=gen)
+                groups = -(-k // group)
+                zeros = torch.randint(0, 16, (groups, n), device=dev, generator=gen)
+                scales = (torch.rand(groups, n, device=dev, generator=gen) * 0.02 + 1e-3).to(sdt)
+                split = split_scales(scales, xdt)
+                fw = stage_frag(stage_decode_words(codes))
+                zk = zeros.repeat_interleave(group, 0)[:k]
+                sk = scales.float().repeat_interleave(group, 0)[:k]
+                w = (sk * (codes - zk)).to(xdt).float()
+                for m in (1, 3, 8, 13, 16, 32):
+                    for with_bias in (False, True):
+                        x = torch.randn(m, k, device=dev, generator=gen).to(xdt)
+                        bias = torch.randn(n, device=dev, generator=gen).to(xdt) if with_bias else None
+                        ref = x.float() @ w + (bias.float() if with_bias else 0)
+                        got = w4a16_frag(x, fw, zeros.to(torch.uint8), split.hi, split.lo, bias,
+                                         n, k, group, nu=8, warps=4, target=3,
+                                         has_lo=sdt != xdt).float()  # fmt: skip
+                        bound = 2 * k * 2**-24 * (x.float().abs() @ w.abs()) + ref.abs() * 2**-7 + 1e-6
+                        ok = bool(((got - ref).abs() <= bound).all())
+                        if not ok:
+                            bad += 1
+                            print(f"W4A16 MISMATCH n={n} k={k} g={group} {sdt}/{xdt} m={m} bias={with_bias}: max err {(got - ref).abs().max():.3e}")
+    print(f"check: {bad} mismatches", flush=True)
+
+
+def bench() -> None:
+    from w4a import _gemlite, _gptq, copies_for, graph_us
+
+    from floatxq.gptq.decode_words import gptq_decode_operands
+    from floatxq.kernels.w4a16 import DEFAULT_W4A16_TUNING, _words_linear
+    from floatxq.kernels.w4a_fp8 import fp8_linear_prepacked
+
+    dev = torch.device("cuda")
+    rows = [int(v) for v in _opt("--rows", "1,2,4,8,16,32").split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in _opt("--shapes", "8192x8192").split(",")]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for n, k in shapes:
+        sets = []
+        for i in range(copies_for(n * k // 2)):
+            packed = _gptq(n, k, i)
+            ops, why = gptq_decode_operands(packed, group_size=128, dtype=torch.bfloat16)
+            assert ops is not None, why
+            scales = packed.scales.half()
+            split = split_scales(scales, torch.bfloat16)
+            ops = DecodeOperands(ops.words, ops.zeros, split.hi, split.lo)
+            cw = stage_decode_words(torch.randint(0, 16, (k, n), device=dev, generator=gen))
+            fs = torch.rand(k // 128, n, device=dev, generator=gen).half() + 0.5
+            sets.append(dict(packed=packed, ops=ops, scales=scales, fw=stage_frag(ops.words),
+                             cw=cw, cfw=stage_frag(cw), fs=fs, gl=_gemlite(packed)))  # fmt: skip
+        wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+        w8 = [t.to(torch.float8_e4m3fn) for t in wb[: copies_for(n * k)]]
+        s0 = sets[0]
+        u = fq.unpack_gptq(s0["packed"])
+        ref_w = (s0["scales"].float().repeat_interleave(128, 0) * (u.codes - u.zeros.repeat_interleave(128, 0))).to(torch.bfloat16).float()
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = x.float() @ ref_w
+            res = {}
+            res["bf16"] = graph_us([lambda t=t: F.linear(x, t) for t in wb])
+            x8 = x.to(torch.float8_e4m3fn)
+            one = torch.ones((), device=dev)
+            res["fp8"] = graph_us([lambda t=t: torch._scaled_mm(x8, t.T, one, one, out_dtype=torch.bfloat16) for t in w8])
+            if s0["gl"] is not None:
+                res["gemlite"] = graph_us([lambda s=s: s["gl"](x) for s in sets])
+            res["lib_words"] = graph_us([lambda s=s: _words_linear(x, s["ops"], s["scales"], None, k, n, 128, dev, DEFAULT_W4A16_TUNING) for s in sets])
+            codes, row_scale = fq.fp8_pack(x)
+            res["lib_w4afp8"] = graph_us([lambda s=s: fp8_linear_prepacked(codes, row_scale, s["cw"], s["fs"], None, torch.bfloat16) for s in sets])
+            line = " ".join(f"{a} {b:.2f}" for a, b in res.items())
+            print(f"N={n} K={k} M={m} anchors: {line}", flush=True)
+            best16 = best8 = (1e9, None)
+            for nu, warps in ((8, 4), (16, 4), (16, 8)):
+                if True:
+                    for target in (2, 3, 4, 6):
+                        cfg = dict(nu=nu, warps=warps, target=target)
+                        try:
+                            got = w4a16_frag(x, s0["fw"], s0["ops"].zeros, s0["ops"].hi, s0["ops"].lo, None, n, k, 128, **cfg).float()
+                            err = float((got - ref).abs().max())
+                            us = graph_us([lambda s=s: w4a16_frag(x, s["fw"], s["ops"].zeros, s["ops"].hi, s["ops"].lo, None, n, k, 128, **cfg) for s in sets])
+                            best16 = min(best16, (us, f"{cfg} err {err:.1e}"), key=lambda v: v[0])
+                            lib8 = fp8_linear_prepacked(codes, row_scale, s0["cw"], s0["fs"], None, torch.bfloat16).float()
+                            got8 = w4afp8_frag(codes, row_scale, s0["cfw"], s0["fs"], None, n, k, torch.bfloat16, **cfg).float()
+                            err8 = float((got8 - lib8).abs().max() / lib8.abs().max())
+                            us8 = graph_us([lambda s=s: w4afp8_frag(codes, row_scale, s["cfw"], s["fs"], None, n, k, torch.bfloat16, **cfg) for s in sets])
+                            best8 = min(best8, (us8, f"{cfg} rel-diff-vs-lib {err8:.1e}"), key=lambda v: v[0])
+                            print(f"  M={m} {cfg}: w4a16 {us:.2f} (err {err:.1e}), w4a-fp8 {us8:.2f} (vs lib {err8:.1e})", flush=True)
+                        except Exception as exc:
+                            print(f"  M={m} {cfg}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            print(f"N={n} K={k} M={m} BEST w4a16 {best16[0]:.2f} {best16[1]} | w4a-fp8 {best8[0]:.2f} {best8[1]} | "
+                  f"bf16 {res['bf16']:.2f} ({res['bf16'] / best16[0]:.2f}x, fp8-path {res['bf16'] / best8[0]:.2f}x), "
+                  f"gemlite {res.get('gemlite', float('nan')):.2f}, fp8 {res['fp8']:.2f} ({res['fp8'] / best8[0]:.2f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    if "--check" in sys.argv:
+        check()
+    bench()
