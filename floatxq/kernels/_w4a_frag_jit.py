@@ -177,6 +177,30 @@ def _finish(acc, part_ptr, count_ptr, tile, pid_k, o_n, o_m, M, N, SPLIT: gl.con
 
 @gluon.jit
 @no_type_check
+def _ld(ptrs, mask, EVEN: gl.constexpr):
+    """``ptrs`` loaded, masked (zeros elsewhere) unless ``EVEN`` says every lane is in bounds."""
+    if EVEN:
+        v = gl.load(ptrs)
+    else:
+        v = gl.load(ptrs, mask=mask, other=0)
+    return v
+
+
+@gluon.jit
+@no_type_check
+def _tile_scales(z_ptr, hi_ptr, lo_ptr, t, J: gl.constexpr, cols, c_ok, N, GROUP: gl.constexpr,
+                 GROUPS, EVEN_N: gl.constexpr):  # fmt: skip
+    """The zero points and scale parts of slice ``J`` of tile ``t`` (past the last group: the
+    last one), in the words' column layout."""
+    g = gl.minimum((t * 128 + J * 32) // GROUP, GROUPS - 1)
+    zero = _ld(z_ptr + g * N + cols, c_ok, EVEN_N)
+    hi = _ld(hi_ptr + g * N + cols, c_ok, EVEN_N)
+    lo = _ld(lo_ptr + g * N + cols, c_ok, EVEN_N)
+    return zero, hi, lo
+
+
+@gluon.jit
+@no_type_check
 def w4a16_frag_kernel(
     x_ptr,
     w_ptr,
@@ -198,17 +222,21 @@ def w4a16_frag_kernel(
     HAS_LO: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     EVEN_K: gl.constexpr,
+    EVEN_N: gl.constexpr,
     NU: gl.constexpr,
     MW: gl.constexpr,
     K_ITERS: gl.constexpr,
     SPLIT: gl.constexpr,
+    STAGES: gl.constexpr,
     WARPS: gl.constexpr,
 ):
     """``out[:, n-block]`` of :func:`floatxq.w4a16_linear` from fragment words: per 128-row
     tile, four slices of 32 input rows, each ``acc(16·NU, MW) += W^T · x^T`` on the tensor
     cores (FP32), the zero points and scale parts of a tile loaded with its words when every
     group spans whole tiles (``PER_TILE``), else per slice; the bias (in ``x``'s dtype) added in
-    FP32, one rounding. ``HAS_LO``: the scales' low parts are not all zero."""
+    FP32, one rounding. ``HAS_LO``: the scales' low parts are not all zero. ``EVEN_K`` / ``EVEN_N``:
+    no bounds to mask. ``STAGES``: tiles loaded ahead (1 or 2). Rows of ``x`` past ``M`` read
+    row ``M - 1`` (their columns of the product are never stored)."""
     DT: gl.constexpr = x_ptr.dtype.element_ty
     MAGIC: gl.constexpr = 128.0 if DT == gl.bfloat16 else 1024.0
     BN: gl.constexpr = 16 * NU
@@ -231,35 +259,32 @@ def w4a16_frag_kernel(
     cols = pid_n * BN + o_u[:, None, None] * 16 + o_r[None, None, :] * 8 + o_l[None, :, None] // 4
     c_ok = cols < N
     b_k = gl.arange(0, 32, layout=gl.SliceLayout(1, LB))
-    b_m = gl.arange(0, MW, layout=gl.SliceLayout(0, LB))
+    b_m = gl.minimum(gl.arange(0, MW, layout=gl.SliceLayout(0, LB)), M - 1)
     b_ptrs = x_ptr + b_m.to(gl.int64)[None, :] * stride_xm + b_k[:, None]
-    b_ok = (b_m < M)[None, :]
     tile_words = ((N + 15) // 16) * 512
     t0 = pid_k * K_ITERS
+    t_last = t0 + K_ITERS - 1
     w_ptrs = w_ptr + pid_n * NU * 512 + offs
     acc = gl.zeros([BN, MW], gl.float32, layout=MMA)
-    words = gl.load(w_ptrs + t0.to(gl.int64) * tile_words, mask=u_ok, other=0)
-    if PER_TILE:
-        g = gl.minimum((t0 * 128) // GROUP, GROUPS - 1)
-        zero = gl.load(z_ptr + g * N + cols, mask=c_ok, other=0)
-        hi = gl.load(hi_ptr + g * N + cols, mask=c_ok, other=0.0)
-        lo = gl.load(lo_ptr + g * N + cols, mask=c_ok, other=0.0)
+    words = _ld(w_ptrs + t0.to(gl.int64) * tile_words, u_ok, EVEN_N)
+    zero, hi, lo = _tile_scales(z_ptr, hi_ptr, lo_ptr, t0, 0, cols, c_ok, N, GROUP, GROUPS, EVEN_N)
+    if STAGES == 2:
+        t1 = gl.minimum(t0 + 1, t_last)
+        words1 = _ld(w_ptrs + t1.to(gl.int64) * tile_words, u_ok, EVEN_N)
+        zero1, hi1, lo1 = _tile_scales(z_ptr, hi_ptr, lo_ptr, t1, 0, cols, c_ok, N, GROUP, GROUPS,
+                                       EVEN_N)  # fmt: skip
     for it in range(K_ITERS):
         t = t0 + it
-        more = it + 1 < K_ITERS
-        nxt = gl.load(w_ptrs + (t + 1).to(gl.int64) * tile_words, mask=u_ok & more, other=0)
+        tn = gl.minimum(t + STAGES, t_last)  # (past the split: the last tile again, cached)
+        nxt = _ld(w_ptrs + tn.to(gl.int64) * tile_words, u_ok, EVEN_N)
         if PER_TILE:
-            g1 = gl.minimum(((t + 1) * 128) // GROUP, GROUPS - 1)
-            zero1 = gl.load(z_ptr + g1 * N + cols, mask=c_ok & more, other=0)
-            hi1 = gl.load(hi_ptr + g1 * N + cols, mask=c_ok & more, other=0.0)
-            lo1 = gl.load(lo_ptr + g1 * N + cols, mask=c_ok & more, other=0.0)
+            zn, hn, ln = _tile_scales(z_ptr, hi_ptr, lo_ptr, tn, 0, cols, c_ok, N, GROUP, GROUPS,
+                                      EVEN_N)  # fmt: skip
         for j in gl.static_range(4):
             if j == 0 or not PER_TILE:
-                if not PER_TILE:  # this slice's group (past the last row: the last one)
-                    g = gl.minimum((t * 128 + j * 32) // GROUP, GROUPS - 1)
-                    zero = gl.load(z_ptr + g * N + cols, mask=c_ok, other=0)
-                    hi = gl.load(hi_ptr + g * N + cols, mask=c_ok, other=0.0)
-                    lo = gl.load(lo_ptr + g * N + cols, mask=c_ok, other=0.0)
+                if not PER_TILE:
+                    zero, hi, lo = _tile_scales(z_ptr, hi_ptr, lo_ptr, t, j, cols, c_ok, N, GROUP,
+                                                GROUPS, EVEN_N)  # fmt: skip
                 zc = (zero.to(gl.float32) + MAGIC).to(DT)
                 zz = gl.broadcast(zc[:, :, :, None], words)[0]
                 hh = gl.broadcast(hi[:, :, :, None], words)[0]
@@ -267,15 +292,26 @@ def w4a16_frag_kernel(
             a = _operand(_decode(words, zz, hh, ll, j, DT, HAS_LO), LA, NU)
             kk = t * 128 + j * 32
             if EVEN_K:
-                b = gl.load(b_ptrs + kk, mask=b_ok, other=0.0)
+                b = gl.load(b_ptrs + kk)
             else:
-                b = gl.load(b_ptrs + kk, mask=b_ok & (kk + b_k < K)[:, None], other=0.0)
+                b = gl.load(b_ptrs + kk, mask=(kk + b_k < K)[:, None], other=0.0)
             acc = mma_v2(a, b, acc)
-        words = nxt
-        if PER_TILE:
-            zero = zero1
-            hi = hi1
-            lo = lo1
+        if STAGES == 2:
+            words = words1
+            words1 = nxt
+            if PER_TILE:
+                zero = zero1
+                hi = hi1
+                lo = lo1
+                zero1 = zn
+                hi1 = hn
+                lo1 = ln
+        else:
+            words = nxt
+            if PER_TILE:
+                zero = zn
+                hi = hn
+                lo = ln
     o_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     o_m = gl.arange(0, MW, layout=gl.SliceLayout(0, MMA))
     acc, last = _finish(acc, part_ptr, count_ptr, pid_n, pid_k, o_n, o_m, M, N, SPLIT)
@@ -307,10 +343,12 @@ def w4a_fp8_frag_kernel(
     stride_om,
     HAS_BIAS: gl.constexpr,
     EVEN_K: gl.constexpr,
+    EVEN_N: gl.constexpr,
     NU: gl.constexpr,
     MW: gl.constexpr,
     K_ITERS: gl.constexpr,
     SPLIT: gl.constexpr,
+    STAGES: gl.constexpr,
     WARPS: gl.constexpr,
 ):
     """``out[:, n-block]`` of :func:`floatxq.w4a_fp8_linear_prepacked` from fragment words:
@@ -336,37 +374,47 @@ def w4a_fp8_frag_kernel(
     offs = lanes[:, :, :, None] * 8 + o_e[None, None, None, :]
     u_ok = gl.broadcast((pid_n * NU + o_u < (N + 15) // 16)[:, None, None, None], offs)[0]
     b_k = gl.arange(0, 32, layout=gl.SliceLayout(1, LB))
-    b_m = gl.arange(0, MW, layout=gl.SliceLayout(0, LB))
+    b_m = gl.minimum(gl.arange(0, MW, layout=gl.SliceLayout(0, LB)), M - 1)
     b_ptrs = a_ptr + b_m.to(gl.int64)[None, :] * stride_am + b_k[:, None]
-    b_ok = (b_m < M)[None, :]
     o_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     o_m = gl.arange(0, MW, layout=gl.SliceLayout(0, MMA))
     n_ok = o_n < N
     s_ptrs = s_ptr + o_n * stride_sn
     tile_words = ((N + 15) // 16) * 512
     t0 = pid_k * K_ITERS
+    t_last = t0 + K_ITERS - 1
     w_ptrs = w_ptr + pid_n * NU * 512 + offs
     total = gl.zeros([BN, MW], gl.float32, layout=MMA)
-    words = gl.load(w_ptrs + t0.to(gl.int64) * tile_words, mask=u_ok, other=0)
-    s = gl.load(s_ptrs + t0 * stride_sg, mask=n_ok, other=0.0)
+    words = _ld(w_ptrs + t0.to(gl.int64) * tile_words, u_ok, EVEN_N)
+    s = _ld(s_ptrs + t0 * stride_sg, n_ok, EVEN_N)
+    if STAGES == 2:
+        t1 = gl.minimum(t0 + 1, t_last)
+        words1 = _ld(w_ptrs + t1.to(gl.int64) * tile_words, u_ok, EVEN_N)
+        s1 = _ld(s_ptrs + t1 * stride_sg, n_ok, EVEN_N)
     for it in range(K_ITERS):
         t = t0 + it
-        more = it + 1 < K_ITERS
-        nxt = gl.load(w_ptrs + (t + 1).to(gl.int64) * tile_words, mask=u_ok & more, other=0)
-        s1 = gl.load(s_ptrs + (t + 1) * stride_sg, mask=n_ok & more, other=0.0)
+        tn = gl.minimum(t + STAGES, t_last)
+        nxt = _ld(w_ptrs + tn.to(gl.int64) * tile_words, u_ok, EVEN_N)
+        sn = _ld(s_ptrs + tn * stride_sg, n_ok, EVEN_N)
         partial = gl.zeros([BN, MW], gl.float32, layout=MMA)
         for j in gl.static_range(4):
             a = _operand(_centered(words, j), LA, NU)
             kk = t * 128 + j * 32
             if EVEN_K:
-                codes = gl.load(b_ptrs + kk, mask=b_ok, other=0)
+                codes = gl.load(b_ptrs + kk)
             else:
-                codes = gl.load(b_ptrs + kk, mask=b_ok & (kk + b_k < K)[:, None], other=0)
+                codes = gl.load(b_ptrs + kk, mask=(kk + b_k < K)[:, None], other=0)
             b = codes.to(gl.float8e4nv, bitcast=True).to(gl.float16)
             partial = mma_v2(a, b, partial)
         total += partial * s.to(gl.float32)[:, None]
-        words = nxt
-        s = s1
+        if STAGES == 2:
+            words = words1
+            words1 = nxt
+            s = s1
+            s1 = sn
+        else:
+            words = nxt
+            s = sn
     total, last = _finish(total, part_ptr, count_ptr, pid_n, pid_k, o_n, o_m, M, N, SPLIT)
     if last:
         rs = gl.load(rs_ptr + o_m, mask=o_m < M, other=0.0)
