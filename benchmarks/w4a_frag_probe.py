@@ -99,6 +99,48 @@ def w4afp8_frag(codes, row_scale, fw, scales, bias, n, k, out_dtype, *, nu=16, w
     return out
 
 
+def w4a16_rows(x, fw, zeros, hi, lo, bias, n, k, group, *, nu=8, warps=4, target=3,
+               has_lo=True, stages=1, bm=16):  # fmt: skip
+    from floatxq.kernels._w4a_frag_jit import w4a16_frag_rows_kernel
+
+    global SMS
+    SMS = SMS or torch.cuda.get_device_properties(x.device).multi_processor_count
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles = -(-n // (16 * nu)) * -(-m // bm)
+    steps = fw.shape[0] // 32
+    split = _split(tiles, steps, target, SMS)
+    part, counts = _ws(split * m * n, tiles, x.device)
+    w4a16_frag_rows_kernel[(tiles, split, 1)](
+        x, fw, zeros, hi, lo, bias if bias is not None else hi, out, part, counts, m, n, k,
+        zeros.shape[0], x.stride(0), out.stride(0), group, group >= k or group % 128 == 0,
+        has_lo, bias is not None, k % 128 == 0, n % (16 * nu) == 0, nu, bm, steps // split, split,
+        stages, warps, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def w4afp8_rows(codes, row_scale, fw, scales, bias, n, k, out_dtype, *, nu=8, warps=4,
+                target=3, stages=1, bm=16):  # fmt: skip
+    from floatxq.kernels._w4a_frag_jit import w4a_fp8_frag_rows_kernel
+
+    global SMS
+    SMS = SMS or torch.cuda.get_device_properties(codes.device).multi_processor_count
+    m = codes.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
+    tiles = -(-n // (16 * nu)) * -(-m // bm)
+    steps = fw.shape[0] // 32
+    split = _split(tiles, steps, target, SMS)
+    part, counts = _ws(split * m * n, tiles, codes.device)
+    w4a_fp8_frag_rows_kernel[(tiles, split, 1)](
+        codes.view(torch.uint8), row_scale, fw, scales, bias if bias is not None else scales, out,
+        part, counts, m, n, k, codes.stride(0), scales.stride(0), scales.stride(1), out.stride(0),
+        bias is not None, k % 128 == 0, n % (16 * nu) == 0, nu, bm, steps // split, split, stages,
+        warps, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
 def _opt(name, default):
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 
@@ -136,6 +178,11 @@ def check() -> None:
                                          has_lo=sdt != xdt).float()  # fmt: skip
                         bound = 2 * k * 2**-24 * (x.float().abs() @ w.abs()) + ref.abs() * 2**-7 + 1e-6
                         ok = bool(((got - ref).abs() <= bound).all())
+                        if m > 8:
+                            got2 = w4a16_rows(x, fw, zeros.to(torch.uint8), split.hi, split.lo,
+                                              bias, n, k, group, stages=st, has_lo=sdt != xdt,
+                                              bm=16 if m <= 16 else 32).float()  # fmt: skip
+                            ok = ok and bool(((got2 - ref).abs() <= bound).all())
                         if not ok:
                             bad += 1
                             print(f"W4A16 MISMATCH n={n} k={k} g={group} {sdt}/{xdt} m={m} bias={with_bias}: max err {(got - ref).abs().max():.3e}")
@@ -153,6 +200,9 @@ def check() -> None:
                 got = w4afp8_frag(codes, rs, stage_frag(cw), fs, bias, n, k, torch.bfloat16, nu=8,
                                   warps=4, target=3, stages=1 + m % 2).float()
                 diff = float((got - lib).abs().max() / lib.abs().max().clamp_min(1e-6))
+                got2 = w4afp8_rows(codes, rs, stage_frag(cw), fs, bias, n, k, torch.bfloat16,
+                                   stages=1 + m % 2, bm=16 if m <= 16 else 32).float()
+                diff = max(diff, float((got2 - lib).abs().max() / lib.abs().max().clamp_min(1e-6)))
                 if diff > 2**-7:
                     bad += 1
                     print(f"W4A-FP8 MISMATCH n={n} k={k} m={m} bias={with_bias}: rel {diff:.3e}")
@@ -224,7 +274,56 @@ def bench() -> None:
                   f"gemlite {res.get('gemlite', float('nan')):.2f}, fp8 {res['fp8']:.2f} ({res['fp8'] / best8[0]:.2f}x)", flush=True)
 
 
+def bench_rows() -> None:
+    from w4a import _gptq, copies_for, graph_us
+
+    from floatxq.gptq.decode_words import gptq_decode_operands
+    from floatxq.kernels.w4a16 import DEFAULT_W4A16_TUNING, _words_linear
+    from floatxq.kernels.w4a_fp8 import fp8_linear_prepacked
+
+    dev = torch.device("cuda")
+    n = k = 8192
+    gen = torch.Generator(device=dev).manual_seed(0)
+    sets = []
+    for i in range(copies_for(n * k // 2)):
+        packed = _gptq(n, k, i)
+        ops, _ = gptq_decode_operands(packed, group_size=128, dtype=torch.bfloat16)
+        scales = packed.scales.half()
+        split = split_scales(scales, torch.bfloat16)
+        ops = DecodeOperands(ops.words, ops.zeros, split.hi, split.lo)
+        cw = stage_decode_words(torch.randint(0, 16, (k, n), device=dev, generator=gen))
+        fs = torch.rand(k // 128, n, device=dev, generator=gen).half() + 0.5
+        sets.append(dict(ops=ops, scales=scales, fw=stage_frag(ops.words), cw=cw, cfw=stage_frag(cw), fs=fs))
+    for m in (8, 16, 32):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        codes, rs = fq.fp8_pack(x)
+        lib = graph_us([lambda s=s: _words_linear(x, s["ops"], s["scales"], None, k, n, 128, dev, DEFAULT_W4A16_TUNING) for s in sets])
+        lib8 = graph_us([lambda s=s: fp8_linear_prepacked(codes, rs, s["cw"], s["fs"], None, torch.bfloat16) for s in sets])
+        print(f"ROWS M={m} lib words {lib:.2f} lib dwords {lib8:.2f}", flush=True)
+        for nu, warps in ((8, 4), (16, 8), (16, 4)):
+            for bm in ((16,) if m <= 16 else (16, 32)):
+                for stages in (1, 2):
+                    for target in (2, 4):
+                        cfg = dict(nu=nu, warps=warps, bm=bm, stages=stages, target=target)
+                        try:
+                            us = graph_us([lambda s=s: w4a16_rows(x, s["fw"], s["ops"].zeros, s["ops"].hi, s["ops"].lo, None, n, k, 128, **cfg) for s in sets])
+                            us8 = float("nan")
+                            if not (bm == 32 and nu == 16):
+                                us8 = graph_us([lambda s=s: w4afp8_rows(codes, rs, s["cfw"], s["fs"], None, n, k, torch.bfloat16, **cfg) for s in sets])
+                            print(f"ROWS M={m} {cfg}: w4a16 {us:.2f} w4a-fp8 {us8:.2f}", flush=True)
+                        except Exception as exc:
+                            print(f"ROWS M={m} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    for has_lo in (True, False):
+        us = graph_us([lambda s=s: w4a16_frag(x, s["fw"], s["ops"].zeros, s["ops"].hi, s["ops"].lo, None, n, k, 128, nu=8, warps=4, target=6, stages=2, has_lo=has_lo) for s in sets])
+        print(f"M=1 swapped has_lo={has_lo}: {us:.2f}", flush=True)
+
+
 if __name__ == "__main__":
+    if "--rows-only" in sys.argv:
+        check()
+        bench_rows()
+        sys.exit()
     if "--check" in sys.argv:
         check()
     bench()
