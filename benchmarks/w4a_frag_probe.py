@@ -20,6 +20,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import floatxq as fq
 from floatxq.gptq.decode_words import DecodeOperands, split_scales, stage_decode_words
+from floatxq.kernels._w4a_frag_jit import (  # noqa: F401  (the rows kernels below use them)
+    _centered,
+    _decode,
+    _ld,
+    _tile_scales,
+    gl,
+    gluon,
+    mma_v2,
+    no_type_check,
+)
 
 
 def stage_frag(words: torch.Tensor) -> torch.Tensor:
@@ -99,10 +109,278 @@ def w4afp8_frag(codes, row_scale, fw, scales, bias, n, k, out_dtype, *, nu=16, w
     return out
 
 
+# The rows kernels (activations as the A operand; unmeasured: the next probe times them).
+
+@gluon.jit
+@no_type_check
+def _operand_b(d, LB: gl.constexpr, NU: gl.constexpr):
+    """A ``(NU, 32, 2, 8)`` decoded slice as the MMA's ``(32, 16·NU)`` B operand in the
+    columns' *logical* order ``8·(NU·r + u) + g`` (real column ``16u + 8r + g``), so that each
+    warp's column tiles are the ones it loaded (a relabelling of registers: asserted free)."""
+    d = gl.reshape(d, [NU, 8, 4, 2, 2, 2, 2])
+    d = gl.permute(d, [4, 5, 2, 6, 3, 0, 1])
+    return gl.convert_layout(gl.reshape(d, [32, 16 * NU]), LB, assert_trivial=True)
+
+
+@gluon.jit
+@no_type_check
+def _real_columns(pid_n, NU: gl.constexpr, layout: gl.constexpr):
+    """The real output column of each logical column of :func:`_operand_b`."""
+    c = gl.arange(0, 16 * NU, layout=layout)
+    return pid_n * 16 * NU + ((c // 8) % NU) * 16 + (c // (8 * NU)) * 8 + c % 8
+
+
+@gluon.jit
+@no_type_check
+def w4a16_frag_rows_kernel(
+    x_ptr,
+    w_ptr,
+    z_ptr,
+    hi_ptr,
+    lo_ptr,
+    b_ptr,
+    out_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    GROUPS,
+    stride_xm,
+    stride_om,
+    GROUP: gl.constexpr,
+    PER_TILE: gl.constexpr,
+    HAS_LO: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    EVEN_K: gl.constexpr,
+    EVEN_N: gl.constexpr,
+    NU: gl.constexpr,
+    BM: gl.constexpr,
+    K_ITERS: gl.constexpr,
+    SPLIT: gl.constexpr,
+    STAGES: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    """:func:`w4a16_frag_kernel` with the activations as the MMA's A operand (``BM`` = 16 or
+    32 rows a program, ``program_id(0)`` over row blocks × column blocks): the shape for 9 to
+    32 rows, the same words, numerics and split-K."""
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    MAGIC: gl.constexpr = 128.0 if DT == gl.bfloat16 else 1024.0
+    BN: gl.constexpr = 16 * NU
+    LW: gl.constexpr = gl.BlockedLayout([1, 1, 2, 8], [1, 32, 1, 1], [WARPS, 1, 1, 1],
+                                        [3, 2, 1, 0])  # fmt: skip
+    L3: gl.constexpr = gl.SliceLayout(3, LW)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS],
+                                                  instr_shape=[16, 8])  # fmt: skip
+    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    tiles_n = (N + BN - 1) // BN
+    pid_m = pid // tiles_n
+    pid_n = pid % tiles_n
+    o_u = gl.arange(0, NU, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    o_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    o_r = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    o_e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LW))))
+    lanes = (o_u[:, None, None] * 32 + o_l[None, :, None]) * 2 + o_r[None, None, :]
+    offs = lanes[:, :, :, None] * 8 + o_e[None, None, None, :]
+    u_ok = gl.broadcast((pid_n * NU + o_u < (N + 15) // 16)[:, None, None, None], offs)[0]
+    cols = pid_n * BN + o_u[:, None, None] * 16 + o_r[None, None, :] * 8 + o_l[None, :, None] // 4
+    c_ok = cols < N
+    a_m = gl.minimum(pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, LA)), M - 1)
+    a_k = gl.arange(0, 32, layout=gl.SliceLayout(0, LA))
+    a_ptrs = x_ptr + a_m.to(gl.int64)[:, None] * stride_xm + a_k[None, :]
+    tile_words = ((N + 15) // 16) * 512
+    t0 = pid_k * K_ITERS
+    t_last = t0 + K_ITERS - 1
+    w_ptrs = w_ptr + pid_n * NU * 512 + offs
+    acc = gl.zeros([BM, BN], gl.float32, layout=MMA)
+    words = _ld(w_ptrs + t0.to(gl.int64) * tile_words, u_ok, EVEN_N)
+    zero, hi, lo = _tile_scales(z_ptr, hi_ptr, lo_ptr, t0, 0, cols, c_ok, N, GROUP, GROUPS, EVEN_N)
+    if STAGES == 2:
+        t1 = gl.minimum(t0 + 1, t_last)
+        words1 = _ld(w_ptrs + t1.to(gl.int64) * tile_words, u_ok, EVEN_N)
+        zero1, hi1, lo1 = _tile_scales(z_ptr, hi_ptr, lo_ptr, t1, 0, cols, c_ok, N, GROUP, GROUPS,
+                                       EVEN_N)  # fmt: skip
+    for it in range(K_ITERS):
+        t = t0 + it
+        tn = gl.minimum(t + STAGES, t_last)
+        nxt = _ld(w_ptrs + tn.to(gl.int64) * tile_words, u_ok, EVEN_N)
+        if PER_TILE:
+            zn, hn, ln = _tile_scales(z_ptr, hi_ptr, lo_ptr, tn, 0, cols, c_ok, N, GROUP, GROUPS,
+                                      EVEN_N)  # fmt: skip
+        for j in gl.static_range(4):
+            if j == 0 or not PER_TILE:
+                if not PER_TILE:
+                    zero, hi, lo = _tile_scales(z_ptr, hi_ptr, lo_ptr, t, j, cols, c_ok, N, GROUP,
+                                                GROUPS, EVEN_N)  # fmt: skip
+                zc = (zero.to(gl.float32) + MAGIC).to(DT)
+                zz = gl.broadcast(zc[:, :, :, None], words)[0]
+                hh = gl.broadcast(hi[:, :, :, None], words)[0]
+                ll = gl.broadcast(lo[:, :, :, None], words)[0]
+            b = _operand_b(_decode(words, zz, hh, ll, j, DT, HAS_LO), LB, NU)
+            kk = t * 128 + j * 32
+            if EVEN_K:
+                a = gl.load(a_ptrs + kk)
+            else:
+                a = gl.load(a_ptrs + kk, mask=(kk + a_k < K)[None, :], other=0.0)
+            acc = mma_v2(a, b, acc)
+        if STAGES == 2:
+            words = words1
+            words1 = nxt
+            if PER_TILE:
+                zero = zero1
+                hi = hi1
+                lo = lo1
+                zero1 = zn
+                hi1 = hn
+                lo1 = ln
+        else:
+            words = nxt
+            if PER_TILE:
+                zero = zn
+                hi = hn
+                lo = ln
+    o_m = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+    o_n = _real_columns(pid_n, NU, gl.SliceLayout(0, MMA))
+    acc, last = _finish_rows(acc, part_ptr, count_ptr, pid, pid_k, o_m, o_n, M, N, SPLIT)
+    if last:
+        if HAS_BIAS:
+            bias = gl.load(b_ptr + o_n, mask=o_n < N, other=0.0).to(DT)
+            acc += bias.to(gl.float32)[None, :]
+        o_ptrs = out_ptr + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :]
+        gl.store(o_ptrs, acc.to(DT), mask=(o_m < M)[:, None] & (o_n < N)[None, :])
+
+
+@gluon.jit
+@no_type_check
+def _finish_rows(acc, part_ptr, count_ptr, tile, pid_k, o_m, o_n, M, N, SPLIT: gl.constexpr):
+    """:func:`_finish` for an ``(rows, columns)`` accumulator."""
+    last = True
+    if SPLIT > 1:
+        p_offs = o_m.to(gl.int64)[:, None] * N + o_n[None, :]
+        p_mask = (o_m < M)[:, None] & (o_n < N)[None, :]
+        gl.store(part_ptr + pid_k.to(gl.int64) * M * N + p_offs, acc, mask=p_mask)
+        gl.thread_barrier()
+        arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        last = arrived == SPLIT - 1
+        if last:
+            gl.thread_barrier()
+            acc = gl.zeros_like(acc)
+            for s in range(SPLIT):
+                acc += gl.load(part_ptr + s * M * N + p_offs, mask=p_mask, other=0.0,
+                               cache_modifier=".cg")  # fmt: skip
+            gl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+    return acc, last
+
+
+@gluon.jit
+@no_type_check
+def w4a_fp8_frag_rows_kernel(
+    a_ptr,
+    rs_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_sg,
+    stride_sn,
+    stride_om,
+    HAS_BIAS: gl.constexpr,
+    EVEN_K: gl.constexpr,
+    EVEN_N: gl.constexpr,
+    NU: gl.constexpr,
+    BM: gl.constexpr,
+    K_ITERS: gl.constexpr,
+    SPLIT: gl.constexpr,
+    STAGES: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    """:func:`w4a_fp8_frag_kernel` with the activation codes as the MMA's A operand (``BM``
+    rows a program): the shape for 5 to 32 rows, the same words, numerics and split-K."""
+    BN: gl.constexpr = 16 * NU
+    LW: gl.constexpr = gl.BlockedLayout([1, 1, 2, 8], [1, 32, 1, 1], [WARPS, 1, 1, 1],
+                                        [3, 2, 1, 0])  # fmt: skip
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS],
+                                                  instr_shape=[16, 8])  # fmt: skip
+    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    L3: gl.constexpr = gl.SliceLayout(3, LW)
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    tiles_n = (N + BN - 1) // BN
+    pid_m = pid // tiles_n
+    pid_n = pid % tiles_n
+    o_u = gl.arange(0, NU, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    o_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    o_r = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    o_e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LW))))
+    lanes = (o_u[:, None, None] * 32 + o_l[None, :, None]) * 2 + o_r[None, None, :]
+    offs = lanes[:, :, :, None] * 8 + o_e[None, None, None, :]
+    u_ok = gl.broadcast((pid_n * NU + o_u < (N + 15) // 16)[:, None, None, None], offs)[0]
+    a_m = gl.minimum(pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, LA)), M - 1)
+    a_k = gl.arange(0, 32, layout=gl.SliceLayout(0, LA))
+    a_ptrs = a_ptr + a_m.to(gl.int64)[:, None] * stride_am + a_k[None, :]
+    o_m = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+    o_n = _real_columns(pid_n, NU, gl.SliceLayout(0, MMA))
+    n_ok = o_n < N
+    s_ptrs = s_ptr + o_n * stride_sn
+    tile_words = ((N + 15) // 16) * 512
+    t0 = pid_k * K_ITERS
+    t_last = t0 + K_ITERS - 1
+    w_ptrs = w_ptr + pid_n * NU * 512 + offs
+    total = gl.zeros([BM, BN], gl.float32, layout=MMA)
+    words = _ld(w_ptrs + t0.to(gl.int64) * tile_words, u_ok, EVEN_N)
+    s = _ld(s_ptrs + t0 * stride_sg, n_ok, EVEN_N)
+    if STAGES == 2:
+        t1 = gl.minimum(t0 + 1, t_last)
+        words1 = _ld(w_ptrs + t1.to(gl.int64) * tile_words, u_ok, EVEN_N)
+        s1 = _ld(s_ptrs + t1 * stride_sg, n_ok, EVEN_N)
+    for it in range(K_ITERS):
+        t = t0 + it
+        tn = gl.minimum(t + STAGES, t_last)
+        nxt = _ld(w_ptrs + tn.to(gl.int64) * tile_words, u_ok, EVEN_N)
+        sn = _ld(s_ptrs + tn * stride_sg, n_ok, EVEN_N)
+        partial = gl.zeros([BM, BN], gl.float32, layout=MMA)
+        for j in gl.static_range(4):
+            b = _operand_b(_centered(words, j), LB, NU)
+            kk = t * 128 + j * 32
+            if EVEN_K:
+                codes = gl.load(a_ptrs + kk)
+            else:
+                codes = gl.load(a_ptrs + kk, mask=(kk + a_k < K)[None, :], other=0)
+            a = codes.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+            partial = mma_v2(a, b, partial)
+        total += partial * s.to(gl.float32)[None, :]
+        if STAGES == 2:
+            words = words1
+            words1 = nxt
+            s = s1
+            s1 = sn
+        else:
+            words = nxt
+            s = sn
+    total, last = _finish_rows(total, part_ptr, count_ptr, pid, pid_k, o_m, o_n, M, N, SPLIT)
+    if last:
+        rs = gl.load(rs_ptr + o_m, mask=o_m < M, other=0.0)
+        out = total * rs[:, None]
+        if HAS_BIAS:
+            out += gl.load(b_ptr + o_n, mask=n_ok, other=0.0).to(gl.float32)[None, :]
+        o_ptrs = out_ptr + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :]
+        gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(o_m < M)[:, None] & n_ok[None, :])
+
+
+
 def w4a16_rows(x, fw, zeros, hi, lo, bias, n, k, group, *, nu=8, warps=4, target=3,
                has_lo=True, stages=1, bm=16):  # fmt: skip
-    from floatxq.kernels._w4a_frag_jit import w4a16_frag_rows_kernel
-
+    
     global SMS
     SMS = SMS or torch.cuda.get_device_properties(x.device).multi_processor_count
     m = x.shape[0]
@@ -122,8 +400,7 @@ def w4a16_rows(x, fw, zeros, hi, lo, bias, n, k, group, *, nu=8, warps=4, target
 
 def w4afp8_rows(codes, row_scale, fw, scales, bias, n, k, out_dtype, *, nu=8, warps=4,
                 target=3, stages=1, bm=16):  # fmt: skip
-    from floatxq.kernels._w4a_frag_jit import w4a_fp8_frag_rows_kernel
-
+    
     global SMS
     SMS = SMS or torch.cuda.get_device_properties(codes.device).multi_processor_count
     m = codes.shape[0]

@@ -399,6 +399,25 @@ def check_float_dtype(dtype: Any, *, name: str, where: str) -> torch.dtype:
     return dtype
 
 
+def contiguous_group(
+    g_idx: Tensor, in_features: int, group_size: int, seen: Any
+) -> tuple[int | None, Any]:
+    """``(size, seen)``: ``GPTQLinear.contiguous_group_size`` of a ``g_idx`` (``group_size``
+    ``-1``: one group), checked once per tensor and version (one host sync) and remembered in
+    ``seen`` (pass back the returned one); during CUDA graph capture an unchecked ``g_idx``
+    answers None (the kernels then read each row's group: always correct)."""
+    key = (g_idx.data_ptr(), g_idx._version, g_idx.device)
+    if seen is not None and seen[0] == key:
+        return seen[1], seen
+    if g_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None, seen
+    size = in_features if group_size == -1 else group_size
+    rows = torch.arange(in_features, device=g_idx.device, dtype=torch.int64)
+    contiguous = bool(torch.equal(g_idx.to(torch.int64), rows // max(size, 1)))
+    seen = (key, size if contiguous else None)
+    return seen[1], seen
+
+
 def check_gptq_state(
     state_dict: dict[str, Any], prefix: str, buffers: dict[str, Any], *, in_features: int,
     out_features: int, bits: int, group_size: int, groups: int,

@@ -77,6 +77,11 @@ DECODE_SLICE_ROWS: int = 32
 """Input rows one nibble position of a decode-words tile holds (a quarter of the tile); a group
 size that is a multiple of it keeps every slice in one group."""
 
+FRAGMENT_COLUMNS: int = 16
+"""Output columns of one fragment-words block (:mod:`floatxq.gptq.fragment_words`): the rows
+of one ``mma.sync.m16n8k16`` A operand; out dims are padded to a multiple of it."""
+
+
 W4AActivationMode = Literal["w4afp8", "w4a_nvfp4"]
 """How a W4A layer quantizes its activations: per-token E4M3, or NVFP4 with swizzled scales."""
 

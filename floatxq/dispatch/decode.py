@@ -8,6 +8,7 @@ import torch
 from floatxq.formats import MODEL_DTYPES
 from floatxq.kernels._triton import triton_unavailable_reason
 from floatxq.kernels.w4a16 import DEFAULT_W4A16_TUNING, W4A16Route, W4A16Tuning
+from floatxq.kernels.w4a_frag import DEFAULT_FRAG_TUNING, FragTuning, fragment_unavailable_reason
 
 __all__ = [
     "FP4_DECODE_ROUTES",
@@ -84,18 +85,31 @@ def fp4_decode_route(
 
 
 def w4a16_route(
-    rows: int, tuning: W4A16Tuning = DEFAULT_W4A16_TUNING, *, decode_words: bool = False
+    rows: int,
+    tuning: W4A16Tuning = DEFAULT_W4A16_TUNING,
+    *,
+    decode_words: bool = False,
+    fragment: bool = False,
+    frag_tuning: FragTuning = DEFAULT_FRAG_TUNING,
 ) -> W4A16Route:
-    """The faster W4A16 kernel route for an ``rows``-row call: ``"w4a16_words"`` (the decode
-    words, two weights decoded per instruction) up to ``tuning.words_max_rows`` rows where the
-    caller holds them (``decode_words``), ``"w4a16_fused"`` (one launch decoding the checkpoint
-    words in registers) up to ``tuning.fused_max_rows``, else ``"w4a16_decode_gemm"`` (decode
-    once, then the library GEMM at its full rate). Measured crossovers: RESULTS.md.
+    """The faster W4A16 kernel route for an ``rows``-row call: ``"w4a16_frag"`` (the fragment
+    words, decoded in the MMA's register operand) up to ``frag_tuning.w4a16_max_rows`` rows
+    where the caller holds decode words and the fragment kernels run (``fragment``),
+    ``"w4a16_words"`` (the decode words, two weights decoded per instruction) up to
+    ``tuning.words_max_rows`` rows where the caller holds them (``decode_words``),
+    ``"w4a16_fused"`` (one launch decoding the checkpoint words in registers) up to
+    ``tuning.fused_max_rows``, else ``"w4a16_decode_gemm"`` (decode once, then the library GEMM
+    at its full rate). Measured crossovers: RESULTS.md.
 
     Example:
       >>> w4a16_route(1), w4a16_route(1, decode_words=True), w4a16_route(4096)
       ('w4a16_fused', 'w4a16_words', 'w4a16_decode_gemm')
+      >>> w4a16_route(8, decode_words=True, fragment=True), w4a16_route(9, decode_words=True,
+      ...                                                               fragment=True)
+      ('w4a16_frag', 'w4a16_words')
     """
+    if decode_words and fragment and rows <= frag_tuning.w4a16_max_rows:
+        return "w4a16_frag"
     if decode_words and rows <= tuning.words_max_rows:
         return "w4a16_words"
     return "w4a16_fused" if rows <= tuning.fused_max_rows else "w4a16_decode_gemm"
@@ -104,8 +118,10 @@ def w4a16_route(
 def gptq_route(
     device: torch.device, dtype: torch.dtype, rows: int, *, decode_words: bool = False
 ) -> tuple[str, str | None]:
-    """``(route, reason)`` of a ``GPTQLinear`` call of ``rows`` rows: ``"w4a16_words"`` (where
-    the module holds decode words for ``dtype``: ``decode_words``), ``"w4a16_fused"`` or
+    """``(route, reason)`` of a ``GPTQLinear`` call of ``rows`` rows: ``"w4a16_frag"`` or
+    ``"w4a16_words"`` (where the module holds decode words for ``dtype``: ``decode_words``;
+    the first where :func:`floatxq.kernels.w4a_frag.fragment_unavailable_reason` names no
+    reason), ``"w4a16_fused"`` or
     ``"w4a16_decode_gemm"`` (the W4A16 kernels, by row count) where Triton runs on CUDA for
     ``dtype``, else ``"dequant_matmul"`` and why not the kernels.
 
@@ -120,4 +136,5 @@ def gptq_route(
     reason = triton_unavailable_reason(device)
     if reason is not None:
         return GPTQ_DECODE_ROUTE, reason
-    return w4a16_route(rows, decode_words=decode_words), None
+    fragment = decode_words and fragment_unavailable_reason(device) is None
+    return w4a16_route(rows, decode_words=decode_words, fragment=fragment), None

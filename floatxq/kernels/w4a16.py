@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from floatxq._typing import Float, Tensor
 from floatxq.formats import normalize_gptq_format
 from floatxq.gptq.decode_words import DecodeOperands, gptq_decode_operands
+from floatxq.gptq.fragment_words import stage_fragment_words
 from floatxq.gptq.int4 import GPTQPacked, _check_bits, _check_packed
-from floatxq.kernels import fp8_small_m
+from floatxq.kernels import fp8_small_m, w4a_frag
 from floatxq.kernels._triton import (
     CachedLauncher,
     import_kernel_sources,
@@ -49,8 +50,8 @@ __all__ = [
     "w4a16_linear_kernel",
 ]
 
-W4A16Route = Literal["w4a16_words", "w4a16_fused", "w4a16_decode_gemm"]
-W4A16_ROUTES = ("w4a16_words", "w4a16_fused", "w4a16_decode_gemm")
+W4A16Route = Literal["w4a16_frag", "w4a16_words", "w4a16_fused", "w4a16_decode_gemm"]
+W4A16_ROUTES = ("w4a16_frag", "w4a16_words", "w4a16_fused", "w4a16_decode_gemm")
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -244,19 +245,23 @@ def w4a16_linear_kernel(
       group_size: the contiguous group size the caller guarantees, or None (gather by
         ``g_idx``; see :func:`dequantize_gptq_kernel`).
       route: ``"w4a16_fused"`` (also for None), ``"w4a16_words"`` (4-bit, contiguous groups:
-        the decode words of :mod:`floatxq.gptq.decode_words`) or ``"w4a16_decode_gemm"``;
+        the decode words of :mod:`floatxq.gptq.decode_words`), ``"w4a16_frag"`` (the same, in
+        the order of :mod:`floatxq.gptq.fragment_words`, read by
+        :mod:`floatxq.kernels.w4a_frag`; staged for this call) or ``"w4a16_decode_gemm"``;
         :func:`floatxq.dispatch.w4a16_route` names the faster for a row count.
       tuning: launch shapes.
-      operands: the route ``"w4a16_words"``'s staged operands for ``x``'s dtype
-        (:func:`floatxq.gptq.decode_words.gptq_decode_operands`; staged here when None).
+      operands: the routes ``"w4a16_words"`` / ``"w4a16_frag"``'s staged operands for ``x``'s
+        dtype (:func:`floatxq.gptq.decode_words.gptq_decode_operands`; staged here when None).
 
     Returns:
       ``(m, n)`` in ``x.dtype``.
 
     Raises:
       TypeError, ValueError: wrong dtypes, shapes, devices (as the pure function); an unknown
-        route; ``"w4a16_words"`` for a weight it cannot read exactly (the reason named).
-      RuntimeError: Triton missing.
+        route; ``"w4a16_words"`` / ``"w4a16_frag"`` for a weight they cannot read exactly (the
+        reason named).
+      RuntimeError: Triton missing; ``"w4a16_frag"`` where the fragment kernels cannot run
+        (:func:`floatxq.kernels.w4a_frag.fragment_unavailable_reason`).
 
     Numerics: the reference's decoded operands (bit for bit), FP32 accumulation in another
     order, the bias (in ``x``'s dtype) added in FP32 (the fused and words routes) or by the
@@ -277,18 +282,25 @@ def w4a16_linear_kernel(
         raise ValueError(f"{where}: bias must be a floating ({n},) tensor")
     extra = (bias,) if bias is not None else ()
     device = require_kernel_device((x, *packed, *extra), where=where)
-    if route == "w4a16_words":
+    if route in ("w4a16_words", "w4a16_frag"):
         if bits != 4 or not group:
-            raise ValueError(f"{where}: the route 'w4a16_words' reads 4-bit contiguous groups")
+            raise ValueError(f"{where}: the route {route!r} reads 4-bit contiguous groups")
         if operands is None:
             operands, why = gptq_decode_operands(
                 packed, format="gptq" if v1 else "gptq_v2", group_size=group, dtype=x.dtype
             )
             if operands is None:
-                raise ValueError(f"{where}: the route 'w4a16_words' cannot run: {why}")
+                raise ValueError(f"{where}: the route {route!r} cannot run: {why}")
         # (the kernel steps the operands' rows by n; staged ones already are contiguous)
         operands = DecodeOperands(*(t.contiguous() for t in operands))
-        return _words_linear(x, operands, packed.scales, bias, k, n, group, device, tuning)
+        if route == "w4a16_words":
+            return _words_linear(x, operands, packed.scales, bias, k, n, group, device, tuning)
+        why = w4a_frag.fragment_unavailable_reason(device)
+        if why is not None:
+            raise RuntimeError(f"{where}: the route 'w4a16_frag' cannot run: {why}")
+        frag = stage_fragment_words(operands.words)
+        has_lo = packed.scales.dtype != x.dtype
+        return w4a_frag.w4a16_frag_linear(x, frag, operands, bias, k, n, group, device, has_lo)
     return _linear(x, packed, bias, k, n, bits, v1, group, device, route, tuning)
 
 

@@ -9,7 +9,8 @@ floating dtype a checkpoint holds), ``g_idx`` (int32 ``(in,)``, each input row's
 incoming scales and bias keep their own floating dtype.
 
 A call takes the route :func:`floatxq.dispatch.gptq_route` gives, each computing
-:func:`floatxq.w4a16_linear`: ``w4a16_fused`` or ``w4a16_decode_gemm`` (the Triton kernels of
+:func:`floatxq.w4a16_linear`: ``w4a16_frag``, ``w4a16_words`` (staged operands),
+``w4a16_fused`` or ``w4a16_decode_gemm`` (the kernels of :mod:`floatxq.kernels.w4a_frag` and
 :mod:`floatxq.kernels.w4a16`, by row count) or ``dequant_matmul`` (decoded in torch per call).
 ``last_route`` names the route, ``last_reason`` why the Triton routes were not taken.
 """
@@ -26,6 +27,7 @@ from floatxq._checks import (
     check_gptq_state,
     check_group_size,
     check_size,
+    contiguous_group,
     stored_bias_of,
 )
 from floatxq._typing import Float, Tensor
@@ -45,6 +47,7 @@ from floatxq.gptq.int4 import (
 )
 from floatxq.gptq.solve import GPTQSolution
 from floatxq.kernels import w4a16
+from floatxq.kernels.w4a_frag import cached_fragment, w4a16_frag_linear
 from floatxq.nn._bytes import ByteBuffers
 
 __all__ = ["GPTQLinear"]
@@ -292,18 +295,17 @@ class GPTQLinear(ByteBuffers, nn.Module):
     _loaded = _applied
 
     def post_init(self) -> "GPTQLinear":
-        """Stage the decode words on CUDA for both half dtypes now (else the first call of a
-        dtype does, reading the weight back once); returns self. Again after in-place edits."""
+        """Stage the decode (and fragment) words on CUDA for both half dtypes now (else the first
+        call of a dtype does, reading the weight back once); returns self. Again after edits."""
         self._applied()
         for dtype in _HALF if self.qweight.is_cuda else ():
-            self.decode_operands(dtype)
+            cached_fragment(self.__dict__["_decode"], self.decode_operands(dtype)[0])
         return self
 
     def decode_operands(self, dtype: torch.dtype) -> tuple[DecodeOperands | None, str | None]:
-        """``(operands, None)``: the decode words for ``dtype`` activations (route
-        ``"w4a16_words"``; :func:`floatxq.gptq.decode_words.gptq_decode_operands`, staged once
-        per dtype and device), or ``(None, why not)`` (also when unstaged during graph capture).
-        """
+        """``(operands, None)``: the decode words for ``dtype`` activations (:func:`floatxq.gptq.
+        decode_words.gptq_decode_operands`, staged once per dtype and device; the words shared by
+        both dtypes), or ``(None, why not)`` (also when unstaged during graph capture)."""
         cache = self.__dict__.setdefault("_decode", {})
         held = cache.get(dtype)
         if held is not None:
@@ -319,13 +321,16 @@ class GPTQLinear(ByteBuffers, nn.Module):
             held = gptq_decode_operands(
                 self.packed(), format=self.format, group_size=group, dtype=dtype
             )
+            other = cache.get(_HALF[1] if dtype == _HALF[0] else _HALF[0], (None,))[0]
+            if held[0] is not None and other is not None:
+                held = (held[0]._replace(words=other.words), None)
         cache[dtype] = held
         return held
 
-    def _plan(self, x: Tensor) -> tuple[str, str | None, DecodeOperands | None, int | None]:
-        """``(route, reason, decode operands, group size)`` of a call on ``x`` ``(rows, in)``:
-        decided once per device, dtype and row class (:func:`floatxq.dispatch.rows_bucket`)
-        until the buffers move or load (decisions made during graph capture are not kept)."""
+    def _plan(self, x: Tensor) -> tuple[str, str | None, Any, int | None]:
+        """``(route, reason, (decode operands, fragment words), group size)`` of a call on ``x``
+        ``(rows, in)``: decided once per device, dtype and row class (:func:`floatxq.dispatch.
+        rows_bucket`) until the buffers move or load (not kept during graph capture)."""
         key = (x.device, x.dtype, rows_bucket(x.shape[0]))
         plan = self.__dict__.setdefault("_plans", {}).get(key)
         if plan is not None:
@@ -334,7 +339,11 @@ class GPTQLinear(ByteBuffers, nn.Module):
         if x.is_cuda and x.dtype in _HALF and rows <= w4a16.DEFAULT_W4A16_TUNING.words_max_rows:
             ops = self.decode_operands(x.dtype)[0]
         route, reason = gptq_route(x.device, x.dtype, rows, decode_words=ops is not None)
-        plan = (route, reason, ops, None if route == DECODE_ROUTE else self.contiguous_group_size())
+        frag = cached_fragment(self._decode, ops) if route == "w4a16_frag" else None
+        if route == "w4a16_frag" and frag is None:  # (first seen during graph capture)
+            route = "w4a16_words"
+        group = None if route == DECODE_ROUTE else self.contiguous_group_size()
+        plan = (route, reason, (ops, frag), group)
         if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.__dict__["_plans"][key] = plan
         return plan
@@ -370,22 +379,13 @@ class GPTQLinear(ByteBuffers, nn.Module):
 
     def contiguous_group_size(self) -> int | None:
         """The group size when ``g_idx == arange(in) // group_size`` (``in`` for one group),
-        else ``None`` (``desc_act``: the kernels then read each row's group from ``g_idx``).
-
-        Checked once per ``g_idx`` tensor and version (one host sync), then cached; during CUDA
-        graph capture an unchecked ``g_idx`` is read by row (always correct)."""
-        g = self.g_idx
-        seen = self.__dict__.get("_groups_seen")
-        key = (g.data_ptr(), g._version, g.device)
-        if seen is not None and seen[0] == key:
-            return seen[1]
-        if g.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        size = self.in_features if self.group_size == -1 else self.group_size
-        rows = torch.arange(self.in_features, device=g.device, dtype=torch.int64)
-        contiguous = bool(torch.equal(g.to(torch.int64), rows // max(size, 1)))
-        self.__dict__["_groups_seen"] = (key, size if contiguous else None)
-        return size if contiguous else None
+        else ``None`` (``desc_act``: the kernels then read each row's group from ``g_idx``);
+        checked once per ``g_idx`` version (:func:`floatxq._checks.contiguous_group`)."""
+        size, seen = contiguous_group(
+            self.g_idx, self.in_features, self.group_size, self.__dict__.get("_groups_seen")
+        )
+        self.__dict__["_groups_seen"] = seen
+        return size
 
     def forward(self, x: Float[Tensor, "*batch in"]) -> Float[Tensor, "*batch out"]:
         """``x @ W.T + bias`` in ``x``'s dtype.
@@ -410,10 +410,13 @@ class GPTQLinear(ByteBuffers, nn.Module):
                 f"{self.qweight.device}; move one of them with .to()"
             )
         x_flat = x.reshape(math.prod(x.shape[:-1]), self.in_features)
-        route, reason, ops, group = self._plan(x_flat)
+        route, reason, (ops, frag), group = self._plan(x_flat)
         k, n, tuning = self.in_features, self.out_features, w4a16.DEFAULT_W4A16_TUNING
         if route == DECODE_ROUTE:
             out = _dequant_matmul(self, x_flat)
+        elif route == "w4a16_frag":
+            has_lo = self.scales.dtype != x.dtype
+            out = w4a16_frag_linear(x_flat, frag, ops, self.bias, k, n, group, x.device, has_lo)
         elif route == "w4a16_words":
             out = w4a16._words_linear(
                 x_flat, ops, self.scales, self.bias, k, n, group, x.device, tuning
