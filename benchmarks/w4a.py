@@ -171,6 +171,8 @@ def _gemlite(packed):
 
 def linear_bench() -> None:
     from floatxq.gptq.decode_words import gptq_decode_operands, stage_decode_words
+    from floatxq.gptq.fragment_words import stage_fragment_words
+    from floatxq.kernels.w4a_frag import fragment_unavailable_reason, w4a16_frag_linear
 
     print("| N | K | M | bf16 us | fp8 scaled_mm us | tinygemm us | gemlite us | w4a-fp8 us | "
           "w4a-fp8 gemm us | w4a16 us | w4a-fp8 / fp8 | w4a-fp8 / bf16 | w4a16 / bf16 | "
@@ -193,6 +195,8 @@ def linear_bench() -> None:
         gl = [_gemlite(p) for p in gptq]
         ops = [gptq_decode_operands(p, group_size=128, dtype=torch.bfloat16)[0] for p in gptq]
         dwords = [stage_decode_words(fq.unpack_gptq(p).codes) for p in gptq]
+        frags = [stage_fragment_words(w) for w in dwords]
+        frag_runs = fragment_unavailable_reason(torch.device("cuda")) is None
         for m in _option("--rows", ROWS):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq = x.to(torch.float8_e4m3fn)
@@ -212,22 +216,28 @@ def linear_bench() -> None:
                 gl[0](x)  # (GemLite tunes a row count on its first call)
                 t_gl = graph_us([lambda g=g: g(x) for g in gl])
             # the operand and GEMM the modules take for m rows (floatxq.dispatch)
-            operand = fq.dispatch.w4a_fp8_operand(m, decode_words=True)
-            weights = {"decode_words": dwords, "words": [p.qweight for p in gptq]}.get(
-                operand, staged
-            )
+            operand = fq.dispatch.w4a_fp8_operand(m, decode_words=True, fragment=frag_runs)
+            weights = {"fragment": frags, "decode_words": dwords,
+                       "words": [p.qweight for p in gptq]}.get(operand, staged)  # fmt: skip
             gemm = fq.dispatch.w4a_fp8_gemm_route(m, weights[0])[0]
+            gemm = "fragment" if operand == "fragment" else gemm
             t_w4a = graph_us([lambda w=w, p=p: fq.fp8_linear(x, w, p.scales, route=gemm)
                               for w, p in zip(weights, gptq)])  # fmt: skip
             t_gemm = graph_us([lambda w=w, p=p: fq.fp8_linear_prepacked(
                 codes, row_scale, w, p.scales, None, torch.bfloat16, route=gemm)
                 for w, p in zip(weights, gptq)])  # fmt: skip
-            w16 = fq.dispatch.w4a16_route(m, decode_words=True)
+            w16 = fq.dispatch.w4a16_route(m, decode_words=True, fragment=frag_runs)
             t_w16 = graph_us([
                 lambda p=p, o=o: fq.w4a16_linear_kernel(
                     x, p, group_size=128, route=w16, operands=o
                 ) for p, o in zip(gptq, ops)
             ])  # fmt: skip
+            if w16 == "w4a16_frag":  # (the modules' call: fragment words staged once)
+                t_w16 = graph_us([
+                    lambda p=p, o=o, f=f: w4a16_frag_linear(
+                        x, f, o, None, k, n, 128, x.device, p.scales.dtype != x.dtype
+                    ) for p, o, f in zip(gptq, ops, frags)
+                ])  # fmt: skip
             print(
                 f"| {n} | {k} | {m} | {t_bf16:.1f} | {t_fp8:.1f} | {t_tiny:.1f} | {t_gl:.1f} | "
                 f"{t_w4a:.1f} | {t_gemm:.1f} | {t_w16:.1f} | {t_fp8 / t_w4a:.2f} | "

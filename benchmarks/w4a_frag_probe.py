@@ -63,8 +63,9 @@ def _split(tiles, steps, target, sms):
 SMS = None
 
 
-def w4a16_frag(x, fw, zeros, hi, lo, bias, n, k, group, *, nu=16, warps=4, target=3, has_lo=True,
-               stages=1):
+def w4a16_frag(
+    x, fw, zeros, hi, lo, bias, n, k, group, *, nu=16, warps=4, target=3, has_lo=True, stages=1
+):
     from floatxq.kernels._w4a_frag_jit import w4a16_frag_kernel
 
     global SMS
@@ -110,6 +111,7 @@ def w4afp8_frag(codes, row_scale, fw, scales, bias, n, k, out_dtype, *, nu=16, w
 
 
 # The rows kernels (activations as the A operand; unmeasured: the next probe times them).
+
 
 @gluon.jit
 @no_type_check
@@ -377,10 +379,9 @@ def w4a_fp8_frag_rows_kernel(
         gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(o_m < M)[:, None] & n_ok[None, :])
 
 
-
 def w4a16_rows(x, fw, zeros, hi, lo, bias, n, k, group, *, nu=8, warps=4, target=3,
                has_lo=True, stages=1, bm=16):  # fmt: skip
-    
+
     global SMS
     SMS = SMS or torch.cuda.get_device_properties(x.device).multi_processor_count
     m = x.shape[0]
@@ -400,7 +401,7 @@ def w4a16_rows(x, fw, zeros, hi, lo, bias, n, k, group, *, nu=8, warps=4, target
 
 def w4afp8_rows(codes, row_scale, fw, scales, bias, n, k, out_dtype, *, nu=8, warps=4,
                 target=3, stages=1, bm=16):  # fmt: skip
-    
+
     global SMS
     SMS = SMS or torch.cuda.get_device_properties(codes.device).multi_processor_count
     m = codes.shape[0]
@@ -447,13 +448,17 @@ def check() -> None:
                 for m in (1, 3, 8, 13, 16, 32):
                     for with_bias in (False, True):
                         x = torch.randn(m, k, device=dev, generator=gen).to(xdt)
-                        bias = torch.randn(n, device=dev, generator=gen).to(xdt) if with_bias else None
+                        bias = (
+                            torch.randn(n, device=dev, generator=gen).to(xdt) if with_bias else None
+                        )
                         ref = x.float() @ w + (bias.float() if with_bias else 0)
                         st = 1 + (m % 2)
                         got = w4a16_frag(x, fw, zeros.to(torch.uint8), split.hi, split.lo, bias,
                                          n, k, group, nu=8, warps=4, target=3, stages=st,
                                          has_lo=sdt != xdt).float()  # fmt: skip
-                        bound = 2 * k * 2**-24 * (x.float().abs() @ w.abs()) + ref.abs() * 2**-7 + 1e-6
+                        bound = (
+                            2 * k * 2**-24 * (x.float().abs() @ w.abs()) + ref.abs() * 2**-7 + 1e-6
+                        )
                         ok = bool(((got - ref).abs() <= bound).all())
                         if m > 8:
                             got2 = w4a16_rows(x, fw, zeros.to(torch.uint8), split.hi, split.lo,
@@ -462,7 +467,9 @@ def check() -> None:
                             ok = ok and bool(((got2 - ref).abs() <= bound).all())
                         if not ok:
                             bad += 1
-                            print(f"W4A16 MISMATCH n={n} k={k} g={group} {sdt}/{xdt} m={m} bias={with_bias}: max err {(got - ref).abs().max():.3e}")
+                            print(
+                                f"W4A16 MISMATCH n={n} k={k} g={group} {sdt}/{xdt} m={m} bias={with_bias}: max err {(got - ref).abs().max():.3e}"
+                            )
     from floatxq.kernels.w4a_fp8 import fp8_linear_prepacked
 
     for n, k in ((8192, 8192), (200, 384), (24, 4096), (1000, 1152), (16, 128)):
@@ -471,14 +478,40 @@ def check() -> None:
                 cw = stage_decode_words(torch.randint(0, 16, (k, n), device=dev, generator=gen))
                 fs = torch.rand(k // 128, n, device=dev, generator=gen).half() + 0.5
                 x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
-                bias = torch.randn(n, device=dev, generator=gen).to(torch.bfloat16) if with_bias else None
+                bias = (
+                    torch.randn(n, device=dev, generator=gen).to(torch.bfloat16)
+                    if with_bias
+                    else None
+                )
                 codes, rs = fq.fp8_pack(x)
                 lib = fp8_linear_prepacked(codes, rs, cw, fs, bias, torch.bfloat16).float()
-                got = w4afp8_frag(codes, rs, stage_frag(cw), fs, bias, n, k, torch.bfloat16, nu=8,
-                                  warps=4, target=3, stages=1 + m % 2).float()
+                got = w4afp8_frag(
+                    codes,
+                    rs,
+                    stage_frag(cw),
+                    fs,
+                    bias,
+                    n,
+                    k,
+                    torch.bfloat16,
+                    nu=8,
+                    warps=4,
+                    target=3,
+                    stages=1 + m % 2,
+                ).float()
                 diff = float((got - lib).abs().max() / lib.abs().max().clamp_min(1e-6))
-                got2 = w4afp8_rows(codes, rs, stage_frag(cw), fs, bias, n, k, torch.bfloat16,
-                                   stages=1 + m % 2, bm=16 if m <= 16 else 32).float()
+                got2 = w4afp8_rows(
+                    codes,
+                    rs,
+                    stage_frag(cw),
+                    fs,
+                    bias,
+                    n,
+                    k,
+                    torch.bfloat16,
+                    stages=1 + m % 2,
+                    bm=16 if m <= 16 else 32,
+                ).float()
                 diff = max(diff, float((got2 - lib).abs().max() / lib.abs().max().clamp_min(1e-6)))
                 if diff > 2**-7:
                     bad += 1
@@ -510,45 +543,140 @@ def bench() -> None:
             fs = torch.rand(k // 128, n, device=dev, generator=gen).half() + 0.5
             sets.append(dict(packed=packed, ops=ops, scales=scales, fw=stage_frag(ops.words),
                              cw=cw, cfw=stage_frag(cw), fs=fs, gl=_gemlite(packed)))  # fmt: skip
-        wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+        wb = [
+            torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+            for _ in range(copies_for(n * k * 2))
+        ]
         w8 = [t.to(torch.float8_e4m3fn) for t in wb[: copies_for(n * k)]]
         s0 = sets[0]
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = _words_linear(x, s0["ops"], s0["scales"], None, k, n, 128, dev, DEFAULT_W4A16_TUNING).float()
+            ref = _words_linear(
+                x, s0["ops"], s0["scales"], None, k, n, 128, dev, DEFAULT_W4A16_TUNING
+            ).float()
             res = {}
             res["bf16"] = graph_us([lambda t=t: F.linear(x, t) for t in wb])
             x8 = x.to(torch.float8_e4m3fn)
             one = torch.ones((), device=dev)
-            res["fp8"] = graph_us([lambda t=t: torch._scaled_mm(x8, t.T, one, one, out_dtype=torch.bfloat16) for t in w8])
+            res["fp8"] = graph_us(
+                [
+                    lambda t=t: torch._scaled_mm(x8, t.T, one, one, out_dtype=torch.bfloat16)
+                    for t in w8
+                ]
+            )
             if s0["gl"] is not None:
                 res["gemlite"] = graph_us([lambda s=s: s["gl"](x) for s in sets])
-            res["lib_words"] = graph_us([lambda s=s: _words_linear(x, s["ops"], s["scales"], None, k, n, 128, dev, DEFAULT_W4A16_TUNING) for s in sets])
+            res["lib_words"] = graph_us(
+                [
+                    lambda s=s: _words_linear(
+                        x, s["ops"], s["scales"], None, k, n, 128, dev, DEFAULT_W4A16_TUNING
+                    )
+                    for s in sets
+                ]
+            )
             codes, row_scale = fq.fp8_pack(x)
-            res["lib_w4afp8"] = graph_us([lambda s=s: fp8_linear_prepacked(codes, row_scale, s["cw"], s["fs"], None, torch.bfloat16) for s in sets])
+            res["lib_w4afp8"] = graph_us(
+                [
+                    lambda s=s: fp8_linear_prepacked(
+                        codes, row_scale, s["cw"], s["fs"], None, torch.bfloat16
+                    )
+                    for s in sets
+                ]
+            )
             line = " ".join(f"{a} {b:.2f}" for a, b in res.items())
             print(f"N={n} K={k} M={m} anchors: {line}", flush=True)
             best16 = best8 = (1e9, None)
-            for nu, warps, targets in ((4, 4, (4, 8)), (8, 4, (3, 6)), (8, 8, (4, 8)), (16, 8, (2, 4))):
+            for nu, warps, targets in (
+                (4, 4, (4, 8)),
+                (8, 4, (3, 6)),
+                (8, 8, (4, 8)),
+                (16, 8, (2, 4)),
+            ):
                 for stages in (1, 2):
                     for target in targets:
                         cfg = dict(nu=nu, warps=warps, target=target, stages=stages)
                         try:
-                            got = w4a16_frag(x, s0["fw"], s0["ops"].zeros, s0["ops"].hi, s0["ops"].lo, None, n, k, 128, **cfg).float()
+                            got = w4a16_frag(
+                                x,
+                                s0["fw"],
+                                s0["ops"].zeros,
+                                s0["ops"].hi,
+                                s0["ops"].lo,
+                                None,
+                                n,
+                                k,
+                                128,
+                                **cfg,
+                            ).float()
                             err = float((got - ref).abs().max() / ref.abs().max())
-                            us = graph_us([lambda s=s: w4a16_frag(x, s["fw"], s["ops"].zeros, s["ops"].hi, s["ops"].lo, None, n, k, 128, **cfg) for s in sets])
+                            us = graph_us(
+                                [
+                                    lambda s=s: w4a16_frag(
+                                        x,
+                                        s["fw"],
+                                        s["ops"].zeros,
+                                        s["ops"].hi,
+                                        s["ops"].lo,
+                                        None,
+                                        n,
+                                        k,
+                                        128,
+                                        **cfg,
+                                    )
+                                    for s in sets
+                                ]
+                            )
                             best16 = min(best16, (us, f"{cfg} err {err:.1e}"), key=lambda v: v[0])
-                            lib8 = fp8_linear_prepacked(codes, row_scale, s0["cw"], s0["fs"], None, torch.bfloat16).float()
-                            got8 = w4afp8_frag(codes, row_scale, s0["cfw"], s0["fs"], None, n, k, torch.bfloat16, **cfg).float()
+                            lib8 = fp8_linear_prepacked(
+                                codes, row_scale, s0["cw"], s0["fs"], None, torch.bfloat16
+                            ).float()
+                            got8 = w4afp8_frag(
+                                codes,
+                                row_scale,
+                                s0["cfw"],
+                                s0["fs"],
+                                None,
+                                n,
+                                k,
+                                torch.bfloat16,
+                                **cfg,
+                            ).float()
                             err8 = float((got8 - lib8).abs().max() / lib8.abs().max())
-                            us8 = graph_us([lambda s=s: w4afp8_frag(codes, row_scale, s["cfw"], s["fs"], None, n, k, torch.bfloat16, **cfg) for s in sets])
-                            best8 = min(best8, (us8, f"{cfg} rel-diff-vs-lib {err8:.1e}"), key=lambda v: v[0])
-                            print(f"  M={m} {cfg}: w4a16 {us:.2f} (err {err:.1e}), w4a-fp8 {us8:.2f} (vs lib {err8:.1e})", flush=True)
+                            us8 = graph_us(
+                                [
+                                    lambda s=s: w4afp8_frag(
+                                        codes,
+                                        row_scale,
+                                        s["cfw"],
+                                        s["fs"],
+                                        None,
+                                        n,
+                                        k,
+                                        torch.bfloat16,
+                                        **cfg,
+                                    )
+                                    for s in sets
+                                ]
+                            )
+                            best8 = min(
+                                best8,
+                                (us8, f"{cfg} rel-diff-vs-lib {err8:.1e}"),
+                                key=lambda v: v[0],
+                            )
+                            print(
+                                f"  M={m} {cfg}: w4a16 {us:.2f} (err {err:.1e}), w4a-fp8 {us8:.2f} (vs lib {err8:.1e})",
+                                flush=True,
+                            )
                         except Exception as exc:
-                            print(f"  M={m} {cfg}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            print(f"N={n} K={k} M={m} BEST w4a16 {best16[0]:.2f} {best16[1]} | w4a-fp8 {best8[0]:.2f} {best8[1]} | "
-                  f"bf16 {res['bf16']:.2f} ({res['bf16'] / best16[0]:.2f}x, fp8-path {res['bf16'] / best8[0]:.2f}x), "
-                  f"gemlite {res.get('gemlite', float('nan')):.2f}, fp8 {res['fp8']:.2f} ({res['fp8'] / best8[0]:.2f}x)", flush=True)
+                            print(
+                                f"  M={m} {cfg}: {type(exc).__name__}: {str(exc)[:300]}", flush=True
+                            )
+            print(
+                f"N={n} K={k} M={m} BEST w4a16 {best16[0]:.2f} {best16[1]} | w4a-fp8 {best8[0]:.2f} {best8[1]} | "
+                f"bf16 {res['bf16']:.2f} ({res['bf16'] / best16[0]:.2f}x, fp8-path {res['bf16'] / best8[0]:.2f}x), "
+                f"gemlite {res.get('gemlite', float('nan')):.2f}, fp8 {res['fp8']:.2f} ({res['fp8'] / best8[0]:.2f}x)",
+                flush=True,
+            )
 
 
 def bench_rows() -> None:
@@ -570,29 +698,97 @@ def bench_rows() -> None:
         ops = DecodeOperands(ops.words, ops.zeros, split.hi, split.lo)
         cw = stage_decode_words(torch.randint(0, 16, (k, n), device=dev, generator=gen))
         fs = torch.rand(k // 128, n, device=dev, generator=gen).half() + 0.5
-        sets.append(dict(ops=ops, scales=scales, fw=stage_frag(ops.words), cw=cw, cfw=stage_frag(cw), fs=fs))
+        sets.append(
+            dict(ops=ops, scales=scales, fw=stage_frag(ops.words), cw=cw, cfw=stage_frag(cw), fs=fs)
+        )
     for m in (8, 16, 32):
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         codes, rs = fq.fp8_pack(x)
-        lib = graph_us([lambda s=s: _words_linear(x, s["ops"], s["scales"], None, k, n, 128, dev, DEFAULT_W4A16_TUNING) for s in sets])
-        lib8 = graph_us([lambda s=s: fp8_linear_prepacked(codes, rs, s["cw"], s["fs"], None, torch.bfloat16) for s in sets])
+        lib = graph_us(
+            [
+                lambda s=s: _words_linear(
+                    x, s["ops"], s["scales"], None, k, n, 128, dev, DEFAULT_W4A16_TUNING
+                )
+                for s in sets
+            ]
+        )
+        lib8 = graph_us(
+            [
+                lambda s=s: fp8_linear_prepacked(codes, rs, s["cw"], s["fs"], None, torch.bfloat16)
+                for s in sets
+            ]
+        )
         print(f"ROWS M={m} lib words {lib:.2f} lib dwords {lib8:.2f}", flush=True)
         for nu, warps in ((8, 4), (16, 8), (16, 4)):
-            for bm in ((16,) if m <= 16 else (16, 32)):
+            for bm in (16,) if m <= 16 else (16, 32):
                 for stages in (1, 2):
                     for target in (2, 4):
                         cfg = dict(nu=nu, warps=warps, bm=bm, stages=stages, target=target)
                         try:
-                            us = graph_us([lambda s=s: w4a16_rows(x, s["fw"], s["ops"].zeros, s["ops"].hi, s["ops"].lo, None, n, k, 128, **cfg) for s in sets])
+                            us = graph_us(
+                                [
+                                    lambda s=s: w4a16_rows(
+                                        x,
+                                        s["fw"],
+                                        s["ops"].zeros,
+                                        s["ops"].hi,
+                                        s["ops"].lo,
+                                        None,
+                                        n,
+                                        k,
+                                        128,
+                                        **cfg,
+                                    )
+                                    for s in sets
+                                ]
+                            )
                             us8 = float("nan")
                             if not (bm == 32 and nu == 16):
-                                us8 = graph_us([lambda s=s: w4afp8_rows(codes, rs, s["cfw"], s["fs"], None, n, k, torch.bfloat16, **cfg) for s in sets])
+                                us8 = graph_us(
+                                    [
+                                        lambda s=s: w4afp8_rows(
+                                            codes,
+                                            rs,
+                                            s["cfw"],
+                                            s["fs"],
+                                            None,
+                                            n,
+                                            k,
+                                            torch.bfloat16,
+                                            **cfg,
+                                        )
+                                        for s in sets
+                                    ]
+                                )
                             print(f"ROWS M={m} {cfg}: w4a16 {us:.2f} w4a-fp8 {us8:.2f}", flush=True)
                         except Exception as exc:
-                            print(f"ROWS M={m} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                            print(
+                                f"ROWS M={m} {cfg}: {type(exc).__name__}: {str(exc)[:200]}",
+                                flush=True,
+                            )
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     for has_lo in (True, False):
-        us = graph_us([lambda s=s: w4a16_frag(x, s["fw"], s["ops"].zeros, s["ops"].hi, s["ops"].lo, None, n, k, 128, nu=8, warps=4, target=6, stages=2, has_lo=has_lo) for s in sets])
+        us = graph_us(
+            [
+                lambda s=s: w4a16_frag(
+                    x,
+                    s["fw"],
+                    s["ops"].zeros,
+                    s["ops"].hi,
+                    s["ops"].lo,
+                    None,
+                    n,
+                    k,
+                    128,
+                    nu=8,
+                    warps=4,
+                    target=6,
+                    stages=2,
+                    has_lo=has_lo,
+                )
+                for s in sets
+            ]
+        )
         print(f"M=1 swapped has_lo={has_lo}: {us:.2f}", flush=True)
 
 

@@ -119,15 +119,33 @@ def test_dispatched_pack_gives_the_pure_bytes(mode, rows, seed):
     assert_bitwise_equal(pure.scales.view(torch.uint8), routed.scales.view(torch.uint8))
 
 
-@given(st.integers(0, 1 << 20), st.integers(0, 1 << 20), st.booleans())
-def test_row_counts_of_one_class_get_the_same_int4_routes(a, b, decode_words):
+@given(st.integers(0, 1 << 20), st.integers(0, 1 << 20), st.booleans(), st.booleans())
+def test_row_counts_of_one_class_get_the_same_int4_routes(a, b, decode_words, fragment):
     """Modules keep one route decision per :func:`floatxq.dispatch.rows_bucket` class: every
     row-count switch of the default tunings agrees across a class."""
     if dispatch.rows_bucket(a) != dispatch.rows_bucket(b):
         return
     for choice in (dispatch.w4a16_route, dispatch.w4a_fp8_operand):
-        assert choice(a, decode_words=decode_words) == choice(b, decode_words=decode_words)
+        held = {"decode_words": decode_words, "fragment": fragment}
+        assert choice(a, **held) == choice(b, **held)
     staged = torch.zeros(256, 8, dtype=torch.float8_e4m3fn).T.contiguous().T  # K-contiguous
     (route_a, why_a), (route_b, why_b) = (dispatch.w4a_fp8_gemm_route(r, staged) for r in (a, b))
     assert route_a == route_b
     assert (why_a is None) == (why_b is None)  # (a reason may name its own row count)
+
+
+@given(st.integers(0, 1 << 12), st.booleans(), st.booleans())
+def test_w4a_fp8_words_returns_the_held_form_it_names(rows, frag_held, dwords_held):
+    """The words a W4A-FP8 call reads are the form :func:`floatxq.dispatch.w4a_fp8_operand`
+    names, the very tensor held; the fragment words only where their kernels run (never on the
+    CPU); None exactly when the staged E4M3 operand is faster."""
+    frag = torch.zeros(32, 16, dtype=torch.int16) if frag_held else None
+    dwords = torch.zeros(32, 16, dtype=torch.int16) if dwords_held else None
+    words = torch.zeros(16, 16, dtype=torch.int32)
+    pick = dispatch.w4a_fp8_words(rows, frag, dwords, words)
+    form = dispatch.w4a_fp8_operand(rows, decode_words=dwords_held, fragment=False)
+    if form == "e4m3":
+        assert pick is None
+    else:
+        assert pick[1] == "triton"
+        assert pick[0] is {"decode_words": dwords, "words": words}[form]

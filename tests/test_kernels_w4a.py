@@ -369,7 +369,7 @@ def test_gptq_linear_routes_on_cuda():
     sol = rtn_quantize(w, GPTQSolveOptions(bits=4, group_size=128))
     layer = GPTQLinear.from_solution(sol, bits=4, group_size=128, bias=torch.randn(256)).cuda()
     reference = layer.dequantize_weight(torch.bfloat16)
-    for rows, route in ((1, "w4a16_words"), (32, "w4a16_words"), (33, "w4a16_fused"),
+    for rows, route in ((1, "w4a16_frag"), (32, "w4a16_words"), (33, "w4a16_fused"),
                         (300, "w4a16_decode_gemm")):  # fmt: skip
         x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
         out = layer(x)

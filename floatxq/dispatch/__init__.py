@@ -55,6 +55,7 @@ from floatxq.dispatch.w4a import (
     w4a_fp8_gemm_route,
     w4a_fp8_operand,
     w4a_fp8_route,
+    w4a_fp8_words,
     w4a_nvfp4_native_unavailable_reason,
     w4a_nvfp4_route,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "w4a_fp8_gemm_route",
     "w4a_fp8_operand",
     "w4a_fp8_route",
+    "w4a_fp8_words",
     "w4a_nvfp4_native_unavailable_reason",
     "w4a_nvfp4_route",
 ]

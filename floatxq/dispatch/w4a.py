@@ -21,6 +21,7 @@ from floatxq.kernels.w4a_fp8 import (
     W4AFP8Tuning,
     blockwise_unavailable_reason,
 )
+from floatxq.kernels.w4a_frag import DEFAULT_FRAG_TUNING, FragTuning, fragment_unavailable_reason
 from floatxq.w4a import activation as _activation
 from floatxq.w4a.activation import W4AActivation
 from floatxq.w4a.linear import w4a_nvfp4_accumulate_group
@@ -38,6 +39,7 @@ __all__ = [
     "w4a_fp8_gemm_route",
     "w4a_fp8_operand",
     "w4a_fp8_route",
+    "w4a_fp8_words",
     "w4a_nvfp4_native_unavailable_reason",
     "w4a_nvfp4_route",
 ]
@@ -130,21 +132,58 @@ def w4a_fp8_carrier_route(requested: str, device: torch.device) -> tuple[str, st
 
 
 def w4a_fp8_operand(
-    rows: int, tuning: W4AFP8Tuning = DEFAULT_W4A_FP8_TUNING, *, decode_words: bool = False
-) -> Literal["decode_words", "words", "e4m3"]:
-    """Which weight form an ``rows``-row W4A-FP8 Triton GEMM reads fastest: the int16 decode
-    words (half a byte per weight, decoded two per instruction) up to
-    ``tuning.dwords_max_rows`` rows where the caller holds them (``decode_words``), the int32
-    checkpoint words (also half a byte) up to ``tuning.words_max_rows``, else the staged E4M3
-    operand (the FP8 tensor cores). All give the same sums up to FP32 order.
+    rows: int,
+    tuning: W4AFP8Tuning = DEFAULT_W4A_FP8_TUNING,
+    *,
+    decode_words: bool = False,
+    fragment: bool = False,
+    frag_tuning: FragTuning = DEFAULT_FRAG_TUNING,
+) -> Literal["fragment", "decode_words", "words", "e4m3"]:
+    """Which weight form an ``rows``-row W4A-FP8 GEMM reads fastest: the fragment words (the
+    decoded weights as the MMA's register operand, :mod:`floatxq.kernels.w4a_frag`) up to
+    ``frag_tuning.w4a_fp8_max_rows`` rows where the caller holds them and they run
+    (``fragment``), the int16 decode words (half a byte per weight, decoded two per
+    instruction) up to ``tuning.dwords_max_rows`` rows where the caller holds them
+    (``decode_words``), the int32 checkpoint words (also half a byte) up to
+    ``tuning.words_max_rows``, else the staged E4M3 operand (the FP8 tensor cores). All give
+    the same sums up to FP32 order.
 
     Example:
       >>> w4a_fp8_operand(1), w4a_fp8_operand(1, decode_words=True), w4a_fp8_operand(4096)
       ('words', 'decode_words', 'e4m3')
+      >>> w4a_fp8_operand(4, fragment=True), w4a_fp8_operand(5, decode_words=True, fragment=True)
+      ('fragment', 'decode_words')
     """
+    if fragment and rows <= frag_tuning.w4a_fp8_max_rows:
+        return "fragment"
     if decode_words and rows <= tuning.dwords_max_rows:
         return "decode_words"
     return "words" if rows <= tuning.words_max_rows else "e4m3"
+
+
+def w4a_fp8_words(
+    rows: int,
+    fragment: Shaped[Tensor, "rows n"] | None,
+    decode_words: Shaped[Tensor, "rows n"] | None,
+    words: Shaped[Tensor, "packed n"],
+) -> tuple[Tensor, Literal["fragment", "triton"]] | None:
+    """``(weight, GEMM route)`` where an ``rows``-row W4A-FP8 call reads packed words — the
+    fragment words (where held and :func:`~floatxq.kernels.w4a_frag.fragment_unavailable_reason`
+    names no reason for their device), the decode words (where held) or the checkpoint's int32
+    ``words`` — by :func:`w4a_fp8_operand`; None where the staged E4M3 operand is faster.
+
+    Example:
+      >>> w = torch.zeros(16, 32, dtype=torch.int32)
+      >>> w4a_fp8_words(1, None, None, w)[1], w4a_fp8_words(4096, None, None, w)
+      ('triton', None)
+    """
+    runs = fragment is not None and fragment_unavailable_reason(fragment.device) is None
+    form = w4a_fp8_operand(rows, decode_words=decode_words is not None, fragment=runs)
+    held = {"fragment": fragment, "decode_words": decode_words, "words": words}
+    chosen = held.get(form)
+    if chosen is None:
+        return None
+    return chosen, "fragment" if form == "fragment" else "triton"
 
 
 def w4a_fp8_gemm_route(

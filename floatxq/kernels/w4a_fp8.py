@@ -34,7 +34,7 @@ import torch
 
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor
 from floatxq.formats import FP8_E4M3_MAX, K_GROUP
-from floatxq.kernels import fp8_small_m, fp8_weight
+from floatxq.kernels import fp8_small_m, fp8_weight, w4a_frag
 from floatxq.kernels._triton import (
     CachedLauncher,
     capability_shortfall,
@@ -56,8 +56,8 @@ __all__ = [
     "w4a_fp8_unavailable_reason",
 ]
 
-W4AFP8Route = Literal["triton", "scaled_mm_blockwise"]
-W4A_FP8_GEMM_ROUTES = ("triton", "scaled_mm_blockwise")
+W4AFP8Route = Literal["triton", "scaled_mm_blockwise", "fragment"]
+W4A_FP8_GEMM_ROUTES = ("triton", "scaled_mm_blockwise", "fragment")
 
 _MIN_CAPABILITY = (8, 9)
 """FP8 tensor cores and the E4M3 conversion instruction: Ada (SM 8.9) and newer."""
@@ -245,9 +245,12 @@ def fp8_linear(
         ``float8_e4m3fn (k, n)`` operand (see :func:`floatxq.centered_weight`).
       scales: ``(k/128, n)`` GPTQ group scales (any floating dtype).
       bias: ``(n,)`` floating or None.
-      route: ``"triton"`` (the grouped Triton GEMM; also for None, as GPT-QModel's kernel) or
+      route: ``"triton"`` (the grouped Triton GEMM; also for None, as GPT-QModel's kernel),
         ``"scaled_mm_blockwise"`` (cuBLAS, staged E4M3 operand only; refused where
-        :func:`blockwise_unavailable_reason` names a reason).
+        :func:`blockwise_unavailable_reason` names a reason) or ``"fragment"`` (``weight`` the
+        fragment words of the decode words, :mod:`floatxq.gptq.fragment_words`, read by
+        :mod:`floatxq.kernels.w4a_frag`; refused where
+        :func:`~floatxq.kernels.w4a_frag.fragment_unavailable_reason` names a reason).
         :func:`floatxq.dispatch.w4a_fp8_gemm_route` names the faster for a row count.
       tuning: launch shapes.
 
@@ -387,6 +390,13 @@ def _run(
     *,
     where: str,
 ) -> Tensor:
+    if route == "fragment":
+        reason = w4a_frag.fragment_unavailable_reason(codes.device)
+        if weight.dtype != torch.int16:
+            reason = f"it reads int16 fragment words, not {weight.dtype}"
+        if reason is not None:
+            raise RuntimeError(f"{where}: route 'fragment' cannot run here: {reason}")
+        return w4a_frag.w4a_fp8_frag_gemm(codes, row_scale, weight, scales, bias, output_dtype)
     if route == "scaled_mm_blockwise":
         reason = blockwise_unavailable_reason(codes.shape[0], weight)
         if reason is not None:

@@ -135,8 +135,20 @@ def _launchers() -> tuple[CachedLauncher, CachedLauncher]:
     return CachedLauncher(jit.w4a16_frag_kernel), CachedLauncher(jit.w4a_fp8_frag_kernel)
 
 
+_MAX_ROWS = 32
+"""Rows of one launch (the widest B operand the kernels build)."""
+
 _PLANS: dict[Any, tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]] = {}
 """Launch plans by shapes, dtypes, device and tuning (computed once each, never replaced)."""
+
+
+def _kind(bias: Tensor | None) -> torch.dtype | None:
+    return None if bias is None else bias.dtype
+
+
+def _aligned(*tensors: Tensor | None) -> tuple[bool, ...]:
+    """Which tensors start on 16 bytes (what a compiled launch is specialized on)."""
+    return tuple(t is not None and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _plan(
@@ -149,7 +161,7 @@ def _plan(
     programs = tuning.target_programs * (fp8_small_m._sm_count(device) or 1)
     fits = [d for d in range(1, steps + 1) if steps % d == 0 and tiles * d <= programs]
     split = max(fits, default=1)
-    width = 8 if m <= 8 else (16 if m <= 16 else 32)
+    width = 8 if m <= 8 else (16 if m <= 16 else _MAX_ROWS)
     tail = (*head, k % DECODE_TILE_ROWS == 0, n % (FRAGMENT_COLUMNS * tuning.blocks) == 0,
             tuning.blocks, width, steps // split, split, tuning.stages, tuning.warps)  # fmt: skip
     return (tiles, split, 1), tail, {"num_warps": tuning.warps}
@@ -178,7 +190,14 @@ def w4a16_frag_linear(
         return out
     if k == 0:
         return out.copy_(bias.to(x.dtype).expand(m, n)) if bias is not None else out.zero_()
-    key = ("w4a16", m, n, k, group, x.dtype, x.stride(), has_lo, bias is not None, device, tuning)
+    if m > _MAX_ROWS:  # (one launch per block of rows: the kernel's widest operand is 32)
+        for i in range(0, m, _MAX_ROWS):
+            out[i : i + _MAX_ROWS] = w4a16_frag_linear(
+                x[i : i + _MAX_ROWS], frag, ops, bias, k, n, group, device, has_lo, tuning
+            )
+        return out
+    key = ("w4a16", m, n, k, group, x.dtype, x.stride(), has_lo, _kind(bias), device, tuning,
+           _aligned(x, ops.zeros, bias))  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         head = (group, group >= k or group % DECODE_TILE_ROWS == 0, has_lo, bias is not None)
@@ -218,8 +237,15 @@ def w4a_fp8_frag_gemm(
         return out
     if k == 0:
         return out.copy_(bias.to(out_dtype).expand(m, n)) if bias is not None else out.zero_()
+    if m > _MAX_ROWS:
+        for i in range(0, m, _MAX_ROWS):
+            rows = slice(i, i + _MAX_ROWS)
+            out[rows] = w4a_fp8_frag_gemm(
+                codes[rows], row_scale[rows], frag, scales, bias, out_dtype, tuning
+            )
+        return out
     key = ("w4afp8", m, n, k, out_dtype, codes.stride(), scales.dtype, scales.stride(),
-           None if bias is None else bias.dtype, device, tuning)  # fmt: skip
+           _kind(bias), device, tuning, _aligned(codes, row_scale, scales, bias))  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(m, n, k, device, tuning, (bias is not None,))

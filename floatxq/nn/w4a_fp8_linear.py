@@ -1,10 +1,9 @@
 """``W4AFP8Linear``: symmetric INT4 GPTQ weights (groups of 128) times FP8 per-token activations.
 
-A :class:`~floatxq.nn.w4a_base.W4ALinear` with two caches built by :meth:`W4AFP8Linear.post_init`:
-``_weight_e4m3``, ``float8_e4m3fn (in, out)``, the centered codes ``code - 8`` as exact E4M3
-(:func:`floatxq.int4_to_e4m3`), K-contiguous (strides ``(1, in)``: what the E4M3 tiles read),
-and ``_weight_dwords``, the same codes as int16 decode words (what calls of at most 32 rows
-read: half a byte per weight).
+A :class:`~floatxq.nn.w4a_base.W4ALinear` whose :meth:`W4AFP8Linear.post_init` stages the
+centered codes ``code - 8`` three ways: ``_weight_e4m3`` (exact E4M3 ``(in, out)``, K-contiguous
+for the E4M3 tiles), ``_weight_dwords`` (int16 decode words: at most 32 rows) and
+``_weight_frag`` (fragment words: the fewest rows, where :mod:`floatxq.kernels.w4a_frag` runs).
 A call quantizes each row of ``x`` to E4M3 with one FP32 scale and runs the grouped GEMM of
 :func:`floatxq.w4a_fp8_linear` on the route :func:`floatxq.dispatch.w4a_fp8_route` gives:
 ``"triton"`` (:mod:`floatxq.kernels.w4a_fp8`) or ``"reference"`` (the pure function). An
@@ -20,6 +19,7 @@ from floatxq._typing import Tensor
 from floatxq.config import BACKEND
 from floatxq.dispatch import W4A_FP8_ROUTES, w4a_fp8_route  # re-exported: their old home
 from floatxq.gptq.decode_words import stage_decode_words
+from floatxq.gptq.fragment_words import stage_fragment_words
 from floatxq.gptq.planes import centered_int4, int4_to_e4m3
 from floatxq.nn.gptq_linear import GPTQLinear
 from floatxq.nn.w4a_base import W4ALinear, w4a_ineligibility
@@ -29,6 +29,7 @@ __all__ = ["W4A_FP8_ROUTES", "W4AFP8Linear", "w4a_fp8_ineligibility", "w4a_fp8_r
 
 _CACHE = "_weight_e4m3"
 _DWORDS = "_weight_dwords"
+_FRAG = "_weight_frag"
 _FP8_MODES = ("w4afp8",)
 
 
@@ -53,16 +54,13 @@ def w4a_fp8_ineligibility(module: GPTQLinear) -> str | None:
 
 
 def _operand(module: W4ALinear, rows: int, staged: Tensor, *, words: bool) -> tuple[Tensor, str]:
-    """``(weight, GEMM route)`` of an ``rows``-row kernel call: the int16 decode words (where
-    the module holds them) or the int32 words where they are fastest (and ``words`` allows
-    them), else the staged operand; then the GEMM."""
-    if words:
-        decode = module._buffers.get(_DWORDS)
-        form = dispatch.w4a_fp8_operand(rows, decode_words=decode is not None)
-        if form == "decode_words":
-            return decode, "triton"
-        if form == "words":
-            return module.qweight, "triton"
+    """``(weight, GEMM route)`` of an ``rows``-row kernel call: the fragment or int16 decode
+    words (where held) or the int32 words where fastest (and ``words`` allows them), else the
+    staged operand; then the GEMM."""
+    buffers = module._buffers
+    pick = dispatch.w4a_fp8_words(rows, buffers.get(_FRAG), buffers.get(_DWORDS), module.qweight)
+    if words and pick is not None:
+        return pick
     return staged, dispatch.w4a_fp8_gemm_route(rows, staged)[0]
 
 
@@ -76,8 +74,7 @@ def _fp8_gemm(
     words: bool = True,
 ) -> Tensor:
     """The W4A-FP8 GEMM of E4M3 token codes over ``module``'s staged weight: the kernels
-    (``route`` ``"triton"``: the int32 words for few rows when ``words``, else the staged
-    operand through the GEMM :func:`floatxq.dispatch.w4a_fp8_gemm_route` picks) or the pure
+    (``route`` ``"triton"``, the weight form :func:`_operand` picks) or the pure
     :func:`floatxq.w4a_fp8_linear_prepacked`."""
     staged = module._staged()
     if route == "triton":
@@ -127,17 +124,16 @@ class W4AFP8Linear(W4ALinear):
     backend = BACKEND.GPTQ_W4AFP8
     MIN_COMPUTE_CAPABILITY = (8, 9)
     """FP8 tensor cores (Ada SM 8.9 and newer) for the ``"triton"`` route on CUDA."""
-    _CACHES = (_CACHE, _DWORDS)
+    _CACHES = (_CACHE, _DWORDS, _FRAG)
     _ROUTE_FIELD = "w4a_fp8"
     _GEMM = "W4A-FP8"
 
     _weight_e4m3: Tensor | None
     _weight_dwords: Tensor | None
+    _weight_frag: Tensor | None
 
     def post_init(self) -> "W4AFP8Linear":
-        """Stage ``_weight_e4m3`` and ``_weight_dwords`` (the int16 decode words of
-        :mod:`floatxq.gptq.decode_words`, read by decode-sized calls) from the buffers (after
-        loading or :meth:`pack`); returns self.
+        """Stage the three caches from the buffers (after loading or :meth:`pack`); returns self.
 
         Raises:
           ValueError: :func:`floatxq.centered_int4`'s refusals (``g_idx`` not
@@ -149,6 +145,7 @@ class W4AFP8Linear(W4ALinear):
         # K-contiguous (strides (1, in)): the E4M3 GEMM tiles read 128-long runs of K
         self._buffers[_CACHE] = int4_to_e4m3(centered.T.contiguous()).T
         self._buffers[_DWORDS] = stage_decode_words(centered + 8)
+        self._buffers[_FRAG] = stage_fragment_words(self._buffers[_DWORDS])
         self.__dict__["_plans"] = {}
         return self
 
