@@ -1,4 +1,4 @@
-# ruff: noqa: B023, B905
+# ruff: noqa: B023, E501
 """Probe of the fragment-words kernels (issue 31, second part): Gluon ``mma.sync`` kernels whose
 weights are the MMA's register operand, decoded in place (``floatxq/kernels/_w4a_frag_jit.py``).
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import floatxq as fq
 from floatxq.gptq.decode_words import DecodeOperands, split_scales, stage_decode_words
-from floatxq.kernels._w4a_frag_jit import (  # noqa: F401  (the rows kernels below use them)
+from floatxq.kernels._w4a_frag_jit import (
     _centered,
     _decode,
     _ld,
