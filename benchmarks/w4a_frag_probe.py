@@ -2,7 +2,8 @@
 """Probe of the fragment-words kernels (issue 31, second part): Gluon ``mma.sync`` kernels whose
 weights are the MMA's register operand, decoded in place (``floatxq/kernels/_w4a_frag_jit.py``).
 
-Usage (GPU): ``python3 benchmarks/w4a_frag_probe.py [--rows 1,2,4,8,16,32] [--shapes 8192x8192]``.
+Usage (GPU): ``python3 benchmarks/w4a_frag_probe.py [--rows 1,2,4,8,16,32] [--shapes 8192x8192]``;
+``--quick``: the next measurements in one device call (see :func:`quick`).
 For each shape and row count: the anchors in the same run (bf16 ``F.linear``, FP8 ``_scaled_mm``,
 GemLite's A16Wn where importable, the library's decode-words kernels), then a sweep of the
 fragment kernels' launch shapes (``NU`` column tiles of 16, warps, programs per SM), each checked
@@ -64,7 +65,22 @@ SMS = None
 
 
 def w4a16_frag(
-    x, fw, zeros, hi, lo, bias, n, k, group, *, nu=16, warps=4, target=3, has_lo=True, stages=1
+    x,
+    fw,
+    zeros,
+    hi,
+    lo,
+    bias,
+    n,
+    k,
+    group,
+    *,
+    nu=16,
+    warps=4,
+    target=3,
+    has_lo=True,
+    stages=1,
+    prefetch_x=False,
 ):
     from floatxq.kernels._w4a_frag_jit import w4a16_frag_kernel
 
@@ -83,13 +99,13 @@ def w4a16_frag(
         zeros.shape[0], x.stride(0), out.stride(0), group, per_tile,
         has_lo, bias is not None,
         k % 128 == 0, n % (16 * nu) == 0, nu, mw, steps // split, split, stages, warps,
-        num_warps=warps,
+        prefetch_x, num_warps=warps,
     )  # fmt: skip
     return out
 
 
 def w4afp8_frag(codes, row_scale, fw, scales, bias, n, k, out_dtype, *, nu=16, warps=4,
-                target=3, stages=1):  # fmt: skip
+                target=3, stages=1, prefetch_x=False):  # fmt: skip
     from floatxq.kernels._w4a_frag_jit import w4a_fp8_frag_kernel
 
     global SMS
@@ -105,7 +121,7 @@ def w4afp8_frag(codes, row_scale, fw, scales, bias, n, k, out_dtype, *, nu=16, w
         codes.view(torch.uint8), row_scale, fw, scales, bias if bias is not None else scales, out,
         part, counts, m, n, k, codes.stride(0), scales.stride(0), scales.stride(1), out.stride(0),
         bias is not None, k % 128 == 0, n % (16 * nu) == 0, nu, mw, steps // split, split, stages,
-        warps, num_warps=warps,
+        warps, prefetch_x, num_warps=warps,
     )  # fmt: skip
     return out
 
@@ -792,7 +808,226 @@ def bench_rows() -> None:
         print(f"M=1 swapped has_lo={has_lo}: {us:.2f}", flush=True)
 
 
+def quick() -> None:
+    """One device call's worth (about four minutes): the exactness of the untimed variants (the
+    activations prefetched a tile ahead, ``PREFETCH_X``; the rows kernels for 9–32 rows) on a few
+    ragged shapes, then their times against the library's routes at 8192 × 8192."""
+    from w4a import _gptq, copies_for, graph_us
+
+    from floatxq.gptq.decode_words import gptq_decode_operands
+    from floatxq.kernels.w4a16 import DEFAULT_W4A16_TUNING, _words_linear
+    from floatxq.kernels.w4a_fp8 import fp8_linear_prepacked
+    from floatxq.kernels.w4a_frag import w4a16_frag_linear
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(2)
+    bad = 0
+    for n, k, group in ((8192, 8192, 128), (200, 320, 64), (24, 4096, 4096)):
+        codes = torch.randint(0, 16, (k, n), device=dev, generator=gen)
+        groups = -(-k // group)
+        zeros = torch.randint(0, 16, (groups, n), device=dev, generator=gen)
+        scales = (torch.rand(groups, n, device=dev, generator=gen) * 0.02 + 1e-3).half()
+        split = split_scales(scales, torch.bfloat16)
+        words = stage_decode_words(codes)
+        fw = stage_frag(words)
+        w = (
+            (
+                scales.float().repeat_interleave(group, 0)[:k]
+                * (codes - zeros.repeat_interleave(group, 0)[:k])
+            )
+            .bfloat16()
+            .float()
+        )
+        fs = (
+            torch.rand(groups if group == 128 else k // 128, n, device=dev, generator=gen).half()
+            + 0.5
+        )
+        for m in (1, 8, 16, 32):
+            x = torch.randn(m, k, device=dev, generator=gen).bfloat16()
+            bias = torch.randn(n, device=dev, generator=gen).bfloat16() if m % 16 else None
+            ref = x.float() @ w + (bias.float() if bias is not None else 0)
+            bound = 2 * k * 2**-24 * (x.float().abs() @ w.abs()) + ref.abs() * 2**-7 + 1e-6
+            if m <= 8:
+                got = w4a16_frag(
+                    x,
+                    fw,
+                    zeros.to(torch.uint8),
+                    split.hi,
+                    split.lo,
+                    bias,
+                    n,
+                    k,
+                    group,
+                    nu=8,
+                    warps=4,
+                    target=6,
+                    stages=2,
+                    prefetch_x=True,
+                ).float()
+            else:
+                got = w4a16_rows(
+                    x,
+                    fw,
+                    zeros.to(torch.uint8),
+                    split.hi,
+                    split.lo,
+                    bias,
+                    n,
+                    k,
+                    group,
+                    stages=2,
+                    bm=16 if m <= 16 else 32,
+                ).float()
+            if not bool(((got - ref).abs() <= bound).all()):
+                bad += 1
+                print(f"W4A16 MISMATCH n={n} k={k} g={group} m={m}")
+            if k % 128:
+                continue
+            codes8, rs = fq.fp8_pack(x)
+            lib = fp8_linear_prepacked(codes8, rs, words, fs, bias, torch.bfloat16).float()
+            if m <= 8:
+                got8 = w4afp8_frag(
+                    codes8,
+                    rs,
+                    fw,
+                    fs,
+                    bias,
+                    n,
+                    k,
+                    torch.bfloat16,
+                    nu=8,
+                    warps=4,
+                    target=6,
+                    stages=2,
+                    prefetch_x=True,
+                ).float()
+            else:
+                got8 = w4afp8_rows(
+                    codes8,
+                    rs,
+                    fw,
+                    fs,
+                    bias,
+                    n,
+                    k,
+                    torch.bfloat16,
+                    stages=2,
+                    bm=16 if m <= 16 else 32,
+                ).float()
+            if float((got8 - lib).abs().max() / lib.abs().max().clamp_min(1e-6)) > 2**-7:
+                bad += 1
+                print(f"W4A-FP8 MISMATCH n={n} k={k} m={m}")
+    print(f"quick check: {bad} mismatches", flush=True)
+    n = k = 8192
+    sets = []
+    for i in range(copies_for(n * k // 2)):
+        packed = _gptq(n, k, i)
+        ops, _ = gptq_decode_operands(packed, group_size=128, dtype=torch.bfloat16)
+        scales = packed.scales.half()
+        sp = split_scales(scales, torch.bfloat16)
+        ops = DecodeOperands(ops.words, ops.zeros, sp.hi, sp.lo)
+        fs = torch.rand(k // 128, n, device=dev, generator=gen).half() + 0.5
+        sets.append(dict(ops=ops, scales=scales, fw=stage_frag(ops.words), fs=fs))
+    for m in (1, 4, 8, 16, 32):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        codes8, rs = fq.fp8_pack(x)
+        res = {
+            "bf16": graph_us(
+                [
+                    lambda w=w: F.linear(x, w)
+                    for w in [
+                        torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+                        for _ in range(copies_for(n * k * 2))
+                    ]
+                ]
+            )
+        }
+        res["lib words"] = graph_us(
+            [
+                lambda s=s: _words_linear(
+                    x, s["ops"], s["scales"], None, k, n, 128, dev, DEFAULT_W4A16_TUNING
+                )
+                for s in sets
+            ]
+        )
+        res["lib dwords"] = graph_us(
+            [
+                lambda s=s: fp8_linear_prepacked(
+                    codes8, rs, s["ops"].words, s["fs"], None, torch.bfloat16
+                )
+                for s in sets
+            ]
+        )
+        if m <= 8:
+            res["lib frag"] = graph_us(
+                [
+                    lambda s=s: w4a16_frag_linear(x, s["fw"], s["ops"], None, k, n, 128, dev, True)
+                    for s in sets
+                ]
+            )
+            for px in (False, True):
+                cfg = dict(nu=8, warps=4, target=6, stages=2, prefetch_x=px)
+                res[f"frag px={px}"] = graph_us(
+                    [
+                        lambda s=s: w4a16_frag(
+                            x,
+                            s["fw"],
+                            s["ops"].zeros,
+                            s["ops"].hi,
+                            s["ops"].lo,
+                            None,
+                            n,
+                            k,
+                            128,
+                            **cfg,
+                        )
+                        for s in sets
+                    ]
+                )
+                res[f"frag8 px={px}"] = graph_us(
+                    [
+                        lambda s=s: w4afp8_frag(
+                            codes8, rs, s["fw"], s["fs"], None, n, k, torch.bfloat16, **cfg
+                        )
+                        for s in sets
+                    ]
+                )
+        else:
+            for nu, warps in ((8, 4), (16, 8)):
+                for bm in (16,) if m <= 16 else (16, 32):
+                    cfg = dict(nu=nu, warps=warps, bm=bm, stages=2, target=4)
+                    res[f"rows {nu}/{warps}/{bm}"] = graph_us(
+                        [
+                            lambda s=s: w4a16_rows(
+                                x,
+                                s["fw"],
+                                s["ops"].zeros,
+                                s["ops"].hi,
+                                s["ops"].lo,
+                                None,
+                                n,
+                                k,
+                                128,
+                                **cfg,
+                            )
+                            for s in sets
+                        ]
+                    )
+                    res[f"rows8 {nu}/{warps}/{bm}"] = graph_us(
+                        [
+                            lambda s=s: w4afp8_rows(
+                                codes8, rs, s["fw"], s["fs"], None, n, k, torch.bfloat16, **cfg
+                            )
+                            for s in sets
+                        ]
+                    )
+        print(f"QUICK M={m}: " + ", ".join(f"{a} {v:.2f}" for a, v in res.items()), flush=True)
+
+
 if __name__ == "__main__":
+    if "--quick" in sys.argv:
+        quick()
+        sys.exit()
     if "--rows-only" in sys.argv:
         check()
         bench_rows()

@@ -188,6 +188,38 @@ def _ld(ptrs, mask, EVEN: gl.constexpr):
 
 @gluon.jit
 @no_type_check
+def _x_tile(ptrs, t, ks, K, EVEN_K: gl.constexpr):
+    """The activations' B operands of the four 32-row slices of tile ``t``."""
+    kk = t * 128
+    if EVEN_K:
+        x0 = gl.load(ptrs + kk)
+        x1 = gl.load(ptrs + (kk + 32))
+        x2 = gl.load(ptrs + (kk + 64))
+        x3 = gl.load(ptrs + (kk + 96))
+    else:
+        x0 = gl.load(ptrs + kk, mask=(kk + ks < K)[:, None], other=0)
+        x1 = gl.load(ptrs + (kk + 32), mask=(kk + 32 + ks < K)[:, None], other=0)
+        x2 = gl.load(ptrs + (kk + 64), mask=(kk + 64 + ks < K)[:, None], other=0)
+        x3 = gl.load(ptrs + (kk + 96), mask=(kk + 96 + ks < K)[:, None], other=0)
+    return x0, x1, x2, x3
+
+
+@gluon.jit
+@no_type_check
+def _pick(x0, x1, x2, x3, J: gl.constexpr):
+    if J == 0:
+        v = x0
+    elif J == 1:
+        v = x1
+    elif J == 2:
+        v = x2
+    else:
+        v = x3
+    return v
+
+
+@gluon.jit
+@no_type_check
 def _tile_scales(z_ptr, hi_ptr, lo_ptr, t, J: gl.constexpr, cols, c_ok, N, GROUP: gl.constexpr,
                  GROUPS, EVEN_N: gl.constexpr):  # fmt: skip
     """The zero points and scale parts of slice ``J`` of tile ``t`` (past the last group: the
@@ -229,6 +261,7 @@ def w4a16_frag_kernel(
     SPLIT: gl.constexpr,
     STAGES: gl.constexpr,
     WARPS: gl.constexpr,
+    PREFETCH_X: gl.constexpr = False,
 ):
     """``out[:, n-block]`` of :func:`floatxq.w4a16_linear` from fragment words: per 128-row
     tile, four slices of 32 input rows, each ``acc(16·NU, MW) += W^T · x^T`` on the tensor
@@ -236,7 +269,8 @@ def w4a16_frag_kernel(
     group spans whole tiles (``PER_TILE``), else per slice; the bias (in ``x``'s dtype) added in
     FP32, one rounding. ``HAS_LO``: the scales' low parts are not all zero. ``EVEN_K`` / ``EVEN_N``:
     no bounds to mask. ``STAGES``: tiles loaded ahead (1 or 2). Rows of ``x`` past ``M`` read
-    row ``M - 1`` (their columns of the product are never stored)."""
+    row ``M - 1`` (their columns of the product are never stored). ``PREFETCH_X``: load the
+    next tile's activations with its words (a probe variant, not yet measured)."""
     DT: gl.constexpr = x_ptr.dtype.element_ty
     MAGIC: gl.constexpr = 128.0 if DT == gl.bfloat16 else 1024.0
     BN: gl.constexpr = 16 * NU
@@ -273,10 +307,14 @@ def w4a16_frag_kernel(
         words1 = _ld(w_ptrs + t1.to(gl.int64) * tile_words, u_ok, EVEN_N)
         zero1, hi1, lo1 = _tile_scales(z_ptr, hi_ptr, lo_ptr, t1, 0, cols, c_ok, N, GROUP, GROUPS,
                                        EVEN_N)  # fmt: skip
+    if PREFETCH_X:
+        x0, x1, x2, x3 = _x_tile(b_ptrs, t0, b_k, K, EVEN_K)
     for it in range(K_ITERS):
         t = t0 + it
         tn = gl.minimum(t + STAGES, t_last)  # (past the split: the last tile again, cached)
         nxt = _ld(w_ptrs + tn.to(gl.int64) * tile_words, u_ok, EVEN_N)
+        if PREFETCH_X:
+            y0, y1, y2, y3 = _x_tile(b_ptrs, gl.minimum(t + 1, t_last), b_k, K, EVEN_K)
         if PER_TILE:
             zn, hn, ln = _tile_scales(z_ptr, hi_ptr, lo_ptr, tn, 0, cols, c_ok, N, GROUP, GROUPS,
                                       EVEN_N)  # fmt: skip
@@ -291,7 +329,9 @@ def w4a16_frag_kernel(
                 ll = gl.broadcast(lo[:, :, :, None], words)[0]
             a = _operand(_decode(words, zz, hh, ll, j, DT, HAS_LO), LA, NU)
             kk = t * 128 + j * 32
-            if EVEN_K:
+            if PREFETCH_X:
+                b = _pick(x0, x1, x2, x3, j)
+            elif EVEN_K:
                 b = gl.load(b_ptrs + kk)
             else:
                 b = gl.load(b_ptrs + kk, mask=(kk + b_k < K)[:, None], other=0.0)
@@ -312,6 +352,11 @@ def w4a16_frag_kernel(
                 zero = zn
                 hi = hn
                 lo = ln
+        if PREFETCH_X:
+            x0 = y0
+            x1 = y1
+            x2 = y2
+            x3 = y3
     o_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     o_m = gl.arange(0, MW, layout=gl.SliceLayout(0, MMA))
     acc, last = _finish(acc, part_ptr, count_ptr, pid_n, pid_k, o_n, o_m, M, N, SPLIT)
@@ -350,12 +395,14 @@ def w4a_fp8_frag_kernel(
     SPLIT: gl.constexpr,
     STAGES: gl.constexpr,
     WARPS: gl.constexpr,
+    PREFETCH_X: gl.constexpr = False,
 ):
     """``out[:, n-block]`` of :func:`floatxq.w4a_fp8_linear_prepacked` from fragment words:
     each 128-row group is one tile, four products of ``code - 8`` (float16, exact) and 32 rows
     of E4M3 codes (converted to float16 exactly) into a fresh FP32 accumulator, then ``total +=
     partial · scales[g, n]`` in ascending groups (split over ``program_id(1)``, reduced in split
-    order), the token scale, the bias, one rounding."""
+    order), the token scale, the bias, one rounding. ``PREFETCH_X``: as in
+    :func:`w4a16_frag_kernel`."""
     BN: gl.constexpr = 16 * NU
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 2, 8], [1, 32, 1, 1], [WARPS, 1, 1, 1],
                                         [3, 2, 1, 0])  # fmt: skip
@@ -391,16 +438,22 @@ def w4a_fp8_frag_kernel(
         t1 = gl.minimum(t0 + 1, t_last)
         words1 = _ld(w_ptrs + t1.to(gl.int64) * tile_words, u_ok, EVEN_N)
         s1 = _ld(s_ptrs + t1 * stride_sg, n_ok, EVEN_N)
+    if PREFETCH_X:
+        x0, x1, x2, x3 = _x_tile(b_ptrs, t0, b_k, K, EVEN_K)
     for it in range(K_ITERS):
         t = t0 + it
         tn = gl.minimum(t + STAGES, t_last)
         nxt = _ld(w_ptrs + tn.to(gl.int64) * tile_words, u_ok, EVEN_N)
         sn = _ld(s_ptrs + tn * stride_sg, n_ok, EVEN_N)
+        if PREFETCH_X:
+            y0, y1, y2, y3 = _x_tile(b_ptrs, gl.minimum(t + 1, t_last), b_k, K, EVEN_K)
         partial = gl.zeros([BN, MW], gl.float32, layout=MMA)
         for j in gl.static_range(4):
             a = _operand(_centered(words, j), LA, NU)
             kk = t * 128 + j * 32
-            if EVEN_K:
+            if PREFETCH_X:
+                codes = _pick(x0, x1, x2, x3, j)
+            elif EVEN_K:
                 codes = gl.load(b_ptrs + kk)
             else:
                 codes = gl.load(b_ptrs + kk, mask=(kk + b_k < K)[:, None], other=0)
@@ -415,6 +468,11 @@ def w4a_fp8_frag_kernel(
         else:
             words = nxt
             s = sn
+        if PREFETCH_X:
+            x0 = y0
+            x1 = y1
+            x2 = y2
+            x3 = y3
     total, last = _finish(total, part_ptr, count_ptr, pid_n, pid_k, o_n, o_m, M, N, SPLIT)
     if last:
         rs = gl.load(rs_ptr + o_m, mask=o_m < M, other=0.0)

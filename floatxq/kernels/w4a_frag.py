@@ -163,7 +163,8 @@ def _plan(
     split = max(fits, default=1)
     width = 8 if m <= 8 else (16 if m <= 16 else _MAX_ROWS)
     tail = (*head, k % DECODE_TILE_ROWS == 0, n % (FRAGMENT_COLUMNS * tuning.blocks) == 0,
-            tuning.blocks, width, steps // split, split, tuning.stages, tuning.warps)  # fmt: skip
+            tuning.blocks, width, steps // split, split, tuning.stages, tuning.warps,
+            False)  # fmt: skip  (PREFETCH_X: measured on the GPU before it is turned on)
     return (tiles, split, 1), tail, {"num_warps": tuning.warps}
 
 
