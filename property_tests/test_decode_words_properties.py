@@ -7,7 +7,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from floatxq.gptq.decode_words import split_scales, stage_decode_words, unstage_decode_words
+from floatxq.gptq.decode_words import (
+    gptq_decode_operands,
+    split_scales,
+    stage_decode_words,
+    unstage_decode_words,
+)
+from floatxq.gptq.int4 import pack_gptq
 
 SHAPES = st.tuples(st.integers(0, 300), st.integers(0, 9))
 HALF = st.sampled_from([torch.float16, torch.bfloat16])
@@ -64,3 +70,23 @@ def test_same_dtype_scales_always_split_with_zero_remainder(seed, dtype):
     split = split_scales(scales, dtype)
     assert split is not None and torch.equal(split.hi, scales)
     assert not bool(split.lo.any())
+
+
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(0, 2**31 - 1))
+def test_operands_reuse_given_words_and_stage_the_same_ones(tiles, blocks, seed):
+    """Words staged for one dtype serve the other as they are (``words=``), and equal what
+    staging would make; the zero points and scale parts are those of the dtype asked for."""
+    g = torch.Generator().manual_seed(seed)
+    k, n = 128 * tiles, 8 * blocks  # (the GPTQ words hold 8 codes)
+    codes = torch.randint(0, 16, (k, n), generator=g)
+    zeros = torch.randint(1, 16, (tiles, n), generator=g)
+    scales = torch.rand(tiles, n, generator=g) * 0.02 + 0.001
+    packed = pack_gptq(codes, zeros, scales, (torch.arange(k) // 128).to(torch.int32))
+    packed = packed._replace(scales=packed.scales.half())
+    first, _ = gptq_decode_operands(packed, group_size=128, dtype=torch.float16)
+    again, _ = gptq_decode_operands(packed, group_size=128, dtype=torch.bfloat16, words=first.words)
+    assert again.words is first.words
+    assert torch.equal(first.words, stage_decode_words(codes))
+    split = split_scales(packed.scales, torch.bfloat16)
+    assert torch.equal(again.hi, split.hi) and torch.equal(again.lo, split.lo)
+    assert torch.equal(again.zeros, first.zeros)

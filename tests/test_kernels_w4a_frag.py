@@ -20,7 +20,7 @@ import torch
 import floatxq as fq
 from floatxq.gptq.decode_words import stage_decode_words
 from floatxq.gptq.fragment_words import stage_fragment_words
-from floatxq.gptq.int4 import dequantize_gptq, pack_gptq, unpack_gptq
+from floatxq.gptq.int4 import dequantize_gptq, unpack_gptq
 from floatxq.kernels.w4a16 import w4a16_linear_kernel
 from floatxq.kernels.w4a_fp8 import fp8_linear_prepacked, fp8_pack
 from floatxq.kernels.w4a_frag import FragTuning, fragment_unavailable_reason
@@ -31,6 +31,7 @@ from floatxq.testing import (
     w4a16_linear_error_bound,
     w4a_fp8_linear_error_bound,
 )
+from tests.test_kernels_w4a_words import _case  # (the same GPTQ cases)
 
 # (k, n, group_size, format, scales dtype): one group per tile, several per tile, groups
 # spanning tiles, one group over a ragged k, ragged k and n (n not a multiple of 16)
@@ -41,19 +42,6 @@ CASES = [
     (512, 200, 256, "gptq_v2", torch.float16),
     (200, 24, -1, "gptq", torch.bfloat16),
 ]
-
-
-def _case(seed, k, n, group_size, fmt, scales_dtype, device):
-    g = torch.Generator().manual_seed(seed)
-    size = k if group_size == -1 else group_size
-    groups = -(-k // size)
-    codes = torch.randint(0, 16, (k, n), generator=g)
-    zeros = torch.randint(1 if fmt == "gptq" else 0, 16, (groups, n), generator=g)
-    scales = torch.rand(groups, n, generator=g) * 0.02 + 0.001
-    g_idx = (torch.arange(k) // size).to(torch.int32)
-    packed = pack_gptq(codes, zeros, scales, g_idx, format=fmt)
-    packed = packed._replace(scales=packed.scales.to(scales_dtype))
-    return type(packed)(*(t.to(device) for t in packed)), size
 
 
 def _check_w4a16(seed, case, rows, dtype):

@@ -129,6 +129,8 @@ def split_scales(scales: Float[Tensor, "groups out"], dtype: torch.dtype) -> Sca
     Args:
       scales: floating ``(groups, out)`` GPTQ scales (finite).
       dtype: float16 or bfloat16, the activations' dtype.
+      words: this weight's decode words already staged (for the other dtype), used as they
+        are; None stages them.
 
     Returns:
       A :class:`ScaleSplit`, or None.
@@ -188,6 +190,7 @@ def gptq_decode_operands(
     format: str = "gptq",
     group_size: int,
     dtype: torch.dtype,
+    words: Int16[Tensor, "words out"] | None = None,
 ) -> tuple[DecodeOperands | None, str | None]:
     """``(operands, None)`` for the W4A16 decode kernel, or ``(None, why)`` where it cannot read
     this weight exactly.
@@ -198,6 +201,8 @@ def gptq_decode_operands(
       format: the zero-point convention, ``"gptq"`` or ``"gptq_v2"``.
       group_size: the contiguous group size (``in`` for one group).
       dtype: float16 or bfloat16, the activations' dtype.
+      words: this weight's decode words already staged (for the other dtype), used as they
+        are; None stages them.
 
     Returns:
       The operands, or the reason: a group size that is neither a multiple of 32 nor the whole
@@ -219,5 +224,6 @@ def gptq_decode_operands(
     split = split_scales(u.scales, dtype)
     if split is None:
         return None, (f"the {u.scales.dtype} scales do not split exactly into two {dtype} parts")
-    operands = DecodeOperands(stage_decode_words(u.codes), u.zeros.contiguous(), split.hi, split.lo)
+    words = stage_decode_words(u.codes) if words is None else words
+    operands = DecodeOperands(words, u.zeros.contiguous(), split.hi, split.lo)
     return operands, None

@@ -162,9 +162,10 @@ def _plan(
     fits = [d for d in range(1, steps + 1) if steps % d == 0 and tiles * d <= programs]
     split = max(fits, default=1)
     width = 8 if m <= 8 else (16 if m <= 16 else _MAX_ROWS)
+    # the last constexpr, PREFETCH_X, stays off until the GPU has measured it
     tail = (*head, k % DECODE_TILE_ROWS == 0, n % (FRAGMENT_COLUMNS * tuning.blocks) == 0,
             tuning.blocks, width, steps // split, split, tuning.stages, tuning.warps,
-            False)  # fmt: skip  (PREFETCH_X: measured on the GPU before it is turned on)
+            False)  # fmt: skip
     return (tiles, split, 1), tail, {"num_warps": tuning.warps}
 
 

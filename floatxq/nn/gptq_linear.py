@@ -318,12 +318,11 @@ class GPTQLinear(ByteBuffers, nn.Module):
         if group is None:
             held = (None, "g_idx is not arange(in) // group_size (desc_act)")
         else:
-            held = gptq_decode_operands(
-                self.packed(), format=self.format, group_size=group, dtype=dtype
-            )
             other = cache.get(_HALF[1] if dtype == _HALF[0] else _HALF[0], (None,))[0]
-            if held[0] is not None and other is not None:
-                held = (held[0]._replace(words=other.words), None)
+            held = gptq_decode_operands(
+                self.packed(), format=self.format, group_size=group, dtype=dtype,
+                words=None if other is None else other.words,
+            )  # fmt: skip
         cache[dtype] = held
         return held
 
