@@ -1,12 +1,14 @@
 # ruff: noqa: B023  (each lambda is timed within its own loop iteration)
 """Host cost of the quantized modules in eager mode (no CUDA graphs), on an H200.
 
-Usage (GPU): ``python3 benchmarks/eager_host.py [calls] [model] [--layers 8]``
+Usage (GPU): ``python3 benchmarks/eager_host.py [calls] [profile] [model] [--layers 8]``
 (no section: both).
 
 - ``calls``: host microseconds per ``forward`` of each quantized module against ``nn.Linear``
   of the same 512 × 512 shape at 1 row (the GPU work is a few microseconds, so a stream of
   2,000 calls is bound by the host): wall time of the calls, one synchronisation at the end.
+- ``profile``: where each module's host time goes (cProfile of 2,000 one-row calls, the
+  functions of most own time).
 - ``model``: one-token steps of a random Llama-3-8B-shaped model of ``--layers`` decoder layers
   (lm_head bf16), eager and under CUDA graphs, for bf16, ``TorchFP8Linear`` (row), ``GPTQLinear``
   (W4A16) and ``W4AFP8Linear``; milliseconds per step and the eager ratio to bf16.
@@ -23,7 +25,7 @@ from torch import nn
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from w4a import _converted, _option, _w4a16, _w4a_fp8, eager_us, graph_us
+from w4a import _converted, _option, _w4a16, _w4a_fp8, _w4a_nvfp4, eager_us, graph_us
 
 import floatxq as fq
 
@@ -53,6 +55,7 @@ def calls_bench() -> None:
         "TorchFP4Linear": fq.TorchFP4Linear.from_linear(fp32).cuda(),
         "GPTQLinear": _w4a16(fp32).cuda().post_init(),
         "W4AFP8Linear": _w4a_fp8(fp32).cuda().post_init(),
+        "W4ANVFP4Linear": _w4a_nvfp4(fp32).cuda().post_init(),
     }
     x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
     print("| module | host us / call | over nn.Linear | route |")
@@ -64,6 +67,31 @@ def calls_bench() -> None:
             base = base if base is not None else us
             route = getattr(module, "last_route", "")
             print(f"| {name} | {us:.1f} | {us - base:+.1f} | {route} |", flush=True)
+
+
+def profile_bench() -> None:
+    import cProfile
+    import pstats
+
+    torch.manual_seed(0)
+    linear = nn.Linear(512, 512, bias=False).cuda().to(torch.bfloat16)
+    fp32 = copy.deepcopy(linear).float()
+    modules = {
+        "TorchFP8Linear (row)": fq.TorchFP8Linear.from_linear(linear),
+        "TorchFP4Linear": fq.TorchFP4Linear.from_linear(fp32).cuda(),
+        "GPTQLinear": _w4a16(fp32).cuda().post_init(),
+        "W4AFP8Linear": _w4a_fp8(fp32).cuda().post_init(),
+    }
+    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for name, module in modules.items():
+            host_us(lambda: module(x), calls=200)
+            profile = cProfile.Profile()
+            profile.enable()
+            host_us(lambda: module(x), calls=2000)
+            profile.disable()
+            print(f"## {name}: {module.last_route}", flush=True)
+            pstats.Stats(profile).sort_stats("tottime").print_stats(14)
 
 
 def model_bench() -> None:
@@ -107,11 +135,14 @@ def main() -> None:
     if "--help" in sys.argv or "-h" in sys.argv:
         print(__doc__)
         return
-    wanted = {a for a in sys.argv[1:] if a in ("calls", "model")} or {"calls", "model"}
+    sections = ("calls", "profile", "model")
+    wanted = {a for a in sys.argv[1:] if a in sections} or {"calls", "model"}
     props = torch.cuda.get_device_properties(0)
     print(f"# {props.name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC')}")
     if "calls" in wanted:
         calls_bench()
+    if "profile" in wanted:
+        profile_bench()
     if "model" in wanted:
         model_bench()
 

@@ -372,6 +372,22 @@ def fp8_state_problems(
     return problems
 
 
+def check_linear_input(x: Any, in_features: int, device: torch.device, *, where: str) -> None:
+    """A linear module's input: a floating tensor ``(*, in_features)`` on ``device`` (where the
+    module's buffers are): ``TypeError`` for another kind, dtype or device, ``ValueError`` for
+    another last axis."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{where}: x must be a floating tensor, got {got}")
+    if x.ndim == 0 or x.shape[-1] != in_features:
+        raise ValueError(f"{where}: x must have shape (*, {in_features}), got {tuple(x.shape)}")
+    if x.device != device:
+        raise TypeError(
+            f"{where}: x is on {x.device} but the module's buffers are on {device}; move one "
+            f"of them with .to()"
+        )
+
+
 def check_size(value: Any, *, name: str, where: str) -> int:
     """A size argument: a non-negative int (``TypeError`` / ``ValueError`` otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int):

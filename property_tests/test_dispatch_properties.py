@@ -149,3 +149,20 @@ def test_w4a_fp8_words_returns_the_held_form_it_names(rows, frag_held, dwords_he
     else:
         assert pick[1] == "triton"
         assert pick[0] is {"decode_words": dwords, "words": words}[form]
+
+
+@given(st.integers(0, 1 << 12), st.booleans(), st.booleans())
+def test_w4a_fp8_weight_is_the_words_pick_else_the_staged_operand(rows, dwords_held, allowed):
+    """A W4A-FP8 kernel call reads :func:`floatxq.dispatch.w4a_fp8_words`' pick where packed
+    forms may be read and one is picked, else the staged E4M3 operand under
+    :func:`floatxq.dispatch.w4a_fp8_gemm_route`'s GEMM."""
+    staged = torch.zeros(256, 16, dtype=torch.float8_e4m3fn).T.contiguous().T
+    dwords = torch.zeros(64, 16, dtype=torch.int16) if dwords_held else None
+    words = torch.zeros(32, 16, dtype=torch.int32)
+    packed = (None, dwords, words) if allowed else ()
+    weight, route = dispatch.w4a_fp8_weight(rows, staged, *packed)
+    pick = dispatch.w4a_fp8_words(rows, None, dwords, words) if allowed else None
+    if pick is not None:
+        assert weight is pick[0] and route == pick[1]
+    else:
+        assert weight is staged and route == dispatch.w4a_fp8_gemm_route(rows, staged)[0]

@@ -39,6 +39,7 @@ __all__ = [
     "w4a_fp8_gemm_route",
     "w4a_fp8_operand",
     "w4a_fp8_route",
+    "w4a_fp8_weight",
     "w4a_fp8_words",
     "w4a_nvfp4_native_unavailable_reason",
     "w4a_nvfp4_route",
@@ -206,6 +207,26 @@ def w4a_fp8_gemm_route(
         return "triton", f"{rows} rows < {tuning.cublas_min_rows}: the Triton GEMM is faster"
     reason = blockwise_unavailable_reason(rows, weight)
     return ("triton", reason) if reason is not None else ("scaled_mm_blockwise", None)
+
+
+def w4a_fp8_weight(
+    rows: int,
+    staged: Shaped[Tensor, "k n"],
+    fragment: Shaped[Tensor, "rows n"] | None = None,
+    decode_words: Shaped[Tensor, "rows n"] | None = None,
+    words: Shaped[Tensor, "packed n"] | None = None,
+) -> tuple[Tensor, str]:
+    """``(weight, GEMM route)`` of an ``rows``-row W4A-FP8 kernel call: :func:`w4a_fp8_words`'
+    pick among the packed forms held (``words`` None: none may be read), else the ``staged``
+    E4M3 operand and :func:`w4a_fp8_gemm_route`'s GEMM.
+
+    Example:
+      >>> e4m3, w = torch.zeros(128, 32), torch.zeros(16, 32, dtype=torch.int32)
+      >>> w4a_fp8_weight(1, e4m3, words=w)[0] is w, w4a_fp8_weight(1, e4m3)[0] is e4m3
+      (True, True)
+    """
+    pick = None if words is None else w4a_fp8_words(rows, fragment, decode_words, words)
+    return pick if pick is not None else (staged, w4a_fp8_gemm_route(rows, staged)[0])
 
 
 def nvfp4_operand(

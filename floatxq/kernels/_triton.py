@@ -8,19 +8,25 @@ launched; dispatchers ask :func:`triton_unavailable_reason` which fast path a te
 import contextlib
 import functools
 import importlib
+import math
 import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
 
 __all__ = [
+    "BoundLaunch",
     "CachedLauncher",
+    "call_key",
     "capability_shortfall",
     "cuda_capability",
+    "dependent_launches",
     "import_kernel_sources",
     "import_triton",
     "launch_device",
+    "on_rows",
     "require_kernel_device",
     "triton_available",
     "triton_interpret_enabled",
@@ -142,6 +148,24 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def dependent_launches(device: torch.device) -> bool:
+    """Whether a kernel on ``device`` may be launched programmatically dependent on the one
+    before it (CUDA SM 9.0+, not interpreted): it starts as that one signals, and waits for it
+    to end (``griddepcontrol.wait``) before reading what it wrote.
+
+    Numerics: none; an environment check.
+    """
+    if device.type != "cuda" or triton_interpret_enabled():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _hopper_or_newer(index)
+
+
+@functools.cache
+def _hopper_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
 def capability_shortfall(
     device: torch.device, minimum: tuple[int, int], *, need: str
 ) -> str | None:
@@ -247,6 +271,16 @@ class CachedLauncher:
             pass
         return compiled
 
+    def bind(self, key: Any, grid: tuple[int, int, int], device_index: int) -> "BoundLaunch | None":
+        """The kept launch of ``key`` on ``grid`` and CUDA device ``device_index``, to be called
+        with its arguments alone (:class:`BoundLaunch`); None before its first launch, when
+        none is kept (the interpreter) and during CUDA graph capture (what a call allocates
+        there belongs to the graph: it is bound on a later call outside)."""
+        entry = self._compiled.get(key)
+        if entry is None or torch.cuda.is_current_stream_capturing():
+            return None
+        return BoundLaunch(entry, grid, device_index, self._knobs)
+
     def __len__(self) -> int:
         """How many compiled launches are kept."""
         return len(self._compiled)
@@ -254,6 +288,33 @@ class CachedLauncher:
     def compiled(self) -> list[Any]:
         """The compiled kernels of the kept launches, oldest first (``.asm`` holds their PTX)."""
         return [entry[0] for entry in self._compiled.values()]
+
+
+class BoundLaunch:
+    """One kept compiled launch with its grid and device fixed (:meth:`CachedLauncher.bind`):
+    a call passes the arguments, in :class:`CachedLauncher`'s order, straight to the driver's
+    launcher on the device's current stream. A module that holds one per input shape pays for
+    its key, its checks and its plan once, not per call. The device is made current for the
+    launch when it is not; launch hooks, while registered, take Triton's own path."""
+
+    __slots__ = ("_entry", "_grid", "_index", "_knobs")
+
+    def __init__(
+        self, entry: tuple[Any, Any, Any, Any], grid: tuple[int, int, int], index: int, knobs: Any
+    ) -> None:
+        self._entry, self._grid, self._index, self._knobs = entry, grid, index, knobs
+
+    def __call__(self, *args: Any) -> None:
+        compiled, run, function, metadata = self._entry
+        knobs, index = self._knobs, self._index
+        if torch._C._cuda_getDevice() != index:
+            with torch.cuda.device(index):
+                self(*args)
+        elif _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook):
+            compiled[self._grid](*args)
+        else:
+            stream = torch._C._cuda_getCurrentRawStream(index)
+            run(*self._grid, stream, function, metadata, None, None, None, *args)
 
 
 def _hooked(hook: Any) -> bool:
@@ -274,3 +335,29 @@ def launch_device(device: torch.device) -> tuple[contextlib.AbstractContextManag
     if device.index is None or device.index == index:
         return contextlib.nullcontext(), index
     return torch.cuda.device(device), device.index
+
+
+def call_key(x: torch.Tensor) -> tuple[Any, ...]:
+    """What a launch bound for ``x`` is specialized on: shape, dtype, device, strides and
+    16-byte alignment (a module keeps its bound calls under this key).
+
+    Numerics: none.
+    """
+    return (x.shape, x.dtype, x.device, x.stride(), x.data_ptr() % 16 == 0)
+
+
+def on_rows(
+    call: Callable[[torch.Tensor], torch.Tensor] | None, x: torch.Tensor, n: int
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``call`` (over ``(rows, in)``, bound for ``x`` flattened) for tensors like ``x``
+    ``(*, in)``, returning ``(*, n)``; None where ``call`` is or where ``x`` flattens only by a
+    copy (a non-contiguous ``x`` of more than two axes).
+
+    Numerics: none.
+    """
+    if call is None or x.ndim == 2:
+        return call
+    if not x.is_contiguous():
+        return None
+    rows, shape = (math.prod(x.shape[:-1]), x.shape[-1]), (*x.shape[:-1], n)
+    return lambda t: call(t.view(rows)).view(shape)

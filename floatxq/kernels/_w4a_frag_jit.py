@@ -370,6 +370,15 @@ def w4a16_frag_kernel(
 
 @gluon.jit
 @no_type_check
+def _grid_dependency_wait():
+    """``griddepcontrol.wait``: block until the grids this launch depends on have finished and
+    their writes are visible (a no-op when it was launched without that dependency)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+@no_type_check
 def w4a_fp8_frag_kernel(
     a_ptr,
     rs_ptr,
@@ -396,13 +405,15 @@ def w4a_fp8_frag_kernel(
     STAGES: gl.constexpr,
     WARPS: gl.constexpr,
     PREFETCH_X: gl.constexpr = False,
+    WAIT: gl.constexpr = False,
 ):
     """``out[:, n-block]`` of :func:`floatxq.w4a_fp8_linear_prepacked` from fragment words:
     each 128-row group is one tile, four products of ``code - 8`` (float16, exact) and 32 rows
     of E4M3 codes (converted to float16 exactly) into a fresh FP32 accumulator, then ``total +=
     partial · scales[g, n]`` in ascending groups (split over ``program_id(1)``, reduced in split
     order), the token scale, the bias, one rounding. ``PREFETCH_X``: as in
-    :func:`w4a16_frag_kernel`."""
+    :func:`w4a16_frag_kernel`. ``WAIT`` (SM 9.0+): launched dependent on the token packing, it
+    loads its first weight tiles, then waits for that launch to end before reading tokens."""
     BN: gl.constexpr = 16 * NU
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 2, 8], [1, 32, 1, 1], [WARPS, 1, 1, 1],
                                         [3, 2, 1, 0])  # fmt: skip
@@ -438,6 +449,8 @@ def w4a_fp8_frag_kernel(
         t1 = gl.minimum(t0 + 1, t_last)
         words1 = _ld(w_ptrs + t1.to(gl.int64) * tile_words, u_ok, EVEN_N)
         s1 = _ld(s_ptrs + t1 * stride_sg, n_ok, EVEN_N)
+    if WAIT:  # the weights' first tiles above load while the token packing ends
+        _grid_dependency_wait()
     if PREFETCH_X:
         x0, x1, x2, x3 = _x_tile(b_ptrs, t0, b_k, K, EVEN_K)
     for it in range(K_ITERS):

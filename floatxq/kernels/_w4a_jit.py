@@ -12,6 +12,7 @@ from typing import no_type_check
 import triton
 import triton.language as tl
 from triton import knobs
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from floatxq.kernels._fp8_weight_jit import fp8_encode
 
@@ -43,6 +44,7 @@ def fp8_pack_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     CHUNKS: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
     """Rows ``[pid·BLOCK_R, +BLOCK_R)`` of :func:`floatxq.fp8_token_quantize`: E4M3 codes (int8
     bits at ``q_ptr``, contiguous ``(M, K)``) and FP32 direct scales at ``s_ptr``.
@@ -50,8 +52,12 @@ def fp8_pack_kernel(
     ``scale = amax / 448`` (IEEE division; the smallest positive FP32 where it underflows, 1 for
     an all-zero row), ``code = e4m3(clamp(x / scale, ±448))`` with IEEE division and one
     nearest-even saturating conversion. A row is read in ``CHUNKS`` chunks of ``BLOCK_K``: once
-    for the amax and once more to quantize (from cache when it is long).
+    for the amax and once more to quantize (from cache when it is long). ``LAUNCH_DEPENDENTS``
+    (GPU only): a GEMM launched dependent on this one may start at once (its first weight
+    loads overlap this launch; it reads the tokens only after waiting for it to finish).
     """
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < M

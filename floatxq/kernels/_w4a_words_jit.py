@@ -15,6 +15,7 @@ from typing import no_type_check
 import triton
 import triton.language as tl
 from triton import knobs
+from triton.language.extra.cuda import gdc_wait
 
 from floatxq.kernels._w4a_jit import split_k_reduce
 
@@ -237,12 +238,16 @@ def w4a_fp8_words_kernel(
     BLOCK_N: tl.constexpr,
     K_ITERS: tl.constexpr,
     SPLIT: tl.constexpr,
+    WAIT: tl.constexpr = False,
 ):
     """``out[m-tile, n-tile]`` of :func:`floatxq.w4a_fp8_linear_prepacked` from decode words:
     each 128-row group is one tile, four products of 32 rows of E4M3 codes (converted to float16
     exactly) and ``code - 8`` (float16, exact) with a fresh FP32 accumulator, then ``total +=
     partial · scales[g, n]`` in ascending groups (split over ``program_id(1)``, reduced in
-    split order), the token scale, the bias, one rounding."""
+    split order), the token scale, the bias, one rounding. ``WAIT`` (GPU only): launched
+    dependent on the token packing, it reads nothing before that launch has finished."""
+    if WAIT:
+        gdc_wait()
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)

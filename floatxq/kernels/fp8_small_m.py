@@ -334,6 +334,32 @@ def _workspace(
     return held
 
 
+def bound_gemm(
+    launch: Any, m: int, n: int, out_dtype: torch.dtype, device: torch.device,
+    fixed: tuple[Any, ...], tail: tuple[Any, ...], grid: tuple[int, int, int],
+) -> Any:  # fmt: skip
+    """A split-K GEMM launch bound for repeated calls (``launch`` a
+    :class:`~floatxq.kernels._triton.BoundLaunch`): called with the per-call tensors, it
+    allocates the ``(m, n)`` output, takes the stream's workspace (``grid[1]`` splits of
+    ``grid[0]`` tiles; looked up once per stream) and launches ``(*inputs, *fixed, out, part,
+    counts, *tail)``, the argument order of every split-K kernel here."""
+    index, split, spaces = device.index, grid[1], {}
+
+    def gemm(*inputs: Tensor) -> Tensor:
+        out = torch.empty((m, n), dtype=out_dtype, device=device)
+        part = counts = out
+        if split > 1:
+            stream = torch._C._cuda_getCurrentRawStream(index)
+            held = spaces.get(stream)
+            if held is None:
+                held = spaces[stream] = _workspace(device, index, split * m * n, grid[0])
+            part, counts = held[0], held[1]
+        launch(*inputs, *fixed, out, part, counts, *tail)
+        return out
+
+    return gemm
+
+
 def _plan(
     x: Tensor,
     weight: Tensor,
@@ -415,6 +441,62 @@ _PLANS: dict[Any, tuple[tuple[int, int, int], int, bool, tuple[Any, ...], dict[s
 never replaced)."""
 
 
+def _launch_spec(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, recipe: str,
+    tuning: FP8SmallMTuning, interpret: bool, trace: tuple[Tensor, Tensor] | None,
+) -> tuple[Any, Any]:  # fmt: skip
+    """``(key, plan)`` of a :func:`_launch` (the launcher's key adds the pointers' alignment;
+    the plan is :func:`_plan`'s)."""
+    key = (
+        x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype,
+        weight_scale.stride(), None if bias is None else bias.dtype, recipe, x.device, interpret,
+        # (hashing a record field by field costs microseconds: the default is keyed by None)
+        None if tuning is DEFAULT_SMALL_M_TUNING else tuning, trace is not None,
+    )  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(
+            x, weight, weight_scale, bias is not None, recipe, tuning, interpret, trace is not None
+        )
+    return key, plan
+
+
+def bound_launch(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, recipe: str
+) -> Any:
+    """:func:`_launch` (default tuning, no trace) bound for every ``x`` like this one (shape,
+    dtype, strides, device, alignment) once it has launched: ``x -> out``; None where it has
+    not, where nothing is kept, or for no rows, columns or K."""
+    (m, k), n, device = x.shape, weight.shape[0], x.device
+    if device.type != "cuda" or triton_interpret_enabled() or not (m and n and k):
+        return None
+    key, (grid, split, together, tail, _) = _launch_spec(
+        x, weight, weight_scale, bias, recipe, DEFAULT_SMALL_M_TUNING, False, None
+    )
+    fixed = (weight, weight_scale, bias if bias is not None else weight_scale)
+    aligned = tuple(a.data_ptr() % 16 == 0 for a in (x, *fixed)) + (True,) * 4  # (allocations)
+    launch = _launcher(False).bind((key, aligned), grid, device.index)
+    if launch is None:
+        return None
+    index, spaces, out_dtype = device.index, {}, x.dtype
+
+    def run(x: Tensor) -> Tensor:
+        out = torch.empty((m, n), dtype=out_dtype, device=device)
+        part = counts = sync = out
+        if split > 1 or together:
+            stream = torch._C._cuda_getCurrentRawStream(index)
+            held = spaces.get(stream)
+            if held is None:
+                held = spaces[stream] = _workspace(
+                    device, index, split * m * n if split > 1 else 1, grid[0] * grid[1]
+                )
+            part, counts, sync = held
+        launch(x, *fixed, out, part, counts, sync, None, None, *tail)
+        return out
+
+    return run
+
+
 def _launch(
     x: Tensor,
     weight: Tensor,
@@ -442,17 +524,7 @@ def _launch(
     interpret = triton_interpret_enabled()
     if interpret:
         x = x.float()  # (the interpreter's own widening flushes subnormals)
-    key = (
-        x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype,
-        weight_scale.stride(), None if bias is None else bias.dtype, recipe, device, interpret,
-        # (hashing a record field by field costs microseconds: the default is keyed by None)
-        None if tuning is DEFAULT_SMALL_M_TUNING else tuning, trace is not None,
-    )  # fmt: skip
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _plan(
-            x, weight, weight_scale, bias is not None, recipe, tuning, interpret, trace is not None
-        )
+    key, plan = _launch_spec(x, weight, weight_scale, bias, recipe, tuning, interpret, trace)
     grid, split, together, tail, options = plan
     guard, index = launch_device(device)
     with guard:

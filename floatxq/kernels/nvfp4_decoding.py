@@ -20,9 +20,11 @@ functions check it). Launch shapes come from a frozen :class:`NVFP4DecodeTuning`
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from floatxq._checks import real_scalar, require_data, require_tensor
 from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor
@@ -136,30 +138,73 @@ def _aligned(*tensors: Tensor) -> tuple[bool, ...]:
     return tuple(t.data_ptr() % 16 == 0 for t in tensors)
 
 
+def _decode_spec(
+    codes: Tensor, scales: Tensor, gs: Tensor | None, rows: int, k: int, out_dtype: torch.dtype,
+    swizzled: bool, device: torch.device, tuning: NVFP4DecodeTuning, interpret: bool,
+) -> tuple[Any, tuple[int, int, int], tuple[Any, ...], dict[str, Any]]:  # fmt: skip
+    """``(key, grid, arguments after the output, options)`` of a decode launch."""
+    limit = min(float(torch.finfo(out_dtype).max), FLOAT32_MAX)
+    block_r, block_k = tuning.decode_block_rows, tuning.decode_block_k
+    grid = (-(-rows // block_r), -(-k // block_k), 1)
+    tail = (
+        rows, k, *codes.stride(), *scales.stride(), k, limit, swizzled, gs is not None, block_r,
+        block_k,
+    )  # fmt: skip
+    key = (
+        rows, k, codes.stride(), scales.stride(), out_dtype, swizzled, gs is not None,
+        _aligned(codes, scales, *(() if gs is None else (gs,))), device, interpret,
+        _tuning_key(tuning),
+    )  # fmt: skip
+    return key, grid, tail, {"num_warps": tuning.decode_warps, "enable_fp_fusion": False}
+
+
 def _launch_decode(
     codes: Tensor, scales: Tensor, gs: Tensor | None, gs_value: float, rows: int, k: int,
     out_dtype: torch.dtype, swizzled: bool, device: torch.device, tuning: NVFP4DecodeTuning,
 ) -> Tensor:  # fmt: skip
     """The decode launch over ``(rows, k)`` (``rows, k > 0``), arguments already checked."""
     out = torch.empty((rows, k), dtype=out_dtype, device=device)
-    limit = min(float(torch.finfo(out_dtype).max), FLOAT32_MAX)
-    block_r, block_k = tuning.decode_block_rows, tuning.decode_block_k
-    grid = (-(-rows // block_r), -(-k // block_k), 1)
-    gs_ptr = out if gs is None else gs
-    args = (
-        codes, scales, gs_ptr, gs_value, out, rows, k, *codes.stride(), *scales.stride(),
-        out.stride(0), limit, swizzled, gs is not None, block_r, block_k,
-    )  # fmt: skip
     interpret = triton_interpret_enabled()
-    key = (
-        rows, k, codes.stride(), scales.stride(), out_dtype, swizzled, gs is not None,
-        _aligned(codes, scales, gs_ptr), device, interpret, _tuning_key(tuning),
-    )  # fmt: skip
-    options = {"num_warps": tuning.decode_warps, "enable_fp_fusion": False}
+    key, grid, tail, options = _decode_spec(
+        codes, scales, gs, rows, k, out_dtype, swizzled, device, tuning, interpret
+    )
     guard, index = launch_device(device)
     with guard:
+        args = (codes, scales, out if gs is None else gs, gs_value, out, *tail)
         _launchers(interpret)[0](key, grid, args, options, index)
     return out
+
+
+def bound_linear(
+    x: Tensor, packed: Tensor, block_scales: Tensor, global_scale: Tensor, bias: Tensor | None
+) -> Callable[[Tensor], Tensor] | None:
+    """``TorchFP4Linear``'s ``"triton_decode"`` call — the weight decoded in ``x``'s dtype by
+    :func:`nvfp4_dequantize_kernel` (default tuning), then ``F.linear`` — bound for every ``x``
+    like this one (of at most 32 rows: decode-sized calls, where host time shows) once the
+    decode has launched; None where nothing is kept. ``packed`` and
+    ``block_scales``: the module's contiguous ``(out, in/2)`` and ``(out, in/16)`` buffers,
+    ``global_scale`` its one-element FP32 tensor (all checked when they were loaded)."""
+    device, dtype = x.device, x.dtype
+    if device.type != "cuda" or triton_interpret_enabled() or not packed.is_contiguous():
+        return None
+    if not 0 < x.numel() <= 32 * x.shape[-1]:
+        return None
+    rows, k = packed.shape[0], 2 * packed.shape[1]
+    codes, scales = packed.view(torch.uint8), block_scales.view(torch.uint8)
+    key, grid, tail, _ = _decode_spec(
+        codes, scales, global_scale, rows, k, dtype, False, device, DEFAULT_NVFP4_DECODE_TUNING,
+        False,
+    )  # fmt: skip
+    launch = _launchers(False)[0].bind(key, grid, device.index)
+    if launch is None or not (rows and k):
+        return None
+
+    def linear(x: Tensor) -> Tensor:
+        weight = torch.empty((rows, k), dtype=dtype, device=device)
+        launch(codes, scales, global_scale, 0.0, weight, *tail)
+        return F.linear(x, weight, None if bias is None else bias.to(dtype))
+
+    return linear
 
 
 def nvfp4_decode(

@@ -24,6 +24,7 @@ checkpoints: each row's group gathered). Launch shapes come from a frozen :class
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -314,20 +315,17 @@ def _even_split(steps: int, tiles: int, programs: int) -> int:
 _WORD_PLANS: dict[Any, tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]] = {}
 
 
-def _words_linear(
-    x: Tensor, ops: DecodeOperands, scales: Tensor, bias: Tensor | None, k: int, n: int,
-    group: int, device: torch.device, tuning: W4A16Tuning,
-) -> Tensor:  # fmt: skip
-    """The decode-words launch, arguments already checked and the operands contiguous
-    (``GPTQLinear`` calls this with the operands it staged)."""
+def _words_spec(
+    x: Tensor, ops: DecodeOperands, bias: Tensor | None, k: int, n: int, group: int,
+    device: torch.device, tuning: W4A16Tuning, interpret: bool,
+) -> tuple[Any, tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]]:  # fmt: skip
+    """``(key, (grid, constexpr tail, options))`` of a decode-words launch (the key holds what
+    a compiled launch is specialized on: strides and 16-byte alignment too)."""
     m = x.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.copy_(bias.to(x.dtype).expand(m, n)) if bias is not None else out.zero_()
-    interpret = triton_interpret_enabled()
-    key = (m, n, k, group, x.dtype, bias is not None, device, interpret, _tuning_key(tuning))
+    key = (
+        m, n, k, group, x.dtype, x.stride(), x.data_ptr() % 16 == 0, bias is not None and
+        (bias.dtype, bias.data_ptr() % 16 == 0), device, interpret, _tuning_key(tuning),
+    )  # fmt: skip
     plan = _WORD_PLANS.get(key)
     if plan is None:
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -341,7 +339,34 @@ def _words_linear(
                 steps // split, split)  # fmt: skip
         options = {"num_warps": tuning.words_warps, "num_stages": tuning.words_stages}
         plan = _WORD_PLANS[key] = ((tiles, split, 1), tail, options)
-    grid, tail, options = plan
+    return key, plan
+
+
+def _words_args(
+    x: Tensor, ops: DecodeOperands, scales: Tensor, bias: Tensor | None, k: int, n: int,
+    tail: tuple[Any, ...],
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
+    """The decode-words launch's ``(tensors after x, arguments after the workspace)``."""
+    fixed = (ops.words, ops.zeros, ops.hi, ops.lo, scales, bias if bias is not None else ops.hi)
+    rest = (x.shape[0], n, k, ops.zeros.shape[0], x.stride(0), x.stride(1), n, *tail)
+    return fixed, rest
+
+
+def _words_linear(
+    x: Tensor, ops: DecodeOperands, scales: Tensor, bias: Tensor | None, k: int, n: int,
+    group: int, device: torch.device, tuning: W4A16Tuning,
+) -> Tensor:  # fmt: skip
+    """The decode-words launch, arguments already checked and the operands contiguous
+    (``GPTQLinear`` calls this with the operands it staged)."""
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.to(x.dtype).expand(m, n)) if bias is not None else out.zero_()
+    interpret = triton_interpret_enabled()
+    key, (grid, tail, options) = _words_spec(x, ops, bias, k, n, group, device, tuning, interpret)
+    fixed, rest = _words_args(x, ops, scales, bias, k, n, tail)
     split = grid[1]
     guard, index = launch_device(device)
     with guard:
@@ -349,13 +374,33 @@ def _words_linear(
             part, counts, _ = fp8_small_m._workspace(device, index, split * m * n, grid[0])
         else:
             part = counts = out
-        args = (
-            x, ops.words, ops.zeros, ops.hi, ops.lo, scales,
-            bias if bias is not None else ops.hi, out, part, counts, m, n, k,
-            ops.zeros.shape[0], x.stride(0), x.stride(1), out.stride(0), *tail,
-        )  # fmt: skip
-        _words_launcher(interpret)(key, grid, args, options, index)
+        _words_launcher(interpret)(key, grid, (x, *fixed, out, part, counts, *rest), options,
+                                   index)  # fmt: skip
     return out
+
+
+def bound_linear(
+    x: Tensor, route: str, ops: DecodeOperands, frag: Tensor | None, scales: Tensor,
+    bias: Tensor | None, k: int, n: int, group: int,
+) -> Callable[[Tensor], Tensor] | None:  # fmt: skip
+    """``GPTQLinear``'s ``"w4a16_frag"`` or ``"w4a16_words"`` launch (default tunings) bound for
+    every call on an ``x`` like this one (shape, dtype, strides, device, alignment) once it has
+    launched; None for other routes, no rows, columns or K, or where nothing is kept."""
+    device, m = x.device, x.shape[0]
+    if device.type != "cuda" or triton_interpret_enabled() or not (m and n and k):
+        return None
+    if route == "w4a16_frag" and frag is not None:
+        return w4a_frag.bound_w4a16(x, frag, ops, bias, k, n, group, scales.dtype != x.dtype)
+    if route != "w4a16_words":
+        return None
+    key, (grid, tail, _) = _words_spec(
+        x, ops, bias, k, n, group, device, DEFAULT_W4A16_TUNING, False
+    )
+    launch = _words_launcher(False).bind(key, grid, device.index)
+    if launch is None:
+        return None
+    fixed, rest = _words_args(x, ops, scales, bias, k, n, tail)
+    return fp8_small_m.bound_gemm(launch, m, n, x.dtype, device, fixed, rest, grid)
 
 
 def _linear(

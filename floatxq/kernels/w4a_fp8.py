@@ -28,6 +28,7 @@ Launch shapes come from a frozen :class:`W4AFP8Tuning`.
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -38,6 +39,7 @@ from floatxq.kernels import fp8_small_m, fp8_weight, w4a_frag
 from floatxq.kernels._triton import (
     CachedLauncher,
     capability_shortfall,
+    dependent_launches,
     import_kernel_sources,
     launch_device,
     require_kernel_device,
@@ -50,6 +52,7 @@ __all__ = [
     "DEFAULT_W4A_FP8_TUNING",
     "W4AFP8Tuning",
     "blockwise_unavailable_reason",
+    "bound_linear",
     "fp8_linear",
     "fp8_linear_prepacked",
     "fp8_pack",
@@ -196,6 +199,26 @@ def fp8_pack(
     return _pack(x, device, tuning)
 
 
+def _pack_spec(
+    x: Tensor, device: torch.device, tuning: W4AFP8Tuning
+) -> tuple[Any, tuple[int, int, int], tuple[Any, ...], dict[str, Any]]:
+    """``(key, grid, arguments after the three tensors, options)`` of :func:`_pack`'s launch."""
+    rows, k = x.shape
+    block_k = min(fp8_weight._next_pow2(k), tuning.pack_block_k)
+    block_r = tuning.pack_rows
+    convert = fp8_weight._conversion("float8_e4m3fn", device, None)
+    pdl = dependent_launches(device)  # (the GEMM after it may start at once)
+    tail = (
+        rows, k, x.stride(0), x.stride(1), FP8_E4M3_MAX, _SMALLEST_SUBNORMAL_BITS, convert,
+        block_r, block_k, -(-k // block_k), pdl,
+    )  # fmt: skip
+    key = (
+        x.dtype, x.stride(1) == 1, x.data_ptr() % 16 == 0, rows, k, convert, block_r, block_k,
+        tuning.pack_warps, pdl,
+    )  # fmt: skip
+    return key, (-(-rows // block_r), 1, 1), tail, {"num_warps": tuning.pack_warps}
+
+
 def _pack(x: Tensor, device: torch.device, tuning: W4AFP8Tuning) -> tuple[Tensor, Tensor]:
     """:func:`fp8_pack`'s launch, arguments already checked."""
     rows, k = x.shape
@@ -208,23 +231,34 @@ def _pack(x: Tensor, device: torch.device, tuning: W4AFP8Tuning) -> tuple[Tensor
     interpret = triton_interpret_enabled()
     if interpret:
         x = x.float()  # (the interpreter's own widening flushes subnormals)
-    block_k = min(fp8_weight._next_pow2(k), tuning.pack_block_k)
-    chunks = -(-k // block_k)
-    block_r = tuning.pack_rows
-    grid = (-(-rows // block_r), 1, 1)
-    convert = fp8_weight._conversion("float8_e4m3fn", device, None)
-    args = (
-        x, codes.view(torch.int8), scale, rows, k, x.stride(0), x.stride(1), FP8_E4M3_MAX,
-        _SMALLEST_SUBNORMAL_BITS, convert, block_r, block_k, chunks,
-    )  # fmt: skip
-    key = (
-        x.dtype, x.stride(1) == 1, x.data_ptr() % 16 == 0, rows, k, convert, block_r, block_k,
-        tuning.pack_warps,
-    )  # fmt: skip
+    key, grid, tail, options = _pack_spec(x, device, tuning)
     guard, index = launch_device(device)
     with guard:
-        _launchers(interpret)[0](key, grid, args, {"num_warps": tuning.pack_warps}, index)
+        _launchers(interpret)[0](key, grid, (x, codes.view(torch.int8), scale, *tail), options,
+                                 index)  # fmt: skip
     return codes, scale
+
+
+def _bound_pack(x: Tensor) -> Callable[[Tensor], tuple[Tensor, Tensor]] | None:
+    """:func:`_pack` with the default tuning for every ``x`` like this one (shape, dtype,
+    strides, device, 16-byte alignment), bound after its first launch (None before, or where
+    nothing is kept)."""
+    device = x.device
+    rows, k = x.shape
+    if not rows or not k or device.type != "cuda" or triton_interpret_enabled():
+        return None
+    key, grid, tail, _ = _pack_spec(x, device, DEFAULT_W4A_FP8_TUNING)
+    launch = _launchers(False)[0].bind(key, grid, device.index)
+    if launch is None:
+        return None
+
+    def pack(x: Tensor) -> tuple[Tensor, Tensor]:
+        codes = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=device)
+        scale = torch.empty((rows,), dtype=torch.float32, device=device)
+        launch(x, codes.view(torch.int8), scale, *tail)
+        return codes, scale
+
+    return pack
 
 
 def fp8_linear(
@@ -523,18 +557,16 @@ def _gemm(
 _DWORD_PLANS: dict[Any, tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]] = {}
 
 
-def _dwords_gemm(
-    codes: Tensor, row_scale: Tensor, words: Tensor, scales: Tensor, bias: Tensor | None,
-    out: Tensor, tuning: W4AFP8Tuning,
-) -> Tensor:  # fmt: skip
-    """The decode-words launch (``out`` allocated, at least one row, column and group)."""
-    (m, k), n = codes.shape, words.shape[1]
-    words = words.contiguous()  # (the kernel steps rows by n; the modules' words already are)
-    device = codes.device
-    interpret = triton_interpret_enabled()
+def _dwords_spec(
+    codes: Tensor, words: Tensor, scales: Tensor, bias: Tensor | None, out_dtype: torch.dtype,
+    tuning: W4AFP8Tuning, interpret: bool,
+) -> tuple[Any, tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]]:  # fmt: skip
+    """``(key, (grid, constexpr tail, options))`` of a decode-words launch."""
+    (m, k), n, device = codes.shape, words.shape[1], codes.device
     key = (
-        m, n, k, codes.stride(0), scales.dtype, None if bias is None else bias.dtype, out.dtype,
-        device, interpret, None if tuning is DEFAULT_W4A_FP8_TUNING else tuning,
+        m, n, k, codes.stride(0), scales.dtype, scales.stride(), None if bias is None else
+        bias.dtype, out_dtype, device, interpret, None if tuning is DEFAULT_W4A_FP8_TUNING else
+        tuning,
     )  # fmt: skip
     plan = _DWORD_PLANS.get(key)
     if plan is None:
@@ -550,15 +582,31 @@ def _dwords_gemm(
         for d in _divisors(groups):
             if tiles * d <= target * sms:
                 split = d
-        tail = (bias is not None, not interpret, block_m, block_n, groups // split, split)
-        options: dict[str, Any] = {"num_warps": 4, "num_stages": stages}
-        if not interpret:
+        pdl = dependent_launches(device)  # (it starts while the token packing ends)
+        tail = (bias is not None, not interpret, block_m, block_n, groups // split, split, pdl)
+        options: dict[str, Any] = {"num_warps": 4, "num_stages": stages, "launch_pdl": pdl}
+        if not interpret and not wide:
             # at most 128 registers a thread: four programs of 4 warps fit an SM. A row count
             # Triton does not specialize (2..15) otherwise compiles to 136 and runs the grid in
-            # two waves (RESULTS.md: 25 against 18.6 µs at M = 2..8); ptxas spills nothing at 128
+            # two waves (RESULTS.md: 25 against 18.6 µs at M = 2..8); ptxas spills nothing at 128.
+            # (Not the wide shapes: capped, 32 rows took 49 µs against 26 uncapped.)
             options["maxnreg"] = 128
         plan = _DWORD_PLANS[key] = ((tiles, split, 1), tail, options)
-    grid, tail, options = plan
+    return key, plan
+
+
+def _dwords_gemm(
+    codes: Tensor, row_scale: Tensor, words: Tensor, scales: Tensor, bias: Tensor | None,
+    out: Tensor, tuning: W4AFP8Tuning,
+) -> Tensor:  # fmt: skip
+    """The decode-words launch (``out`` allocated, at least one row, column and group)."""
+    (m, k), n = codes.shape, words.shape[1]
+    words = words.contiguous()  # (the kernel steps rows by n; the modules' words already are)
+    device = codes.device
+    interpret = triton_interpret_enabled()
+    key, (grid, tail, options) = _dwords_spec(
+        codes, words, scales, bias, out.dtype, tuning, interpret
+    )
     split = grid[1]
     guard, index = launch_device(device)
     with guard:
@@ -573,3 +621,34 @@ def _dwords_gemm(
         )  # fmt: skip
         _dwords_launcher(interpret)(key, grid, args, options, index)
     return out
+
+
+def bound_linear(
+    x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None, route: str | None
+) -> Callable[[Tensor], Tensor] | None:
+    """The module path's :func:`_linear` (default tuning) bound for every call on an ``x`` like
+    this one (shape, dtype, strides, device, 16-byte alignment) once it has launched: the token
+    packing, then the fragment (``route == "fragment"``) or decode-words (int16 ``weight``)
+    GEMM of at most 32 rows. None for other forms, or where nothing is kept."""
+    pack = _bound_pack(x)
+    if pack is None or weight.dtype != torch.int16 or route == "scaled_mm_blockwise":
+        return None
+    (m, k), n, device = x.shape, scales.shape[1], x.device
+    codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=device)  # (as _pack's)
+    row_scale = torch.empty((m,), dtype=torch.float32, device=device)
+    if route == "fragment":
+        gemm = w4a_frag.bound_fp8_gemm(codes, row_scale, weight, scales, bias, x.dtype)
+    elif m <= DEFAULT_W4A_FP8_TUNING.dwords_max_rows and weight.is_contiguous():
+        key, (grid, tail, _) = _dwords_spec(
+            codes, weight, scales, bias, x.dtype, DEFAULT_W4A_FP8_TUNING, False
+        )
+        launch = _dwords_launcher(False).bind(key, grid, device.index)
+        fixed = (weight, scales, bias if bias is not None else scales)
+        rest = (m, n, k, k, scales.stride(0), scales.stride(1), n, *tail)
+        words = launch and fp8_small_m.bound_gemm(launch, m, n, x.dtype, device, fixed, rest, grid)
+        gemm = words and (lambda codes, row_scale: words(codes.view(torch.int8), row_scale))
+    else:
+        return None
+    if not gemm:
+        return None
+    return lambda x: gemm(*pack(x))

@@ -18,6 +18,7 @@ decode-words kernels.
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from floatxq.gptq.fragment_words import stage_fragment_words
 from floatxq.kernels import fp8_small_m
 from floatxq.kernels._triton import (
     CachedLauncher,
+    dependent_launches,
     import_triton,
     launch_device,
     triton_interpret_enabled,
@@ -37,6 +39,8 @@ from floatxq.kernels._triton import (
 __all__ = [
     "DEFAULT_FRAG_TUNING",
     "FragTuning",
+    "bound_fp8_gemm",
+    "bound_w4a16",
     "cached_fragment",
     "fragment_unavailable_reason",
 ]
@@ -169,6 +173,30 @@ def _plan(
     return (tiles, split, 1), tail, {"num_warps": tuning.warps}
 
 
+def _w4a16_spec(
+    x: Tensor, ops: DecodeOperands, bias: Tensor | None, k: int, n: int, group: int,
+    device: torch.device, has_lo: bool, tuning: FragTuning,
+) -> tuple[Any, tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]]:  # fmt: skip
+    """``(key, (grid, constexpr tail, options))`` of a W4A16 launch of at most 32 rows."""
+    m = x.shape[0]
+    key = ("w4a16", m, n, k, group, x.dtype, x.stride(), has_lo, _kind(bias), device, tuning,
+           _aligned(x, ops.zeros, bias))  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        head = (group, group >= k or group % DECODE_TILE_ROWS == 0, has_lo, bias is not None)
+        plan = _PLANS[key] = _plan(m, n, k, device, tuning, head)
+    return key, plan
+
+
+def _w4a16_args(
+    frag: Tensor, ops: DecodeOperands, bias: Tensor | None, m: int, n: int, k: int,
+    x_stride: int, tail: tuple[Any, ...],
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
+    """The W4A16 launch's ``(tensors after x, arguments after the workspace)``."""
+    fixed = (frag, ops.zeros, ops.hi, ops.lo, bias if bias is not None else ops.hi)
+    return fixed, (m, n, k, ops.zeros.shape[0], x_stride, n, *tail)
+
+
 def w4a16_frag_linear(
     x: Tensor,
     frag: Tensor,
@@ -198,24 +226,51 @@ def w4a16_frag_linear(
                 x[i : i + _MAX_ROWS], frag, ops, bias, k, n, group, device, has_lo, tuning
             )
         return out
-    key = ("w4a16", m, n, k, group, x.dtype, x.stride(), has_lo, _kind(bias), device, tuning,
-           _aligned(x, ops.zeros, bias))  # fmt: skip
-    plan = _PLANS.get(key)
-    if plan is None:
-        head = (group, group >= k or group % DECODE_TILE_ROWS == 0, has_lo, bias is not None)
-        plan = _PLANS[key] = _plan(m, n, k, device, tuning, head)
-    grid, tail, options = plan
+    key, (grid, tail, options) = _w4a16_spec(x, ops, bias, k, n, group, device, has_lo, tuning)
+    fixed, rest = _w4a16_args(frag, ops, bias, m, n, k, x.stride(0), tail)
     guard, index = launch_device(device)
     with guard:
         part = counts = out
         if grid[1] > 1:
             part, counts, _ = fp8_small_m._workspace(device, index, grid[1] * m * n, grid[0])
-        args = (
-            x, frag, ops.zeros, ops.hi, ops.lo, bias if bias is not None else ops.hi, out, part,
-            counts, m, n, k, ops.zeros.shape[0], x.stride(0), out.stride(0), *tail,
-        )  # fmt: skip
-        _launchers()[0](key, grid, args, options, index)
+        _launchers()[0](key, grid, (x, *fixed, out, part, counts, *rest), options, index)
     return out
+
+
+def bound_w4a16(
+    x: Tensor, frag: Tensor, ops: DecodeOperands, bias: Tensor | None, k: int, n: int,
+    group: int, has_lo: bool,
+) -> Callable[[Tensor], Tensor] | None:  # fmt: skip
+    """:func:`w4a16_frag_linear` (default tuning) bound for every call on an ``x`` like this one
+    (shape, dtype, strides, device, alignment) once it has launched; None where it has not (or
+    for no rows, columns or K, or more than 32 rows)."""
+    m, device = x.shape[0], x.device
+    if not (0 < m <= _MAX_ROWS and n and k) or fragment_unavailable_reason(device) is not None:
+        return None
+    key, (grid, tail, _) = _w4a16_spec(
+        x, ops, bias, k, n, group, device, has_lo, DEFAULT_FRAG_TUNING
+    )
+    launch = _launchers()[0].bind(key, grid, device.index)
+    if launch is None:
+        return None
+    fixed, rest = _w4a16_args(frag, ops, bias, m, n, k, x.stride(0), tail)
+    return fp8_small_m.bound_gemm(launch, m, n, x.dtype, device, fixed, rest, grid)
+
+
+def _fp8_spec(
+    codes: Tensor, row_scale: Tensor, scales: Tensor, bias: Tensor | None,
+    out_dtype: torch.dtype, tuning: FragTuning,
+) -> tuple[Any, tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]]:  # fmt: skip
+    """``(key, (grid, constexpr tail, options))`` of a W4A-FP8 launch of at most 32 rows."""
+    (m, k), n, device = codes.shape, scales.shape[1], codes.device
+    key = ("w4afp8", m, n, k, out_dtype, codes.stride(), scales.dtype, scales.stride(),
+           _kind(bias), device, tuning, _aligned(codes, row_scale, scales, bias))  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        grid, tail, options = _plan(m, n, k, device, tuning, (bias is not None,))
+        pdl = dependent_launches(device)  # (it starts while the token packing ends)
+        plan = _PLANS[key] = (grid, (*tail, pdl), {**options, "launch_pdl": pdl})
+    return key, plan
 
 
 def w4a_fp8_frag_gemm(
@@ -246,12 +301,7 @@ def w4a_fp8_frag_gemm(
                 codes[rows], row_scale[rows], frag, scales, bias, out_dtype, tuning
             )
         return out
-    key = ("w4afp8", m, n, k, out_dtype, codes.stride(), scales.dtype, scales.stride(),
-           _kind(bias), device, tuning, _aligned(codes, row_scale, scales, bias))  # fmt: skip
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _plan(m, n, k, device, tuning, (bias is not None,))
-    grid, tail, options = plan
+    key, (grid, tail, options) = _fp8_spec(codes, row_scale, scales, bias, out_dtype, tuning)
     guard, index = launch_device(device)
     with guard:
         part = counts = out
@@ -264,3 +314,24 @@ def w4a_fp8_frag_gemm(
         )  # fmt: skip
         _launchers()[1](key, grid, args, options, index)
     return out
+
+
+def bound_fp8_gemm(
+    codes: Tensor, row_scale: Tensor, frag: Tensor, scales: Tensor, bias: Tensor | None,
+    out_dtype: torch.dtype,
+) -> Callable[[Tensor, Tensor], Tensor] | None:  # fmt: skip
+    """:func:`w4a_fp8_frag_gemm` (default tuning) bound for every call on tokens like these
+    (``codes`` as :func:`floatxq.kernels.w4a_fp8.fp8_pack` makes them) once it has launched;
+    None where it has not (or for no rows, columns or K, or more than 32 rows)."""
+    (m, k), n, device = codes.shape, scales.shape[1], codes.device
+    if not (0 < m <= _MAX_ROWS and n and k) or fragment_unavailable_reason(device) is not None:
+        return None
+    key, (grid, tail, _) = _fp8_spec(codes, row_scale, scales, bias, out_dtype,
+                                     DEFAULT_FRAG_TUNING)  # fmt: skip
+    launch = _launchers()[1].bind(key, grid, device.index)
+    if launch is None:
+        return None
+    fixed = (frag, scales, bias if bias is not None else scales)
+    rest = (m, n, k, codes.stride(0), scales.stride(0), scales.stride(1), n, *tail)
+    gemm = fp8_small_m.bound_gemm(launch, m, n, out_dtype, device, fixed, rest, grid)
+    return lambda codes, row_scale: gemm(codes.view(torch.uint8), row_scale)

@@ -34,6 +34,14 @@ class ByteBuffers:
 
     _buffers: dict[str, Tensor | None]
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)  # type: ignore[misc]
+        if name in self._buffers and "_plans" in self.__dict__:  # (plans and bound launches
+            self.__dict__["_plans"] = {}  # hold the buffers they read: a new one drops them)
+
+    def __getstate__(self) -> dict[str, Any]:  # (copies and pickles drop them too)
+        return {**super().__getstate__(), "_plans": {}}  # type: ignore[misc]
+
     def _byte_buffer_names(self) -> tuple[str, ...]:
         return ()
 

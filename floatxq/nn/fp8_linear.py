@@ -340,6 +340,9 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
     def _applied(self, fn: Callable[[Tensor], Tensor]) -> None:
         self._runtime = _Runtime()
 
+    def __getstate__(self) -> dict[str, Any]:  # (a copy's runners must bind its own tensors)
+        return {**super().__getstate__(), "_runtime": _Runtime()}
+
     def _incoming(
         self, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
     ) -> tuple[dict[str, Any], list[str]]:
@@ -452,9 +455,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         return describe_x(self._last[0], self._scaled_route, self._input_quant)
 
     def _set_last(self, route: str, reason: str | None) -> None:
-        # A plain attribute, set past nn.Module.__setattr__ (whose checks cost microseconds per
-        # call on the decode path).
-        self.__dict__["_last"] = (route, reason)
+        self.__dict__["_last"] = (route, reason)  # past nn.Module.__setattr__ (per-call cost)
 
     def forward(self, x: Float[Tensor, "..."]) -> Float[Tensor, "..."]:
         """``x @ W.T + bias`` (then the adapter) through the fastest eligible route.

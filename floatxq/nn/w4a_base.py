@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from floatxq._checks import check_size
+from floatxq._checks import check_linear_input, check_size
 from floatxq._typing import Float, Tensor
 from floatxq.dispatch import RoutePreference
 from floatxq.formats import K_GROUP
@@ -269,11 +269,8 @@ class W4ALinear(RoutePreferenceHolder, GPTQLinear):
             raise TypeError(
                 f"{where}: x must be a float16, bfloat16 or float32 tensor, got {x.dtype}"
             )
-        k = self.in_features
-        if x.ndim == 0 or x.shape[-1] != k:
-            raise ValueError(f"{where}: x must have shape (*, {k}), got {tuple(x.shape)}")
-        self._check_device(x.device)
-        return x.reshape(math.prod(x.shape[:-1]), k)
+        check_linear_input(x, self.in_features, self.qweight.device, where=where)
+        return x.reshape(math.prod(x.shape[:-1]), self.in_features)
 
     def _carrier_codes(
         self, carrier: Any, mode: str, width: int, kind: torch.dtype

@@ -21,6 +21,7 @@ from floatxq.dispatch import W4A_FP8_ROUTES, w4a_fp8_route  # re-exported: their
 from floatxq.gptq.decode_words import stage_decode_words
 from floatxq.gptq.fragment_words import stage_fragment_words
 from floatxq.gptq.planes import centered_int4, int4_to_e4m3
+from floatxq.kernels._triton import call_key, on_rows
 from floatxq.nn.gptq_linear import GPTQLinear
 from floatxq.nn.w4a_base import W4ALinear, w4a_ineligibility
 from floatxq.w4a.linear import w4a_fp8_linear, w4a_fp8_linear_prepacked
@@ -53,17 +54,6 @@ def w4a_fp8_ineligibility(module: GPTQLinear) -> str | None:
     return w4a_ineligibility(module, gemm="W4A-FP8", where="w4a_fp8_ineligibility")
 
 
-def _operand(module: W4ALinear, rows: int, staged: Tensor, *, words: bool) -> tuple[Tensor, str]:
-    """``(weight, GEMM route)`` of an ``rows``-row kernel call: the fragment or int16 decode
-    words (where held) or the int32 words where fastest (and ``words`` allows them), else the
-    staged operand; then the GEMM."""
-    buffers = module._buffers
-    pick = dispatch.w4a_fp8_words(rows, buffers.get(_FRAG), buffers.get(_DWORDS), module.qweight)
-    if words and pick is not None:
-        return pick
-    return staged, dispatch.w4a_fp8_gemm_route(rows, staged)[0]
-
-
 def _fp8_gemm(
     module: W4ALinear,
     codes: Tensor,
@@ -74,13 +64,14 @@ def _fp8_gemm(
     words: bool = True,
 ) -> Tensor:
     """The W4A-FP8 GEMM of E4M3 token codes over ``module``'s staged weight: the kernels
-    (``route`` ``"triton"``, the weight form :func:`_operand` picks) or the pure
-    :func:`floatxq.w4a_fp8_linear_prepacked`."""
-    staged = module._staged()
+    (``route`` ``"triton"``, the weight form :func:`floatxq.dispatch.w4a_fp8_weight` picks; the
+    packed forms only where ``words``) or the pure :func:`floatxq.w4a_fp8_linear_prepacked`."""
+    staged, held = module._staged(), module._buffers
     if route == "triton":
         from floatxq.kernels.w4a_fp8 import fp8_linear_prepacked
 
-        weight, gemm = _operand(module, codes.shape[0], staged, words=words)
+        packed = (held.get(_FRAG), held.get(_DWORDS), module.qweight) if words else ()
+        weight, gemm = dispatch.w4a_fp8_weight(codes.shape[0], staged, *packed)
         return fp8_linear_prepacked(
             codes, row_scale, weight, module.scales, module.bias, dtype, route=gemm
         )
@@ -150,16 +141,23 @@ class W4AFP8Linear(W4ALinear):
         return self
 
     def _forward_tensor(self, x: Tensor) -> Tensor:
-        x2d = self._rows_of(x)
+        held = self.__dict__.setdefault("_plans", {}).get(key := call_key(x))
+        if held is not None and held[1] is self.route_preference:  # bound for inputs like x
+            self._set_last("triton")
+            return held[0](x)
+        x2d, n = self._rows_of(x), self.out_features
         route, reason, weight, gemm = self._plan(x2d)
         if route == "triton":  # (the arguments were checked when the module was built)
-            from floatxq.kernels.w4a_fp8 import _linear
+            from floatxq.kernels.w4a_fp8 import _linear, bound_linear
 
             out = _linear(x2d, weight, self.scales, self.bias, gemm)
+            bound = on_rows(bound_linear(x2d, weight, self.scales, self.bias, gemm), x, n)
+            if bound is not None:
+                self._plans[key] = (bound, self.route_preference)
         else:
             out = w4a_fp8_linear(x2d, weight, self.scales, self.bias)
         self._set_last(route, reason)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out.reshape(*x.shape[:-1], n)
 
     def _plan(self, x: Tensor) -> tuple[str, str | None, Tensor, str | None]:
         """``(route, reason, weight operand, GEMM route)`` of a call on ``x`` ``(rows, in)``:
@@ -172,7 +170,9 @@ class W4AFP8Linear(W4ALinear):
             route, reason = dispatch.w4a_fp8_route(self.route, x.device)
             weight, gemm = staged, None
             if route == "triton":
-                weight, gemm = _operand(self, x.shape[0], staged, words=True)
+                held = self._buffers
+                weight, gemm = dispatch.w4a_fp8_weight(x.shape[0], staged, held.get(_FRAG),
+                                                       held.get(_DWORDS), self.qweight)  # fmt: skip
             plan = self.__dict__["_plans"][key] = (route, reason, weight, gemm)
         return plan
 
