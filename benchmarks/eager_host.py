@@ -94,6 +94,44 @@ def profile_bench() -> None:
             pstats.Stats(profile).sort_stats("tottime").print_stats(14)
 
 
+def model_profile_bench() -> None:
+    """cProfile of eager one-token steps of a 2-layer model per variant (where host time goes)."""
+    import cProfile
+    import pstats
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=8192, torch_dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    variants = {
+        "GPTQLinear (W4A16)": lambda: _converted(base, lambda lin: _w4a16(lin).post_init()),
+        "TorchFP8Linear (row)": lambda: _converted(base, fq.TorchFP8Linear.from_linear),
+    }
+    for name, build in variants.items():
+        model = build()
+        for batch in (1, 16):
+            ids = torch.randint(0, config.vocab_size, (batch, 1), device="cuda")
+            with torch.inference_mode():
+                for _ in range(3):
+                    model(input_ids=ids, use_cache=False)
+                torch.cuda.synchronize()
+                profile = cProfile.Profile()
+                profile.enable()
+                for _ in range(20):
+                    model(input_ids=ids, use_cache=False)
+                torch.cuda.synchronize()
+                profile.disable()
+            print(f"## {name}, batch {batch}", flush=True)
+            pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+        del model
+
+
 def model_bench() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -135,7 +173,7 @@ def main() -> None:
     if "--help" in sys.argv or "-h" in sys.argv:
         print(__doc__)
         return
-    sections = ("calls", "profile", "model")
+    sections = ("calls", "profile", "model", "modelprofile")
     wanted = {a for a in sys.argv[1:] if a in sections} or {"calls", "model"}
     props = torch.cuda.get_device_properties(0)
     print(f"# {props.name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC')}")
@@ -145,6 +183,8 @@ def main() -> None:
         profile_bench()
     if "model" in wanted:
         model_bench()
+    if "modelprofile" in wanted:
+        model_profile_bench()
 
 
 if __name__ == "__main__":

@@ -88,9 +88,11 @@ class NVFP4Tuning:
     pack_rows_search: int = 16
     """Rows per program of the searching recipes (``least_squares*``, ``exhaustive``)."""
     pack_warps: int = 4
-    dwords_max_rows: int = 32
+    dwords_max_rows: int = 0
     """Largest row count for which :func:`floatxq.dispatch.nvfp4_operand` picks the int16 decode
-    words (where the module holds them)."""
+    words (where the module holds them): 0, off. The in-kernel decode of those words gave wrong
+    sums on the H200 (benchmarks/RESULTS.md, 2026-12-02); compiled launches given them decode
+    both operands to FP16 first (exact, slower) until the cause is found."""
     words_max_rows: int = 64
     """Largest row count for which the GEMM reads the int32 words when it is given them (above
     it the staged E4M3 operand is faster; :func:`floatxq.dispatch.nvfp4_operand` picks)."""
@@ -108,8 +110,9 @@ class NVFP4Tuning:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"NVFP4Tuning: {f.name} must be an int >= 1, got {value!r}")
+            low = 0 if f.name == "dwords_max_rows" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"NVFP4Tuning: {f.name} must be an int >= {low}, got {value!r}")
         for name in ("pack_rows", "pack_rows_search"):
             value = getattr(self, name)
             if 128 % value:
@@ -393,8 +396,9 @@ def _gemm(
         plan = _PLANS[key] = _plan(m, n, k // 128, words, device, tuning, interpret)
     grid, tail, options = plan
     split = grid[1]
-    decoded = m > tuning.words_max_rows and not interpret
     act, mode = c, {torch.int32: 0, torch.int16: 3}.get(weight.dtype, 1)
+    # (mode 3, the in-kernel decode of the int16 words, passes the interpreter but not the H200)
+    decoded = (m > tuning.words_max_rows or mode == 3) and not interpret
     if mode == 3:
         weight = weight.contiguous()  # (the kernel steps the decode words' rows by n)
     if decoded:  # prefill: both operands decoded exactly to FP16 first (pipelined MMA loads)

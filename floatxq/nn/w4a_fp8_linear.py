@@ -63,9 +63,8 @@ def _fp8_gemm(
     *,
     words: bool = True,
 ) -> Tensor:
-    """The W4A-FP8 GEMM of E4M3 token codes over ``module``'s staged weight: the kernels
-    (``route`` ``"triton"``, the weight form :func:`floatxq.dispatch.w4a_fp8_weight` picks; the
-    packed forms only where ``words``) or the pure :func:`floatxq.w4a_fp8_linear_prepacked`."""
+    """The W4A-FP8 GEMM of token codes: the kernels (``route == "triton"``) on the weight form
+    :func:`floatxq.dispatch.w4a_fp8_weight` picks (packed only if ``words``), else the pure one."""
     staged, held = module._staged(), module._buffers
     if route == "triton":
         from floatxq.kernels.w4a_fp8 import fp8_linear_prepacked

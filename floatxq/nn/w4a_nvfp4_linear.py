@@ -170,7 +170,8 @@ class W4ANVFP4Linear(W4ALinear):
         centered = centered_int4(self.packed(), format=self.format)
         # K-contiguous (strides (1, in)): the kernels' E4M3 tiles read 128-long runs of K
         self._buffers[_E4M3] = int4_to_e4m3(centered.T.contiguous()).T
-        self._buffers[_DWORDS] = stage_decode_words(centered + 8)  # (few-row emulation calls)
+        held = dispatch.nvfp4_operand(1, decode_words=True) == "decode_words"  # (off: RESULTS)
+        self._buffers[_DWORDS] = stage_decode_words(centered + 8) if held else None
         native = dispatch.w4a.w4a_nvfp4_native_unavailable_reason(self.qweight.device) is None
         planes = w4a_nvfp4_weight_planes(centered) if stage_planes or native else None
         self._buffers[_BOTH] = None if planes is None else planes.both
