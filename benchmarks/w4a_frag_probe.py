@@ -3,7 +3,9 @@
 weights are the MMA's register operand, decoded in place (``floatxq/kernels/_w4a_frag_jit.py``).
 
 Usage (GPU): ``python3 benchmarks/w4a_frag_probe.py [--rows 1,2,4,8,16,32] [--shapes 8192x8192]``;
-``--quick``: the next measurements in one device call (see :func:`quick`).
+``--quick``: the activations loaded a tile early (``PREFETCH_X``) and the rows kernels (9–32
+rows, activations as the A operand), checked and timed in one device call (see :func:`quick`);
+both measured slower than the library's kernels (RESULTS.md, issue 31 third part).
 For each shape and row count: the anchors in the same run (bf16 ``F.linear``, FP8 ``_scaled_mm``,
 GemLite's A16Wn where importable, the library's decode-words kernels), then a sweep of the
 fragment kernels' launch shapes (``NU`` column tiles of 16, warps, programs per SM), each checked

@@ -270,7 +270,7 @@ def w4a16_frag_kernel(
     FP32, one rounding. ``HAS_LO``: the scales' low parts are not all zero. ``EVEN_K`` / ``EVEN_N``:
     no bounds to mask. ``STAGES``: tiles loaded ahead (1 or 2). Rows of ``x`` past ``M`` read
     row ``M - 1`` (their columns of the product are never stored). ``PREFETCH_X``: load the
-    next tile's activations with its words (a probe variant, not yet measured)."""
+    next tile's activations with its words (a probe variant, measured slower: off)."""
     DT: gl.constexpr = x_ptr.dtype.element_ty
     MAGIC: gl.constexpr = 128.0 if DT == gl.bfloat16 else 1024.0
     BN: gl.constexpr = 16 * NU

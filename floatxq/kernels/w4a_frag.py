@@ -166,7 +166,7 @@ def _plan(
     fits = [d for d in range(1, steps + 1) if steps % d == 0 and tiles * d <= programs]
     split = max(fits, default=1)
     width = 8 if m <= 8 else (16 if m <= 16 else _MAX_ROWS)
-    # the last constexpr, PREFETCH_X, stays off until the GPU has measured it
+    # PREFETCH_X (the constexpr after the warps) stays off: measured slower (RESULTS.md)
     tail = (*head, k % DECODE_TILE_ROWS == 0, n % (FRAGMENT_COLUMNS * tuning.blocks) == 0,
             tuning.blocks, width, steps // split, split, tuning.stages, tuning.warps,
             False)  # fmt: skip
