@@ -175,7 +175,7 @@ def test_operand_choice_and_tuning_checks():
     reason="needs Triton installed and no CUDA device (with CUDA the compiled kernel is tested)",
 )
 def test_interpreter_suite():
-    run_interpreted_tests(__file__, expected=4)
+    run_interpreted_tests(__file__, expected=5)
 
 
 @needs_interpreter
@@ -210,6 +210,34 @@ def test_interpreted_linear():
     for seed, (m, n, k) in enumerate([(1, 64, 128), (5, 96, 384), (70, 64, 256)]):
         for form in ("words", "dwords", "e4m3_kmajor"):
             _check_linear(seed, m, n, k, torch.float16, form, "cpu", token=seed % 2 == 0)
+
+
+@needs_interpreter
+def test_interpreted_launch_keys_name_the_weight_form(monkeypatch):
+    """A kept launch is found by its key alone, so the key must name every compile-time choice:
+    the int32 words and the int16 decode words of one shape have the same strides and must not
+    share a compiled kernel (they did, and the decode words read as int32 words gave wrong sums
+    on the GPU)."""
+    from floatxq.kernels import _triton
+
+    keys = []
+    launch = _triton.CachedLauncher.__call__
+    monkeypatch.setattr(
+        _triton.CachedLauncher, "__call__",
+        lambda self, key, *a: (keys.append(key), launch(self, key, *a))[1],
+    )  # fmt: skip
+    packed = _weight(2, 128, 64, "cpu")
+    x = torch.randn(1, 128).half()
+    gs = fq.nvfp4_global_scale(x.float().abs().amax(), grid_dtype=torch.float16)
+    codes, scales = nvfp4_pack_and_swizzle(x, gs, recipe="least_squares")
+    for form in ("words", "dwords"):
+        weight = _operand(packed, form)
+        assert weight.stride() == (64, 1)
+        nvfp4_linear_prepacked(
+            codes, scales, gs, weight, packed.scales, None, output_dtype=torch.float16
+        )
+    gemm_keys = [key for key in keys if isinstance(key, tuple) and isinstance(key[0], tuple)]
+    assert len(gemm_keys) == 2 and gemm_keys[0] != gemm_keys[1]
 
 
 def _check_non_finite(device):

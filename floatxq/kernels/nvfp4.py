@@ -90,9 +90,10 @@ class NVFP4Tuning:
     pack_warps: int = 4
     dwords_max_rows: int = 0
     """Largest row count for which :func:`floatxq.dispatch.nvfp4_operand` picks the int16 decode
-    words (where the module holds them): 0, off. The in-kernel decode of those words gave wrong
-    sums on the H200 (benchmarks/RESULTS.md, 2026-12-02); compiled launches given them decode
-    both operands to FP16 first (exact, slower) until the cause is found."""
+    words (where the module holds them): 0, off. Their GEMM gave wrong sums in a GPU test,
+    traced afterwards to a launch key shared with the int32 words of the same shape (fixed,
+    benchmarks/RESULTS.md, 2026-12-02); until a GPU run confirms the in-kernel decode, compiled
+    launches given them decode both operands to FP16 first (exact, slower)."""
     words_max_rows: int = 64
     """Largest row count for which the GEMM reads the int32 words when it is given them (above
     it the staged E4M3 operand is faster; :func:`floatxq.dispatch.nvfp4_operand` picks)."""
@@ -386,19 +387,21 @@ def _gemm(
     words = weight.dtype in (torch.int32, torch.int16)
     interpret = triton_interpret_enabled()
     c = codes.view(torch.uint8)
+    act, mode = c, {torch.int32: 0, torch.int16: 3}.get(weight.dtype, 1)
+    # (mode 3, the in-kernel decode of the int16 words, is not yet confirmed on the GPU)
+    decoded = (m > tuning.words_max_rows or mode == 3) and not interpret
+    # the key names every compile-time choice (the weight form and the decoded path included:
+    # int32 and int16 words of one shape have the same strides)
     key = (
-        m, n, k, words, weight.stride(), group_scales.stride(), group_scales.dtype, c.stride(0),
-        None if bias is None else bias.dtype, token_scale is not None, output_dtype, device,
-        interpret, None if tuning is DEFAULT_NVFP4_TUNING else tuning,
+        m, n, k, mode, decoded, weight.stride(), group_scales.stride(), group_scales.dtype,
+        c.stride(0), None if bias is None else bias.dtype, token_scale is not None, output_dtype,
+        device, interpret, None if tuning is DEFAULT_NVFP4_TUNING else tuning,
     )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(m, n, k // 128, words, device, tuning, interpret)
     grid, tail, options = plan
     split = grid[1]
-    act, mode = c, {torch.int32: 0, torch.int16: 3}.get(weight.dtype, 1)
-    # (mode 3, the in-kernel decode of the int16 words, passes the interpreter but not the H200)
-    decoded = (m > tuning.words_max_rows or mode == 3) and not interpret
     if mode == 3:
         weight = weight.contiguous()  # (the kernel steps the decode words' rows by n)
     if decoded:  # prefill: both operands decoded exactly to FP16 first (pipelined MMA loads)
