@@ -1,7 +1,8 @@
 # ruff: noqa: B023  (each lambda is timed within its own loop iteration)
 """Host cost of the quantized modules in eager mode (no CUDA graphs), on an H200.
 
-Usage (GPU): ``python3 benchmarks/eager_host.py [calls] [profile] [model] [--layers 8]``
+Usage (GPU): ``python3 benchmarks/eager_host.py [calls] [profile] [model] [modelprofile]
+[--layers 8] [--rounds 7]``
 (no section: both).
 
 - ``calls``: host microseconds per ``forward`` of each quantized module against ``nn.Linear``
@@ -11,7 +12,9 @@ Usage (GPU): ``python3 benchmarks/eager_host.py [calls] [profile] [model] [--lay
   functions of most own time).
 - ``model``: one-token steps of a random Llama-3-8B-shaped model of ``--layers`` decoder layers
   (lm_head bf16), eager and under CUDA graphs, for bf16, ``TorchFP8Linear`` (row), ``GPTQLinear``
-  (W4A16) and ``W4AFP8Linear``; milliseconds per step and the eager ratio to bf16.
+  (W4A16) and ``W4AFP8Linear``; milliseconds per step and the eager ratio to bf16, measured
+  interleaved over ``--rounds`` rounds (see :func:`model_bench`).
+- ``modelprofile``: cProfile of eager steps of a 2-layer model (GPTQ and FP8 variants).
 """
 
 import copy
@@ -133,9 +136,14 @@ def model_profile_bench() -> None:
 
 
 def model_bench() -> None:
+    """Eager against graph steps, and the eager A/B against bf16 interleaved: every variant is
+    built first, then each round times one eager step of each in turn, so a drift of the host's
+    speed (seen between and within runs) moves all of a round's rows together; the ratio is the
+    median of the per-round ratios, with its range."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     (layers,) = _option("--layers", (8,))
+    (rounds,) = _option("--rounds", (7,))
     config = LlamaConfig(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
@@ -144,29 +152,32 @@ def model_bench() -> None:
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    variants = {
-        "bf16": lambda: base,
-        "TorchFP8Linear (row)": lambda: _converted(base, fq.TorchFP8Linear.from_linear),
-        "GPTQLinear (W4A16)": lambda: _converted(base, lambda lin: _w4a16(lin).post_init()),
-        "W4AFP8Linear": lambda: _converted(base, _w4a_fp8),
+    models = {
+        "bf16": base,
+        "TorchFP8Linear (row)": _converted(base, fq.TorchFP8Linear.from_linear),
+        "GPTQLinear (W4A16)": _converted(base, lambda lin: _w4a16(lin).post_init()),
+        "W4AFP8Linear": _converted(base, _w4a_fp8),
     }
-    print(f"| model ({layers} layers) | batch | eager ms / step | graph ms / step | eager / bf16 |")
+    print(f"| model ({layers} layers) | batch | eager ms / step (median of {rounds} rounds) | "
+          "graph ms / step | eager / bf16 (median, range) |")  # fmt: skip
     print("|---|---|---|---|---|")
-    eager_base = {}
-    for name, build in variants.items():
-        model = build()
-        for batch in (1, 16):
-            ids = torch.randint(0, config.vocab_size, (batch, 1), device="cuda")
-            with torch.inference_mode():
-                eager = eager_us(lambda: model(input_ids=ids, use_cache=False))
-                graph = graph_us([lambda: model(input_ids=ids, use_cache=False)], calls=5,
-                                 replays=5)  # fmt: skip
-            eager_base.setdefault(batch, eager)
-            print(f"| {name} | {batch} | {eager / 1e3:.2f} | {graph / 1e3:.2f} | "
-                  f"{eager / eager_base[batch]:.2f}x |", flush=True)  # fmt: skip
-        if model is not base:
-            del model
-            torch.cuda.empty_cache()
+    for batch in (1, 16):
+        ids = torch.randint(0, config.vocab_size, (batch, 1), device="cuda")
+        steps = {
+            name: (lambda m=m: m(input_ids=ids, use_cache=False)) for name, m in models.items()
+        }
+        eager: dict[str, list[float]] = {name: [] for name in models}
+        with torch.inference_mode():
+            for _ in range(rounds):
+                for name, step in steps.items():
+                    eager[name].append(eager_us(step, calls=10))
+            graph = {name: graph_us([step], calls=5, replays=5) for name, step in steps.items()}
+        for name in models:
+            ratios = sorted(e / b for e, b in zip(eager[name], eager["bf16"], strict=True))
+            mid = sorted(eager[name])[rounds // 2]
+            print(f"| {name} | {batch} | {mid / 1e3:.2f} | {graph[name] / 1e3:.2f} | "
+                  f"{ratios[rounds // 2]:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) |",
+                  flush=True)  # fmt: skip
 
 
 def main() -> None:
