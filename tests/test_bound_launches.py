@@ -6,6 +6,7 @@ buffer is replaced, the route preference changes, the module is copied or pickle
 
 import copy
 import io
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -157,3 +158,44 @@ def test_bound_calls_in_a_cuda_graph(name):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
+
+
+class _Param:
+    def __init__(self, constexpr: bool) -> None:
+        self.is_constexpr = constexpr
+
+
+class _FakeJit:
+    """A jitted kernel's stand-in: one pointer and one constexpr parameter; counts compiles."""
+
+    __name__ = "fake_kernel"
+
+    def __init__(self) -> None:
+        self.params = [_Param(False), _Param(True)]
+        self.compiles = 0
+
+    def __getitem__(self, grid):
+        def compile_and_launch(*args, **options):
+            self.compiles += 1
+            return SimpleNamespace(run=None, function=object(), packed_metadata=None)
+
+        return compile_and_launch
+
+
+def test_a_launch_key_that_misses_a_constexpr_raises_instead_of_reusing_the_kernel():
+    """The NVFP4 GEMM's key once missed its weight form: the int16 words reused the int32
+    words' kernel and gave wrong sums. A kept launch now checks its constexprs."""
+    from floatxq.kernels._triton import CachedLauncher
+
+    jit = _FakeJit()
+    launcher = CachedLauncher(jit)
+    x = torch.zeros(4)
+    launcher("key", (1, 1, 1), (x, 0), {}, 0)
+    assert jit.compiles == 1 and len(launcher) == 1
+    with pytest.raises(RuntimeError, match=r"fake_kernel.*'key'.*\(0,\).*\(3,\).*every compile"):
+        launcher("key", (1, 1, 1), (x, 3), {}, 0)
+    with pytest.raises(RuntimeError, match="1 arguments"):
+        launcher("key", (1, 1, 1), (x,), {}, 0)
+    assert jit.compiles == 1  # nothing ran with the wrong kernel
+    launcher("other key", (1, 1, 1), (x, 3), {}, 0)
+    assert jit.compiles == 2 and launcher.bind("other key", (1, 1, 1), 0) is not None

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import importlib
 import math
+import operator
 import os
 from collections.abc import Callable
 from types import ModuleType
@@ -228,6 +229,11 @@ class CachedLauncher:
     positional, constexprs included) on the given device's current stream. While Triton launch
     hooks are registered (a profiler), every launch takes Triton's own path, which calls them.
 
+    A key that misses a compile-time argument would hand one compiled kernel to launches that
+    need different ones (wrong results, no error). So each kept launch remembers its
+    constexpr arguments, and a later launch of the key whose constexprs differ raises a
+    ``RuntimeError`` naming them (a bug at the call site) instead of running.
+
     Under ``TRITON_INTERPRET=1`` every launch goes through the interpreter (nothing is kept).
     """
 
@@ -235,8 +241,18 @@ class CachedLauncher:
 
     def __init__(self, jit_fn: Any) -> None:
         self._jit = jit_fn
-        self._compiled: dict[Any, tuple[Any, Any, Any, Any]] = {}
+        self._compiled: dict[Any, tuple[Any, ...]] = {}
         self._knobs: Any = None
+
+    def _constexpr_getter(self, count: int) -> Any:
+        """``args -> the values at the kernel's constexpr parameters`` among the first
+        ``count`` (one C-level item lookup per launch)."""
+        params = getattr(self._jit, "params", ())[:count]
+        positions = [i for i, p in enumerate(params) if p.is_constexpr]
+        if not positions:
+            return lambda args: ()
+        getter = operator.itemgetter(*positions)
+        return getter if len(positions) > 1 else lambda args: (getter(args),)
 
     def __call__(
         self,
@@ -251,7 +267,14 @@ class CachedLauncher:
         when interpreted)."""
         entry = self._compiled.get(key)
         if entry is not None:
-            compiled, run, function, metadata = entry
+            compiled, run, function, metadata, getter, count, kept = entry
+            if len(args) != count or getter(args) != kept:
+                now = getter(args) if len(args) == count else f"{len(args)} arguments"
+                raise RuntimeError(
+                    f"CachedLauncher({getattr(self._jit, '__name__', self._jit)}): launch key "
+                    f"{key!r} was kept with constexprs {kept!r} ({count} arguments) and is now "
+                    f"launched with {now!r}; the key must name every compile-time argument"
+                )
             knobs = self._knobs
             if _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook):
                 compiled[grid](*args)
@@ -266,7 +289,16 @@ class CachedLauncher:
 
             self._knobs = knobs.runtime
             if function is not None:
-                self._compiled[key] = (compiled, run, function, metadata)
+                getter = self._constexpr_getter(len(args))
+                self._compiled[key] = (
+                    compiled,
+                    run,
+                    function,
+                    metadata,
+                    getter,
+                    len(args),
+                    getter(args),
+                )
         except (AttributeError, ImportError):  # the interpreter, or another Triton: no shortcut
             pass
         return compiled
@@ -277,9 +309,11 @@ class CachedLauncher:
         none is kept (the interpreter) and during CUDA graph capture (what a call allocates
         there belongs to the graph: it is bound on a later call outside)."""
         entry = self._compiled.get(key)
-        if entry is None or torch.cuda.is_current_stream_capturing():
+        if entry is None or (
+            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        ):
             return None
-        return BoundLaunch(entry, grid, device_index, self._knobs)
+        return BoundLaunch(entry[:4], grid, device_index, self._knobs)
 
     def __len__(self) -> int:
         """How many compiled launches are kept."""
