@@ -28,7 +28,16 @@ from torch import nn
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from w4a import _converted, _option, _w4a16, _w4a_fp8, _w4a_nvfp4, eager_us, graph_us
+from w4a import (
+    _converted,
+    _option,
+    _w4a16,
+    _w4a_fp8,
+    _w4a_nvfp4,
+    eager_us,
+    graph_us,
+    llama_8b_shaped,
+)
 
 import floatxq as fq
 
@@ -45,11 +54,12 @@ def host_us(fn, calls: int = 2000) -> float:
     return (time.perf_counter() - started) * 1e6 / calls
 
 
-def calls_bench() -> None:
+def _small_modules() -> dict[str, nn.Module]:
+    """``nn.Linear`` and each quantized module of the same 512 × 512 weight, on the GPU."""
     torch.manual_seed(0)
     linear = nn.Linear(512, 512, bias=False).cuda().to(torch.bfloat16)
     fp32 = copy.deepcopy(linear).float()  # (nn.Module.float() converts in place)
-    modules = {
+    return {
         "nn.Linear": linear,
         "TorchFP8Linear (row)": fq.TorchFP8Linear.from_linear(linear),
         "TorchFP8Linear (token activations)": fq.TorchFP8Linear.from_linear(
@@ -60,6 +70,10 @@ def calls_bench() -> None:
         "W4AFP8Linear": _w4a_fp8(fp32).cuda().post_init(),
         "W4ANVFP4Linear": _w4a_nvfp4(fp32).cuda().post_init(),
     }
+
+
+def calls_bench() -> None:
+    modules = _small_modules()
     x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
     print("| module | host us / call | over nn.Linear | route |")
     print("|---|---|---|---|")
@@ -76,15 +90,8 @@ def profile_bench() -> None:
     import cProfile
     import pstats
 
-    torch.manual_seed(0)
-    linear = nn.Linear(512, 512, bias=False).cuda().to(torch.bfloat16)
-    fp32 = copy.deepcopy(linear).float()
-    modules = {
-        "TorchFP8Linear (row)": fq.TorchFP8Linear.from_linear(linear),
-        "TorchFP4Linear": fq.TorchFP4Linear.from_linear(fp32).cuda(),
-        "GPTQLinear": _w4a16(fp32).cuda().post_init(),
-        "W4AFP8Linear": _w4a_fp8(fp32).cuda().post_init(),
-    }
+    wanted = ("TorchFP8Linear (row)", "TorchFP4Linear", "GPTQLinear", "W4AFP8Linear")
+    modules = {name: module for name, module in _small_modules().items() if name in wanted}
     x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
         for name, module in modules.items():
@@ -102,16 +109,7 @@ def model_profile_bench() -> None:
     import cProfile
     import pstats
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=8192, torch_dtype="bfloat16",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    config, base = llama_8b_shaped(2)
     variants = {
         "GPTQLinear (W4A16)": lambda: _converted(base, lambda lin: _w4a16(lin).post_init()),
         "TorchFP8Linear (row)": lambda: _converted(base, fq.TorchFP8Linear.from_linear),
@@ -140,18 +138,9 @@ def model_bench() -> None:
     built first, then each round times one eager step of each in turn, so a drift of the host's
     speed (seen between and within runs) moves all of a round's rows together; the ratio is the
     median of the per-round ratios, with its range."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     (layers,) = _option("--layers", (8,))
     (rounds,) = _option("--rounds", (7,))
-    config = LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=8192, torch_dtype="bfloat16",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    config, base = llama_8b_shaped(layers)
     models = {
         "bf16": base,
         "TorchFP8Linear (row)": _converted(base, fq.TorchFP8Linear.from_linear),

@@ -368,19 +368,25 @@ def decode_variants(base) -> dict:
     }
 
 
-def decode_bench() -> None:
+def llama_8b_shaped(layers: int):
+    """``(config, model)``: a random bf16 Llama-3-8B-shaped model of ``layers`` decoder layers
+    on the GPU (seed 0)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    (layers,) = _option("--layers", (32,))
     config = LlamaConfig(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
         max_position_embeddings=8192, torch_dtype="bfloat16",
     )  # fmt: skip
-    print(f"decode: random Llama-3-8B-shaped model, {layers} decoder layers")
     torch.manual_seed(0)
     with torch.device("cuda"):
-        base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        return config, LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def decode_bench() -> None:
+    (layers,) = _option("--layers", (32,))
+    print(f"decode: random Llama-3-8B-shaped model, {layers} decoder layers")
+    config, base = llama_8b_shaped(layers)
     print("| model | batch | ms / step | tokens/s | vs bf16 |")
     print("|---|---|---|---|---|")
     base_tps = {}

@@ -336,25 +336,29 @@ def _workspace(
 
 def bound_gemm(
     launch: Any, m: int, n: int, out_dtype: torch.dtype, device: torch.device,
-    fixed: tuple[Any, ...], tail: tuple[Any, ...], grid: tuple[int, int, int],
+    fixed: tuple[Any, ...], tail: tuple[Any, ...], grid: tuple[int, int, int], *,
+    workspace: tuple[int, int] | bool | None = True, sync: bool = False,
 ) -> Any:  # fmt: skip
     """A split-K GEMM launch bound for repeated calls (``launch`` a
     :class:`~floatxq.kernels._triton.BoundLaunch`): called with the per-call tensors, it
-    allocates the ``(m, n)`` output, takes the stream's workspace (``grid[1]`` splits of
-    ``grid[0]`` tiles; looked up once per stream) and launches ``(*inputs, *fixed, out, part,
-    counts, *tail)``, the argument order of every split-K kernel here."""
-    index, split, spaces = device.index, grid[1], {}
+    allocates the ``(m, n)`` output, takes the stream's workspace (looked up once per stream)
+    and launches ``(*inputs, *fixed, out, part, counts[, sync], *tail)``, the argument order of
+    every split-K kernel here. ``workspace``: ``(partials, tiles)`` of :func:`_workspace`, None
+    for none (``out`` stands in), or True for ``grid[1]`` splits of ``grid[0]`` tiles (none
+    without a split); ``sync``: the kernel also takes the workspace's amax words."""
+    if workspace is True:
+        workspace = (grid[1] * m * n, grid[0]) if grid[1] > 1 else None
+    index, spaces = device.index, {}
 
     def gemm(*inputs: Tensor) -> Tensor:
         out = torch.empty((m, n), dtype=out_dtype, device=device)
-        part = counts = out
-        if split > 1:
+        held: tuple[Tensor, ...] = (out, out, out)
+        if workspace:
             stream = torch._C._cuda_getCurrentRawStream(index)
-            held = spaces.get(stream)
+            held = spaces.get(stream)  # type: ignore[assignment]
             if held is None:
-                held = spaces[stream] = _workspace(device, index, split * m * n, grid[0])
-            part, counts = held[0], held[1]
-        launch(*inputs, *fixed, out, part, counts, *tail)
+                held = spaces[stream] = _workspace(device, index, *workspace)
+        launch(*inputs, *fixed, out, *held[: 3 if sync else 2], *tail)
         return out
 
     return gemm
@@ -478,23 +482,9 @@ def bound_launch(
     launch = _launcher(False).bind((key, aligned), grid, device.index)
     if launch is None:
         return None
-    index, spaces, out_dtype = device.index, {}, x.dtype
-
-    def run(x: Tensor) -> Tensor:
-        out = torch.empty((m, n), dtype=out_dtype, device=device)
-        part = counts = sync = out
-        if split > 1 or together:
-            stream = torch._C._cuda_getCurrentRawStream(index)
-            held = spaces.get(stream)
-            if held is None:
-                held = spaces[stream] = _workspace(
-                    device, index, split * m * n if split > 1 else 1, grid[0] * grid[1]
-                )
-            part, counts, sync = held
-        launch(x, *fixed, out, part, counts, sync, None, None, *tail)
-        return out
-
-    return run
+    space = (split * m * n if split > 1 else 1, grid[0] * grid[1])
+    return bound_gemm(launch, m, n, x.dtype, device, fixed, (None, None, *tail), grid,
+                      workspace=(split > 1 or together) and space, sync=True)  # fmt: skip
 
 
 def _launch(
