@@ -14,7 +14,7 @@ from torch import nn
 
 import floatxq as fq
 from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
-from floatxq.kernels import fp8_routes, w4a16, w4a_fp8
+from floatxq.kernels import fp8_routes, nvfp4, w4a16, w4a_fp8
 from floatxq.kernels._triton import call_key, on_rows
 from floatxq.nn import fp4_linear, gptq_linear
 
@@ -31,6 +31,7 @@ def _gptq(bias: bool = True) -> fq.GPTQLinear:
 BUILDERS = {
     "GPTQLinear": lambda: _gptq(),
     "W4AFP8Linear": lambda: fq.W4AFP8Linear.from_gptq_linear(_gptq()),
+    "W4ANVFP4Linear": lambda: fq.W4ANVFP4Linear.from_gptq_linear(_gptq()),
     "TorchFP4Linear": lambda: fq.TorchFP4Linear.from_linear(nn.Linear(512, 256)),
     "TorchFP8Linear row": lambda: fq.TorchFP8Linear.from_linear(nn.Linear(512, 256)),
     "TorchFP8Linear token": lambda: fq.TorchFP8Linear.from_linear(
@@ -41,6 +42,7 @@ BUILDERS = {
 FULL_PATHS = {
     "GPTQLinear": [(gptq_linear, "w4a16_frag_linear"), (w4a16, "_words_linear")],
     "W4AFP8Linear": [(w4a_fp8, "_linear")],
+    "W4ANVFP4Linear": [(nvfp4, "nvfp4_pack_and_swizzle"), (nvfp4, "_gemm")],
     "TorchFP4Linear": [(fp4_linear, "nvfp4_dequantize_kernel")],
     "TorchFP8Linear row": [(fp8_routes, "small_m_launch")],
     "TorchFP8Linear token": [(fp8_routes, "small_m_launch")],
@@ -141,6 +143,22 @@ def test_bound_call_sees_a_new_bias_and_route():
     layer.route = "reference"
     layer(x)
     assert layer.last_route == "reference"
+
+
+@pytest.mark.gpu
+def test_bound_nvfp4_call_sees_a_new_global_scale():
+    """The bound W4A-NVFP4 call reads the global-scale bits on the device each call (an
+    in-place change shows), and assigning a scale drops what is bound."""
+    layer = BUILDERS["W4ANVFP4Linear"]().cuda().post_init()
+    x = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
+    dynamic = layer(x)
+    assert torch.equal(layer(x), dynamic) and call_key(x) in layer._plans
+    layer.activation_global_scale = 0.02
+    assert layer._plans == {}
+    stored = layer(x)
+    assert torch.equal(layer(x), stored) and not torch.equal(stored, dynamic)
+    layer.activation_global_scale_bits.zero_()  # in place: dynamic again, the bound call sees it
+    assert torch.equal(layer(x), dynamic)
 
 
 @pytest.mark.gpu

@@ -4,6 +4,9 @@
   bit for every recipe (rows 0, 1, 7, 129, 1000; K 128 to 8192; float16/bfloat16/float32; zero,
   huge, tiny and subnormal blocks; global scales from 1e-30 to 1e30; strided input), and marks a
   block holding NaN or infinity with the NaN scale 0x7F;
+* ``nvfp4_global_scale_from_bits`` equals the pure ``global_scale_from_bits`` (the stored
+  scale, else ``nvfp4_dynamic_global_scale``) bit for bit: zero, NaN, infinite, subnormal,
+  huge inputs, scales that round to 0 on the FP16 grid, strided input, every grid dtype;
 * ``nvfp4_linear_prepacked`` / ``nvfp4_linear`` (both weight forms) hold the float64 value of
   the same operands within the statistical bound of FP32 summation
   (:func:`floatxq.testing.w4a_nvfp4_linear_error_bound`).
@@ -20,8 +23,10 @@ from floatxq.dispatch import nvfp4_operand
 from floatxq.gptq.decode_words import stage_decode_words
 from floatxq.gptq.int4 import pack_gptq, unpack_gptq
 from floatxq.gptq.planes import centered_int4, int4_to_e4m3
+from floatxq.kernels import nvfp4 as nvfp4_kernels
 from floatxq.kernels.nvfp4 import (
     NVFP4Tuning,
+    nvfp4_global_scale_from_bits,
     nvfp4_linear,
     nvfp4_linear_prepacked,
     nvfp4_pack_and_swizzle,
@@ -34,6 +39,7 @@ from floatxq.testing import (
     w4a_nvfp4_linear_error_bound,
 )
 from floatxq.testing.interpreter import can_interpret, needs_interpreter, run_interpreted_tests
+from floatxq.w4a.activation import global_scale_from_bits
 from floatxq.w4a.linear import w4a_nvfp4_linear
 
 RECIPES = ("nvidia", "nvidia_headroom", "four_six", "least_squares", "least_squares_headroom",
@@ -128,6 +134,50 @@ def _check_linear(seed, m, n, k, dtype, form, device, *, token=True):
         assert_within_bound(reference, bound, msg="reference")
 
 
+def _scale_inputs(seed, device, *, subnormal):
+    """``(x, why)`` cases of the global-scale kernel: random rows of several shapes (one
+    strided), all zero, one NaN, one infinity, values whose scale rounds to 0 on the FP16
+    grid, huge values, FP32 subnormals (``subnormal``: the interpreter flushes them)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(1, 128), (3, 300), (9, 2100), (17, 64), (40, 1030)]
+    if device == "cuda":
+        shapes += [(1, 8192), (32, 28672)]
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for rows, k in shapes:
+            yield torch.randn(rows, k, generator=g).to(dtype).to(device), (dtype, rows, k)
+        wide = torch.randn(7, 512, generator=g).to(dtype).to(device)
+        yield wide[:, ::2], (dtype, "strided")
+        base = torch.randn(5, 256, generator=g)
+        cases = {"zero": base * 0, "tiny": base * 5e-5 / base.abs().max(), "huge": base * 6e4}
+        for name, value in (("nan", float("nan")), ("inf", float("inf")), ("-inf", -float("inf"))):
+            cases[name] = base.clone().index_put_((torch.tensor([2]), torch.tensor([7])),
+                                                  torch.tensor(value))  # fmt: skip
+        for name, x in cases.items():
+            yield x.to(dtype).to(device), (dtype, name)
+    if subnormal:
+        yield (torch.randn(4, 256, generator=g) * 1e-40).to(device), ("float32", "subnormal")
+
+
+def _check_global_scale(device, *, subnormal):
+    stored = torch.tensor(0.0375).view(torch.int32)
+    for x, why in _scale_inputs(1, device, subnormal=subnormal):
+        for recipe in ("nvidia", "four_six", "least_squares_headroom"):
+            for bits in (torch.zeros((), dtype=torch.int32), stored):
+                got = nvfp4_global_scale_from_bits(x, bits.to(device), recipe=recipe)
+                want = global_scale_from_bits(bits, x.cpu(), recipe=recipe)  # the pure function
+                assert got.shape == () and got.device == x.device
+                assert got.view(torch.int32).item() == want.view(torch.int32).item(), (
+                    why, recipe, bits.item(), got.item(), want.item(),
+                )  # fmt: skip
+    for words in nvfp4_kernels._SCALE_WORDS.values():  # left as they were found
+        assert words.tolist() == [0, 0]
+    empty = torch.zeros(0, 128, device=device)
+    zero = torch.zeros((), dtype=torch.int32, device=device)
+    assert nvfp4_global_scale_from_bits(empty, zero).item() == 1.0
+    with pytest.raises(TypeError, match="one int32 value"):
+        nvfp4_global_scale_from_bits(empty, torch.zeros(2, dtype=torch.int32, device=device))
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU: argument checks
 # ----------------------------------------------------------------------------------------------
@@ -175,7 +225,7 @@ def test_operand_choice_and_tuning_checks():
     reason="needs Triton installed and no CUDA device (with CUDA the compiled kernel is tested)",
 )
 def test_interpreter_suite():
-    run_interpreted_tests(__file__, expected=5)
+    run_interpreted_tests(__file__, expected=6)
 
 
 @needs_interpreter
@@ -203,6 +253,11 @@ def test_interpreted_pack_rows_and_padding():
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_interpreted_pack_marks_non_finite_blocks():
     _check_non_finite("cpu")
+
+
+@needs_interpreter
+def test_interpreted_global_scale():
+    _check_global_scale("cpu", subnormal=False)
 
 
 @needs_interpreter
@@ -294,6 +349,11 @@ def test_pack_tunings_give_the_same_bytes(pack_rows):
     tuning = NVFP4Tuning(pack_rows=pack_rows, pack_rows_search=pack_rows, pack_warps=8)
     for recipe in ("nvidia", "least_squares_grid"):
         _check_pack(x, recipe, 0.03, tuning=tuning)
+
+
+@pytest.mark.gpu
+def test_global_scale_is_bitwise_the_pure_one():
+    _check_global_scale("cuda", subnormal=True)
 
 
 @pytest.mark.gpu

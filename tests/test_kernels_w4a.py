@@ -227,6 +227,8 @@ def test_operand_choice_and_tuning_checks():
     assert w4a_fp8_operand(DEFAULT_W4A_FP8_TUNING.words_max_rows + 1) == "e4m3"
     with pytest.raises(ValueError, match="power of two"):
         type(DEFAULT_W4A_FP8_TUNING)(words_block_n=48)
+    with pytest.raises(ValueError, match="dwords_small_block_n must be a power of two"):
+        type(DEFAULT_W4A_FP8_TUNING)(dwords_small_block_n=96)
     with pytest.raises(ValueError, match=">= 16"):
         w4a16_kernels.W4A16Tuning(block_k=8)
 

@@ -98,6 +98,8 @@ def test_tuning_refuses_what_the_kernels_cannot_run():
         FragTuning(stages=3)
     with pytest.raises(ValueError, match="multiple of warps"):
         FragTuning(blocks=4, warps=8)
+    with pytest.raises(ValueError, match="w4a16_blocks must be a power of two"):
+        FragTuning(w4a16_blocks=12)
     with pytest.raises(ValueError, match="int >= 1"):
         FragTuning(w4a16_max_rows=0)
 

@@ -740,22 +740,21 @@ def test_gpu_moves_keep_the_staged_bytes():
 
 
 def test_the_device_global_scale_is_the_dynamic_one_or_the_stored_one_bitwise():
-    """The no-host-read global scale of the CUDA path equals nvfp4_global_scale of max|x| on
-    x's grid while the stored value is 0.0, and the stored value otherwise (checked on CPU,
-    where the same torch ops run)."""
+    """The no-host-read global scale of a call (``global_scale_from_bits``, whose Triton twin
+    the CUDA path launches) equals nvfp4_global_scale of max|x| on x's grid while the stored
+    value is 0.0, and the stored value otherwise."""
     from floatxq.nvfp4.quantize import nvfp4_global_scale
+    from floatxq.w4a.activation import global_scale_from_bits
 
-    layer = W4ANVFP4Linear.from_gptq_linear(_gptq(50))
+    dynamic = torch.zeros((), dtype=torch.int32)
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for recipe in ("least_squares", "nvidia"):
-            layer.activation_recipe = recipe
             x2 = _x(51, 3, K, dtype=dtype)
             want = nvfp4_global_scale(x2.float().abs().amax(), grid_dtype=dtype, recipe=recipe)
-            assert torch.equal(layer._device_global_scale(x2).view(torch.int32),
-                               want.view(torch.int32)), (dtype, recipe)  # fmt: skip
-    assert layer._device_global_scale(_x(52, 0, K)).item() == 1.0  # no rows
-    layer.activation_global_scale = 0.0375
-    got = layer._device_global_scale(_x(53, 2, K))
+            got = global_scale_from_bits(dynamic, x2, recipe=recipe)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (dtype, recipe)
+    assert global_scale_from_bits(dynamic, _x(52, 0, K), recipe="nvidia").item() == 1.0
+    got = global_scale_from_bits(_f32_bits(0.0375), _x(53, 2, K), recipe="nvidia")
     assert torch.equal(got.view(torch.int32), _f32_bits(0.0375))
 
 

@@ -234,16 +234,15 @@ def nvfp4_operand(
 ) -> Literal["decode_words", "words", "e4m3"]:
     """Which weight form an ``rows``-row W4A-NVFP4 emulation GEMM reads fastest: the int16
     decode words up to ``tuning.dwords_max_rows`` rows where the caller holds them
-    (``decode_words``; 0 rows by default, see :class:`~floatxq.kernels.nvfp4.NVFP4Tuning`), the
-    int32 words up to ``tuning.words_max_rows``, else the staged E4M3 operand (same sums up to
-    FP32 order).
+    (``decode_words``), the int32 words up to ``tuning.words_max_rows``, else the staged E4M3
+    operand (same sums up to FP32 order).
 
     Example:
       >>> nvfp4_operand(1), nvfp4_operand(1, decode_words=True), nvfp4_operand(4096)
-      ('words', 'words', 'e4m3')
+      ('words', 'decode_words', 'e4m3')
       >>> from floatxq.kernels.nvfp4 import NVFP4Tuning
-      >>> nvfp4_operand(1, NVFP4Tuning(dwords_max_rows=32), decode_words=True)
-      'decode_words'
+      >>> nvfp4_operand(1, NVFP4Tuning(dwords_max_rows=0), decode_words=True)
+      'words'
     """
     if decode_words and rows <= tuning.dwords_max_rows:
         return "decode_words"

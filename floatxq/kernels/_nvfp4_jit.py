@@ -31,7 +31,7 @@ from floatxq.kernels._fp8_weight_jit import fp8_encode
 from floatxq.kernels._w4a_jit import split_k_reduce, tile_of, unpack_fields
 from floatxq.kernels._w4a_words_jit import centered_slice
 
-__all__ = ["INTERPRETED", "nvfp4_pack_kernel", "w4a_nvfp4_kernel"]
+__all__ = ["INTERPRETED", "nvfp4_global_scale_kernel", "nvfp4_pack_kernel", "w4a_nvfp4_kernel"]
 
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 """Whether the functions below were jitted for the interpreter (``TRITON_INTERPRET=1``)."""
@@ -154,6 +154,60 @@ def scan_window(amax, best_e, g, windowed):
     first = tl.where(ok, tl.maximum(first, 1), 1)
     last = tl.where(ok, tl.minimum(last, 126), 126)
     return first, last
+
+
+@triton.jit
+@no_type_check
+def nvfp4_global_scale_kernel(
+    x_ptr,
+    bits_ptr,
+    g_ptr,
+    words_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    DIVISOR: tl.constexpr,
+    GRID: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The FP32 global scale of one NVFP4 activation into ``g_ptr[0]``: the value whose bits
+    ``bits_ptr[0]`` (int32) holds, or while they are 0 :func:`floatxq.nvfp4_dynamic_global_scale`
+    of ``x`` ``(M, K)``, bit for bit.
+
+    Each program takes the largest ``|x|`` bit pattern of its ``BLOCK_R × BLOCK_K`` tile (no
+    flush; NaN above infinity, as ``amax`` propagates it) into ``words_ptr[0]`` with an atomic
+    maximum, then counts itself in ``words_ptr[1]``; the last to arrive takes the maximum, sets
+    both words back to 0 (the workspace is left as it was found) and divides it by ``448 ·
+    DIVISOR`` (IEEE, at least FP32's smallest subnormal, 1 for 0 or NaN), rounding it through
+    ``GRID`` (0 FP32, 1 FP16, 2 BF16; a value that rounds to 0 keeps its FP32 value). A stored
+    scale skips the loads.
+    """
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    stored = tl.load(bits_ptr)
+    if stored == 0:
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        ok = (rows < M)[:, None] & (cols < K)[None, :]
+        offs = rows.to(tl.int64)[:, None] * stride_xm + cols.to(tl.int64)[None, :] * stride_xk
+        v = tl.abs(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32))
+        tl.atomic_max(words_ptr, tl.max(tl.max(v.to(tl.int32, bitcast=True), axis=1), axis=0))
+    if tl.atomic_add(words_ptr + 1, 1) == programs - 1:  # the last program: the scale
+        amax = tl.atomic_xchg(words_ptr, 0).to(tl.float32, bitcast=True)
+        tl.atomic_xchg(words_ptr + 1, 0)
+        tiniest = tl.full([], 1, tl.int32).to(tl.float32, bitcast=True)  # (a literal is FP64)
+        quotient = tl.maximum(tl.math.div_rn(amax, 448.0 * DIVISOR), tiniest)
+        scale = tl.where(amax > 0.0, quotient, 1.0)
+        if GRID == 1:
+            rounded = scale.to(tl.float16).to(tl.float32)
+            scale = tl.where(rounded > 0.0, rounded, scale)
+        elif GRID == 2:  # nearest-even on the bits (the interpreter has no BF16 rounding)
+            b = scale.to(tl.int32, bitcast=True)
+            b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16  # (b >= 0: the scale is positive)
+            rounded = b.to(tl.float32, bitcast=True)
+            scale = tl.where(rounded > 0.0, rounded, scale)
+        tl.store(g_ptr, tl.where(stored == 0, scale, stored.to(tl.float32, bitcast=True)))
 
 
 @triton.jit

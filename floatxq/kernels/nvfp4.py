@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from floatxq._checks import real_scalar, require_floating
-from floatxq._typing import Float, Float8e4m3fn, Float32, Shaped, Tensor
+from floatxq._typing import Float, Float8e4m3fn, Float32, Int32, Shaped, Tensor
 from floatxq.formats import (
     K_GROUP,
     MODEL_DTYPES,
@@ -49,11 +49,13 @@ from floatxq.kernels._triton import (
     triton_unavailable_reason,
 )
 from floatxq.nvfp4.operand import padded_rows
+from floatxq.nvfp4.quantize import _divisor
 from floatxq.w4a.linear import _check_nvfp4_shapes, _check_nvfp4_weight_side
 
 __all__ = [
     "DEFAULT_NVFP4_TUNING",
     "NVFP4Tuning",
+    "nvfp4_global_scale_from_bits",
     "nvfp4_linear",
     "nvfp4_linear_prepacked",
     "nvfp4_native_gemm",
@@ -88,12 +90,9 @@ class NVFP4Tuning:
     pack_rows_search: int = 16
     """Rows per program of the searching recipes (``least_squares*``, ``exhaustive``)."""
     pack_warps: int = 4
-    dwords_max_rows: int = 0
+    dwords_max_rows: int = 32
     """Largest row count for which :func:`floatxq.dispatch.nvfp4_operand` picks the int16 decode
-    words (where the module holds them): 0, off. Their GEMM gave wrong sums in a GPU test,
-    traced afterwards to a launch key shared with the int32 words of the same shape (fixed,
-    benchmarks/RESULTS.md, 2026-12-02); until a GPU run confirms the in-kernel decode, compiled
-    launches given them decode both operands to FP16 first (exact, slower)."""
+    words (where the module holds them); 0 turns them off."""
     words_max_rows: int = 64
     """Largest row count for which the GEMM reads the int32 words when it is given them (above
     it the staged E4M3 operand is faster; :func:`floatxq.dispatch.nvfp4_operand` picks)."""
@@ -147,7 +146,11 @@ def _launchers(interpret: bool) -> tuple[CachedLauncher, ...]:
     sources = import_kernel_sources(
         "floatxq.kernels._nvfp4_jit", interpret=interpret, where="floatxq.kernels.nvfp4"
     )
-    return CachedLauncher(sources.nvfp4_pack_kernel), CachedLauncher(sources.w4a_nvfp4_kernel)
+    return (
+        CachedLauncher(sources.nvfp4_pack_kernel),
+        CachedLauncher(sources.w4a_nvfp4_kernel),
+        CachedLauncher(sources.nvfp4_global_scale_kernel),
+    )
 
 
 def _options(interpret: bool, warps: int) -> dict[str, object]:
@@ -237,19 +240,114 @@ def nvfp4_pack_and_swizzle(
     interpret = triton_interpret_enabled()
     if interpret:
         x = x.float()  # (the interpreter's own widening flushes subnormals)
-    cheap = local in ("nvidia", "four_six")
-    block_r = tuning.pack_rows if cheap else tuning.pack_rows_search
-    grid = (padded_rows(rows) // block_r, groups, 1)
-    args = (
-        x, g, packed, scales, rows, k, padded_rows(rows), x.stride(0), x.stride(1),
-        _LOCAL[local], block_r,
-    )  # fmt: skip
-    key = (x.dtype, x.data_ptr() % 16 == 0, _specialized(rows, x.stride(0), x.stride(1)),
-           _LOCAL[local], block_r, tuning.pack_warps)  # fmt: skip
+    key, grid, tail = _pack_spec(x, local, tuning)
     guard, index = launch_device(device)
     with guard:
-        _launchers(interpret)[0](key, grid, args, _options(interpret, tuning.pack_warps), index)
+        launcher = _launchers(interpret)[0]
+        launcher(key, grid, (x, g, packed, scales, *tail), _options(interpret, tuning.pack_warps),
+                 index)  # fmt: skip
     return packed.view(_FP4X2), scales.view(_E4M3)
+
+
+def _pack_spec(
+    x: Tensor, local: str, tuning: NVFP4Tuning
+) -> tuple[Any, tuple[int, int, int], tuple[Any, ...]]:
+    """``(launch key, grid, arguments after the four pointers)`` of a packer launch."""
+    rows, k = x.shape
+    block_r = tuning.pack_rows if local in ("nvidia", "four_six") else tuning.pack_rows_search
+    grid = (padded_rows(rows) // block_r, k // K_GROUP, 1)
+    tail = (rows, k, padded_rows(rows), x.stride(0), x.stride(1), _LOCAL[local], block_r)
+    key = (x.dtype, x.data_ptr() % 16 == 0, _specialized(rows, x.stride(0), x.stride(1)),
+           _LOCAL[local], block_r, tuning.pack_warps)  # fmt: skip
+    return key, grid, tail
+
+
+_SCALE_GRIDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_SCALE_WORDS: dict[Any, Tensor] = {}
+_SCALE_WARPS = 4
+
+
+def nvfp4_global_scale_from_bits(
+    x: Float[Tensor, "rows k"],
+    bits: Int32[Tensor, "*one"],
+    *,
+    recipe: NVFP4RecipeName = NVFP4_DEFAULT_RECIPE,
+) -> Float32[Tensor, ""]:
+    """The FP32 global scale an NVFP4 activation ``x`` is packed with, in one launch and with
+    no host read: the value whose bit pattern ``bits`` holds, or, while it is 0, the dynamic
+    :func:`floatxq.nvfp4_dynamic_global_scale` of ``x`` (as a W4A-NVFP4 module holds its scale).
+
+    Args:
+      x: ``(rows, K)`` float16/bfloat16/float32 CUDA tensor (any strides).
+      bits: a one-element int32 tensor on ``x``'s device (the FP32 scale's bits; not read on
+        the host).
+      recipe: the NVFP4 recipe (its E2M1 divisor: 6 or 4).
+
+    Returns:
+      A 0-d FP32 tensor on ``x``'s device (an empty ``x`` with bits 0: 1, without a launch).
+
+    Raises:
+      TypeError: a CPU tensor (without ``TRITON_INTERPRET=1``), another dtype, not 2-D; ``bits``
+        not a one-element int32 tensor on ``x``'s device.
+      ValueError: an unknown recipe.
+      RuntimeError: Triton missing, or a GPU below SM 8.9.
+
+    Numerics: bit for bit the pure ``torch.where(bits == 0, nvfp4_dynamic_global_scale(x),
+    bits.view(float32))``: the maximum is exact (NaN propagates: the scale is then 1, as
+    there), one IEEE division, one nearest-even rounding through ``x.dtype``'s grid.
+
+    Example:
+      >>> nvfp4_global_scale_from_bits(torch.full((2, 16), 1792.0, device="cuda"),
+      ...     torch.zeros((), dtype=torch.int32, device="cuda")).item()  # doctest: +SKIP
+      1.0
+    """
+    where = "nvfp4_global_scale_from_bits"
+    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.dtype not in MODEL_DTYPES:
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{where}: x must be a 2-D float16/bfloat16/float32 tensor, got {got}")
+    if not isinstance(bits, torch.Tensor) or bits.dtype != torch.int32 or bits.numel() != 1:
+        got = f"{bits.dtype} {tuple(bits.shape)}" if isinstance(bits, torch.Tensor) else bits
+        raise TypeError(f"{where}: bits must be one int32 value (the FP32 bits), got {got}")
+    divisor = _divisor(normalize_nvfp4_recipe(recipe))
+    device = require_kernel_device((x, bits), where=where, reason=nvfp4_unavailable_reason)
+    if x.numel() == 0:
+        return torch.where(bits.reshape(()) == 0, 1.0, bits.reshape(()).view(torch.float32))
+    g = torch.empty((), dtype=torch.float32, device=device)
+    interpret = triton_interpret_enabled()
+    grid_dtype = _SCALE_GRIDS[x.dtype]
+    if interpret:
+        x = x.float()  # (the interpreter's own widening flushes subnormals)
+    key, grid, tail = _scale_spec(x, bits, divisor, grid_dtype)
+    guard, index = launch_device(device)
+    with guard:
+        args = (x, bits, g, _scale_words(device, index), *tail)
+        _launchers(interpret)[2](key, grid, args, _options(interpret, _SCALE_WARPS), index)
+    return g
+
+
+def _scale_spec(
+    x: Tensor, bits: Tensor, divisor: float, grid_dtype: int
+) -> tuple[Any, tuple[int, int, int], tuple[Any, ...]]:
+    """``(launch key, grid, arguments after the four pointers)`` of a global-scale launch."""
+    rows, k = x.shape
+    block_r = 1 << min(3, (rows - 1).bit_length())  # up to 8 rows ...
+    block_k = 1 << min(10, (k - 1).bit_length())  # ... by up to 1024 columns a program
+    grid = (-(-rows // block_r), -(-k // block_k), 1)
+    tail = (rows, k, x.stride(0), x.stride(1), divisor, grid_dtype, block_r, block_k)
+    key = (x.dtype, x.data_ptr() % 16 == 0, bits.data_ptr() % 16 == 0,
+           _specialized(rows, k, x.stride(0), x.stride(1)), *tail[4:])  # fmt: skip
+    return key, grid, tail
+
+
+def _scale_words(device: torch.device, index: int) -> Tensor:
+    """The two int32 words (maximum, arrivals) of a global-scale launch on the current stream
+    (one pair per device and stream: launches on one stream run in order); zero between
+    launches, as the kernel leaves them."""
+    stream = torch._C._cuda_getCurrentRawStream(index) if device.type == "cuda" else 0
+    words = _SCALE_WORDS.get((device, stream))
+    if words is None:
+        words = _SCALE_WORDS[(device, stream)] = torch.zeros(2, dtype=torch.int32, device=device)
+    return words
 
 
 def nvfp4_linear_prepacked(
@@ -384,12 +482,62 @@ def _gemm(
     out = torch.empty((m, n), dtype=output_dtype, device=device)
     if m == 0 or n == 0:
         return out
-    words = weight.dtype in (torch.int32, torch.int16)
     interpret = triton_interpret_enabled()
     c = codes.view(torch.uint8)
-    act, mode = c, {torch.int32: 0, torch.int16: 3}.get(weight.dtype, 1)
-    # (mode 3, the in-kernel decode of the int16 words, is not yet confirmed on the GPU)
-    decoded = (m > tuning.words_max_rows or mode == 3) and not interpret
+    key, grid, tail, options, mode, decoded = _gemm_spec(
+        c, weight, group_scales, bias, token_scale, output_dtype, device, tuning, interpret
+    )
+    split, act = grid[1], c
+    if mode == 3:
+        weight = weight.contiguous()  # (the kernel steps the decode words' rows by n)
+    if decoded:  # prefill: both operands decoded exactly to FP16 first (pipelined MMA loads)
+        from floatxq.kernels.nvfp4_decoding import nvfp4_decode
+
+        act = nvfp4_decode(codes, scales, 1.0, k, torch.float16)  # e2m1 · block scale: exact
+        if mode == 0:
+            weight = (_unpack_fields(weight, 0, 4).to(torch.int16) - 8).to(torch.float16)
+        elif mode == 3:
+            weight = (unstage_decode_words(weight, k).to(torch.int16) - 8).to(torch.float16)
+        else:
+            weight = weight.to(torch.float16)  # (keeps the operand's strides)
+    w = weight.view(torch.int8) if mode == 1 and not decoded else weight
+    guard, index = launch_device(device)
+    with guard:
+        if split > 1:
+            part, counts, _ = fp8_small_m._workspace(device, index, split * m * n, grid[0])
+        else:
+            part = counts = out
+        args = (
+            act, scales.view(torch.uint8), g, token_scale if token_scale is not None else g, w,
+            group_scales, bias if bias is not None else group_scales, out, part, counts,
+            *_gemm_rest(m, n, k, act, w, group_scales, out), *tail,
+        )  # fmt: skip
+        aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:10])
+        _launchers(interpret)[1]((key, aligned), grid, args, options, index)
+    return out
+
+
+def _gemm_rest(
+    m: int, n: int, k: int, act: Tensor, w: Tensor, group_scales: Tensor, out: Tensor
+) -> tuple[int, ...]:
+    """The GEMM's integer arguments after its ten pointers."""
+    return (
+        m, n, k, padded_rows(m), act.stride(0), w.stride(0), w.stride(1), group_scales.stride(0),
+        group_scales.stride(1), out.stride(0),
+    )  # fmt: skip
+
+
+def _gemm_spec(
+    c: Tensor, weight: Tensor, group_scales: Tensor, bias: Tensor | None,
+    token_scale: Tensor | None, output_dtype: torch.dtype, device: torch.device,
+    tuning: NVFP4Tuning, interpret: bool,
+) -> tuple[Any, tuple[int, int, int], tuple[Any, ...], dict[str, Any], int, bool]:  # fmt: skip
+    """``(launch key, grid, constexpr tail, options, weight mode, decoded)`` of a GEMM of the
+    uint8 codes ``c``: mode 0 int32 words, 1 staged E4M3, 2 FP16 (``decoded``: both operands
+    decoded first, many rows), 3 int16 decode words."""
+    m, k, n = c.shape[0], c.shape[1] * 2, weight.shape[1]
+    mode = {torch.int32: 0, torch.int16: 3}.get(weight.dtype, 1)
+    decoded = m > tuning.words_max_rows and not interpret
     # the key names every compile-time choice (the weight form and the decoded path included:
     # int32 and int16 words of one shape have the same strides)
     key = (
@@ -399,42 +547,82 @@ def _gemm(
     )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _plan(m, n, k // 128, words, device, tuning, interpret)
+        plan = _PLANS[key] = _plan(m, n, k // 128, mode in (0, 3), device, tuning, interpret)
     grid, tail, options = plan
-    split = grid[1]
-    if mode == 3:
-        weight = weight.contiguous()  # (the kernel steps the decode words' rows by n)
-    if decoded:  # prefill: both operands decoded exactly to FP16 first (pipelined MMA loads)
-        from floatxq.kernels.nvfp4_decoding import nvfp4_decode
+    flags = (2 if decoded else mode, decoded, token_scale is not None, bias is not None)
+    return key, grid, (*flags, *tail, not interpret), options, mode, decoded
 
-        act = nvfp4_decode(codes, scales, 1.0, k, torch.float16)  # e2m1 · block scale: exact
-        if mode == 3:
-            weight = (unstage_decode_words(weight, k).to(torch.int16) - 8).to(torch.float16)
-        elif words:
-            weight = (_unpack_fields(weight, 0, 4).to(torch.int16) - 8).to(torch.float16)
-        else:
-            weight = weight.to(torch.float16)  # (keeps the operand's strides)
-        mode = 2
-    w = weight if mode != 1 else weight.view(torch.int8)
-    guard, index = launch_device(device)
-    with guard:
-        if split > 1:
-            tiles_m = -(-m // tail[0])
-            part, counts, _ = fp8_small_m._workspace(
-                device, index, split * m * n, tiles_m * -(-n // tail[1])
-            )
-        else:
-            part = counts = out
-        args = (
-            act, scales.view(torch.uint8), g, token_scale if token_scale is not None else g, w,
-            group_scales, bias if bias is not None else group_scales, out, part, counts, m, n, k,
-            padded_rows(m), act.stride(0), w.stride(0), w.stride(1), group_scales.stride(0),
-            group_scales.stride(1), out.stride(0), mode, decoded, token_scale is not None,
-            bias is not None, *tail, not interpret,
-        )  # fmt: skip
-        aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:10])
-        _launchers(interpret)[1]((key, aligned), grid, args, options, index)
-    return out
+
+def bound_linear(
+    x: Tensor, bits: Tensor, recipe: str, weight: Tensor, group_scales: Tensor,
+    bias: Tensor | None,
+) -> Callable[[Tensor], Tensor] | None:  # fmt: skip
+    """``W4ANVFP4Linear``'s emulated call — :func:`nvfp4_global_scale_from_bits`,
+    :func:`nvfp4_pack_and_swizzle`, then the GEMM on ``weight`` (its int32 words, int16 decode
+    words or staged E4M3 operand), default tuning — bound for every ``x`` like this one (shape,
+    dtype, strides, device, alignment; at most 32 rows: decode-sized calls, where host time
+    shows) once those three have launched; None where nothing is kept. ``bits``: the module's
+    0-d int32 global-scale bits; the rest its checked buffers."""
+    device, tuning = x.device, DEFAULT_NVFP4_TUNING
+    (m, k), n = x.shape, weight.shape[1]
+    if device.type != "cuda" or triton_interpret_enabled() or not 0 < m <= 32 or not n:
+        return None
+    if weight.dtype == torch.int16 and not weight.is_contiguous():
+        return None
+    local = nvfp4_kernel_recipe(normalize_nvfp4_recipe(recipe))
+    scale_key, scale_grid, scale_tail = _scale_spec(
+        x, bits, _divisor(normalize_nvfp4_recipe(recipe)), _SCALE_GRIDS[x.dtype]
+    )
+    pack_key, pack_grid, pack_tail = _pack_spec(x, local, tuning)
+    c = torch.empty((m, k // 2), dtype=torch.uint8, device=device)
+    key, grid, tail, _, mode, _ = _gemm_spec(
+        c, weight, group_scales, bias, None, x.dtype, device, tuning, False
+    )
+    w = weight.view(torch.int8) if mode == 1 else weight
+    fixed = (w, group_scales, bias if bias is not None else group_scales)
+    aligned = (True,) * 4 + tuple(a.data_ptr() % 16 == 0 for a in fixed) + (True,) * 3
+    launchers = _launchers(False)
+    scale = launchers[2].bind(scale_key, scale_grid, device.index)
+    pack = launchers[0].bind(pack_key, pack_grid, device.index)
+    gemm = launchers[1].bind((key, aligned), grid, device.index)
+    if scale is None or pack is None or gemm is None:
+        return None
+    out = torch.empty((m, n), dtype=x.dtype, device=device)
+    rest = (*_gemm_rest(m, n, k, c, w, group_scales, out), *tail)
+    gemm_call = fp8_small_m.bound_gemm(gemm, m, n, x.dtype, device, fixed, rest, grid)
+    index, shapes = device.index, ((m, k // 2), (k // K_GROUP, padded_rows(m) * 8))
+
+    def linear(x: Tensor) -> Tensor:
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        held = _SCRATCH.get((device, stream, m, k))
+        if held is None:
+            held = _scratch(device, index, stream, m, k, shapes)
+        g, codes, block_scales, words = held
+        scale(x, bits, g, words, *scale_tail)
+        pack(x, g, codes, block_scales, *pack_tail)
+        return gemm_call(codes, block_scales, g, g)
+
+    return linear
+
+
+_SCRATCH: dict[Any, tuple[Tensor, ...]] = {}
+
+
+def _scratch(
+    device: torch.device, index: int, stream: int, m: int, k: int,
+    shapes: tuple[tuple[int, int], tuple[int, int]],
+) -> tuple[Tensor, ...]:  # fmt: skip
+    """The bound calls' global scale, codes, block scales and scale words for ``m × k``
+    activations on one stream: shared by every module, since a stream runs its launches in
+    order (a call's GEMM has read them before the next call's first launch writes them). Two
+    CUDA graphs captured on one stream share them too: replay those on one stream."""
+    held = _SCRATCH[(device, stream, m, k)] = (
+        torch.empty((), dtype=torch.float32, device=device),
+        torch.empty(shapes[0], dtype=torch.uint8, device=device),
+        torch.empty(shapes[1], dtype=torch.uint8, device=device),
+        _scale_words(device, index),
+    )
+    return held
 
 
 def nvfp4_native_gemm(

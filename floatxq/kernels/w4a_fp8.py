@@ -88,6 +88,11 @@ class W4AFP8Tuning:
     dwords_block_n: int = 128
     dwords_stages: int = 2
     dwords_target_programs: int = 4
+    dwords_small_weight: int = 4096 * 4096
+    """Up to this many weights (N·K) the decode-words launch below ``dwords_wide_rows`` takes
+    ``dwords_small_block_n``-wide tiles (measured at 16 rows, ``benchmarks/w4a_tuning_sweep.py``:
+    1.3× faster at 4096 × 4096, 2.2× at 1024 × 4096; slower on larger layers)."""
+    dwords_small_block_n: int = 64
     dwords_wide_rows: int = 17
     """From this row count on the decode-words launch takes the ``dwords_wide_*`` shapes."""
     dwords_wide_block_n: int = 256
@@ -123,8 +128,9 @@ class W4AFP8Tuning:
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"W4AFP8Tuning: {f.name} must be an int >= 1, got {value!r}")
-        for name in ("words_block_n", "dwords_block_n", "dwords_wide_block_n", "e4m3_block_m",
-                     "e4m3_block_n", "pack_rows", "pack_block_k"):  # fmt: skip
+        for name in ("words_block_n", "dwords_block_n", "dwords_wide_block_n",
+                     "dwords_small_block_n", "e4m3_block_m", "e4m3_block_n", "pack_rows",
+                     "pack_block_k"):  # fmt: skip
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"W4AFP8Tuning: {name} must be a power of two, got {value}")
@@ -572,6 +578,8 @@ def _dwords_spec(
     if plan is None:
         wide = m >= tuning.dwords_wide_rows
         block_n = tuning.dwords_wide_block_n if wide else tuning.dwords_block_n
+        if not wide and n * k <= tuning.dwords_small_weight:
+            block_n = tuning.dwords_small_block_n
         stages = tuning.dwords_wide_stages if wide else tuning.dwords_stages
         target = tuning.dwords_wide_target_programs if wide else tuning.dwords_target_programs
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -579,8 +587,8 @@ def _dwords_spec(
         groups = k // K_GROUP
         sms = fp8_small_m._sm_count(device) or 1
         split = 1
-        for d in _divisors(groups):
-            if tiles * d <= target * sms:
+        for d in _divisors(groups):  # (at least two groups a program: one alone runs slower)
+            if tiles * d <= target * sms and (groups // d >= 2 or d == 1):
                 split = d
         pdl = dependent_launches(device)  # (it starts while the token packing ends)
         tail = (bias is not None, not interpret, block_m, block_n, groups // split, split, pdl)

@@ -66,12 +66,17 @@ class FragTuning:
     w4a_fp8_max_rows: int = 4
     """Largest row count :func:`floatxq.dispatch.w4a_fp8_operand` sends here (W4A-FP8)."""
     blocks: int = 8
-    """Blocks of 16 output columns a program computes."""
+    """Blocks of 16 output columns a program of the W4A-FP8 kernel computes."""
     warps: int = 4
     stages: int = 2
     """Tiles of 128 input rows loaded ahead (1 or 2)."""
     target_programs: int = 6
-    """K is split until about this many programs per SM are launched."""
+    """The W4A-FP8 kernel splits K until about this many programs per SM are launched."""
+    w4a16_blocks: int = 4
+    """``blocks`` of the W4A16 kernel (measured on the Llama-3-8B layer shapes and 8192 × 8192,
+    ``benchmarks/w4a_tuning_sweep.py``: 1.0–1.3× faster than 8 blocks at 6 programs)."""
+    w4a16_target_programs: int = 8
+    """``target_programs`` of the W4A16 kernel."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -80,11 +85,13 @@ class FragTuning:
                 raise ValueError(f"FragTuning: {f.name} must be an int >= 1, got {value!r}")
         if self.stages > 2:
             raise ValueError(f"FragTuning: stages must be 1 or 2, got {self.stages}")
-        if self.blocks % self.warps or self.blocks & (self.blocks - 1):
-            raise ValueError(
-                f"FragTuning: blocks must be a power of two and a multiple of warps, got "
-                f"blocks={self.blocks}, warps={self.warps}"
-            )
+        for name in ("blocks", "w4a16_blocks"):
+            blocks = getattr(self, name)
+            if blocks % self.warps or blocks & (blocks - 1):
+                raise ValueError(
+                    f"FragTuning: {name} must be a power of two and a multiple of warps, got "
+                    f"{name}={blocks}, warps={self.warps}"
+                )
 
 
 DEFAULT_FRAG_TUNING = FragTuning()
@@ -156,19 +163,22 @@ def _aligned(*tensors: Tensor | None) -> tuple[bool, ...]:
 
 
 def _plan(
-    m: int, n: int, k: int, device: torch.device, tuning: FragTuning, head: tuple[Any, ...]
-) -> tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]:
+    m: int, n: int, k: int, device: torch.device, tuning: FragTuning, head: tuple[Any, ...],
+    w4a16: bool = False,
+) -> tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]]:  # fmt: skip
     """``(grid, constexpr tail, options)``: the even K split that keeps about
-    ``tuning.target_programs`` programs per SM."""
-    tiles = -(-n // (FRAGMENT_COLUMNS * tuning.blocks))
+    ``tuning.target_programs`` (``w4a16``: ``w4a16_target_programs``) programs per SM."""
+    blocks = tuning.w4a16_blocks if w4a16 else tuning.blocks
+    target = tuning.w4a16_target_programs if w4a16 else tuning.target_programs
+    tiles = -(-n // (FRAGMENT_COLUMNS * blocks))
     steps = -(-k // DECODE_TILE_ROWS)
-    programs = tuning.target_programs * (fp8_small_m._sm_count(device) or 1)
+    programs = target * (fp8_small_m._sm_count(device) or 1)
     fits = [d for d in range(1, steps + 1) if steps % d == 0 and tiles * d <= programs]
     split = max(fits, default=1)
     width = 8 if m <= 8 else (16 if m <= 16 else _MAX_ROWS)
     # PREFETCH_X (the constexpr after the warps) stays off: measured slower (RESULTS.md)
-    tail = (*head, k % DECODE_TILE_ROWS == 0, n % (FRAGMENT_COLUMNS * tuning.blocks) == 0,
-            tuning.blocks, width, steps // split, split, tuning.stages, tuning.warps,
+    tail = (*head, k % DECODE_TILE_ROWS == 0, n % (FRAGMENT_COLUMNS * blocks) == 0,
+            blocks, width, steps // split, split, tuning.stages, tuning.warps,
             False)  # fmt: skip
     return (tiles, split, 1), tail, {"num_warps": tuning.warps}
 
@@ -184,7 +194,7 @@ def _w4a16_spec(
     plan = _PLANS.get(key)
     if plan is None:
         head = (group, group >= k or group % DECODE_TILE_ROWS == 0, has_lo, bias is not None)
-        plan = _PLANS[key] = _plan(m, n, k, device, tuning, head)
+        plan = _PLANS[key] = _plan(m, n, k, device, tuning, head, w4a16=True)
     return key, plan
 
 
