@@ -103,9 +103,10 @@ def main() -> None:
                     w16_cfgs[name] = dataclasses.replace(
                         frag_default, w4a16_blocks=blocks, w4a16_target_programs=target
                     )
+            has_lo = gptq[0].scales.dtype != x.dtype  # (FP16 scales, BF16 x: as the modules)
             _sweep(f"W4A16 frag, {n}x{k}, {m}", w16_cfgs, lambda t: [
                 lambda f=f, o=o: w4a_frag.w4a16_frag_linear(
-                    x, f, o, None, k, n, 128, device, False, t
+                    x, f, o, None, k, n, 128, device, has_lo, t
                 ) for f, o in zip(frags, ops, strict=True)
             ])  # fmt: skip
             words_cfgs = {"default": w16_default}
