@@ -15,7 +15,7 @@ from torch import nn
 import floatxq as fq
 from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
 from floatxq.kernels import fp8_routes, nvfp4, w4a16, w4a_fp8
-from floatxq.kernels._triton import call_key, on_rows
+from floatxq.kernels._triton import call_key, new_output, on_rows
 from floatxq.nn import fp4_linear, gptq_linear
 
 
@@ -59,6 +59,21 @@ def test_call_key_and_on_rows_on_cpu():
     assert on_rows(lambda t: t, x.transpose(0, 1), 4) is None  # flattens only by a copy
     flat = lambda t: t
     assert on_rows(flat, x[0], 4) is flat  # two axes: as it is
+
+
+def test_new_output_is_the_result_without_a_launch_only_when_nothing_is_summed():
+    """The GEMM kernels' shared prologue: no rows or columns give an empty result, no K the
+    bias rounded to the output dtype (else zeros); otherwise the caller launches."""
+    cpu, bias = torch.device("cpu"), torch.tensor([1.0 / 3, -2.0, 7.5])
+    for m, n in ((0, 3), (2, 0)):
+        out, done = new_output(m, n, 128, torch.bfloat16, cpu, bias)
+        assert done and out.shape == (m, n) and out.dtype == torch.bfloat16
+    out, done = new_output(2, 3, 0, torch.bfloat16, cpu, bias)
+    assert done and torch.equal(out, bias.to(torch.bfloat16).expand(2, 3))
+    out, done = new_output(2, 3, 0, torch.float16, cpu, None)
+    assert done and torch.equal(out, torch.zeros(2, 3, dtype=torch.float16))
+    out, done = new_output(2, 3, 128, torch.float32, cpu, bias)
+    assert not done and out.shape == (2, 3)
 
 
 @pytest.mark.parametrize("name", ["GPTQLinear", "W4AFP8Linear"])

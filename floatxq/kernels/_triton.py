@@ -27,6 +27,7 @@ __all__ = [
     "import_kernel_sources",
     "import_triton",
     "launch_device",
+    "new_output",
     "on_rows",
     "require_kernel_device",
     "triton_available",
@@ -369,6 +370,23 @@ def launch_device(device: torch.device) -> tuple[contextlib.AbstractContextManag
     if device.index is None or device.index == index:
         return contextlib.nullcontext(), index
     return torch.cuda.device(device), device.index
+
+
+def new_output(
+    m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, bool]:
+    """``(out, done)`` of a GEMM launch: a fresh ``(m, n)`` output in ``dtype``, and whether it
+    is already the result (no rows or columns: left empty; ``k == 0``: the bias broadcast over
+    the rows, else zeros), so that nothing is launched.
+
+    Numerics: the bias rounded once to ``dtype``.
+    """
+    out = torch.empty((m, n), dtype=dtype, device=device)
+    if m == 0 or n == 0:
+        return out, True
+    if k == 0:
+        return (out.copy_(bias.to(dtype).expand(m, n)) if bias is not None else out.zero_()), True
+    return out, False
 
 
 def call_key(x: torch.Tensor) -> tuple[Any, ...]:

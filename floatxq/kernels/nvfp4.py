@@ -262,6 +262,8 @@ def _pack_spec(
     return key, grid, tail
 
 
+BOUND_MAX_ROWS = 32
+"""The most rows :func:`bound_linear` binds (decode-sized calls, where host time shows)."""
 _SCALE_GRIDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _SCALE_WORDS: dict[Any, Tensor] = {}
 _SCALE_WARPS = 4
@@ -510,7 +512,7 @@ def _gemm(
         args = (
             act, scales.view(torch.uint8), g, token_scale if token_scale is not None else g, w,
             group_scales, bias if bias is not None else group_scales, out, part, counts,
-            *_gemm_rest(m, n, k, act, w, group_scales, out), *tail,
+            *_gemm_rest(m, n, k, act, w, group_scales), *tail,
         )  # fmt: skip
         aligned = tuple(a.data_ptr() % 16 == 0 for a in args[:10])
         _launchers(interpret)[1]((key, aligned), grid, args, options, index)
@@ -518,12 +520,12 @@ def _gemm(
 
 
 def _gemm_rest(
-    m: int, n: int, k: int, act: Tensor, w: Tensor, group_scales: Tensor, out: Tensor
+    m: int, n: int, k: int, act: Tensor, w: Tensor, group_scales: Tensor
 ) -> tuple[int, ...]:
-    """The GEMM's integer arguments after its ten pointers."""
+    """The GEMM's integer arguments after its ten pointers (the output contiguous)."""
     return (
         m, n, k, padded_rows(m), act.stride(0), w.stride(0), w.stride(1), group_scales.stride(0),
-        group_scales.stride(1), out.stride(0),
+        group_scales.stride(1), n,
     )  # fmt: skip
 
 
@@ -565,15 +567,15 @@ def bound_linear(
     0-d int32 global-scale bits; the rest its checked buffers."""
     device, tuning = x.device, DEFAULT_NVFP4_TUNING
     (m, k), n = x.shape, weight.shape[1]
-    if device.type != "cuda" or triton_interpret_enabled() or not 0 < m <= 32 or not n:
+    if device.type != "cuda" or triton_interpret_enabled() or not 0 < m <= BOUND_MAX_ROWS or not n:
         return None
     if weight.dtype == torch.int16 and not weight.is_contiguous():
         return None
-    local = nvfp4_kernel_recipe(normalize_nvfp4_recipe(recipe))
+    recipe = normalize_nvfp4_recipe(recipe)
     scale_key, scale_grid, scale_tail = _scale_spec(
-        x, bits, _divisor(normalize_nvfp4_recipe(recipe)), _SCALE_GRIDS[x.dtype]
+        x, bits, _divisor(recipe), _SCALE_GRIDS[x.dtype]
     )
-    pack_key, pack_grid, pack_tail = _pack_spec(x, local, tuning)
+    pack_key, pack_grid, pack_tail = _pack_spec(x, nvfp4_kernel_recipe(recipe), tuning)
     c = torch.empty((m, k // 2), dtype=torch.uint8, device=device)
     key, grid, tail, _, mode, _ = _gemm_spec(
         c, weight, group_scales, bias, None, x.dtype, device, tuning, False
@@ -587,8 +589,7 @@ def bound_linear(
     gemm = launchers[1].bind((key, aligned), grid, device.index)
     if scale is None or pack is None or gemm is None:
         return None
-    out = torch.empty((m, n), dtype=x.dtype, device=device)
-    rest = (*_gemm_rest(m, n, k, c, w, group_scales, out), *tail)
+    rest = (*_gemm_rest(m, n, k, c, w, group_scales), *tail)
     gemm_call = fp8_small_m.bound_gemm(gemm, m, n, x.dtype, device, fixed, rest, grid)
     index, shapes = device.index, ((m, k // 2), (k // K_GROUP, padded_rows(m) * 8))
 

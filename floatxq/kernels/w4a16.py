@@ -40,6 +40,7 @@ from floatxq.kernels._triton import (
     CachedLauncher,
     import_kernel_sources,
     launch_device,
+    new_output,
     require_kernel_device,
     triton_interpret_enabled,
 )
@@ -362,11 +363,9 @@ def _words_linear(
     """The decode-words launch, arguments already checked and the operands contiguous
     (``GPTQLinear`` calls this with the operands it staged)."""
     m = x.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=device)
-    if m == 0 or n == 0:
+    out, done = new_output(m, n, k, x.dtype, device, bias)
+    if done:
         return out
-    if k == 0:
-        return out.copy_(bias.to(x.dtype).expand(m, n)) if bias is not None else out.zero_()
     interpret = triton_interpret_enabled()
     key, (grid, tail, options) = _words_spec(x, ops, bias, k, n, group, device, tuning, interpret)
     fixed, rest = _words_args(x, ops, scales, bias, k, n, tail)
@@ -415,11 +414,9 @@ def _linear(
     if route == "w4a16_decode_gemm":
         w = _decode(packed, k, n, bits, v1, group, x.dtype, device, tuning)
         return F.linear(x, w.T, None if bias is None else bias.to(x.dtype))
-    out = torch.empty((m, n), dtype=x.dtype, device=device)
-    if m == 0 or n == 0:
+    out, done = new_output(m, n, k, x.dtype, device, bias)
+    if done:
         return out
-    if k == 0:
-        return out.copy_(bias.to(x.dtype).expand(m, n)) if bias is not None else out.zero_()
     qweight, qzeros, scales, g_idx = packed
     interpret = triton_interpret_enabled()
     key = (

@@ -42,6 +42,7 @@ from floatxq.kernels._triton import (
     dependent_launches,
     import_kernel_sources,
     launch_device,
+    new_output,
     require_kernel_device,
     triton_interpret_enabled,
     triton_unavailable_reason,
@@ -520,11 +521,9 @@ def _gemm(
     """The GEMM launch, arguments already checked."""
     (m, k), n = codes.shape, weight.shape[1]
     device = codes.device
-    out = torch.empty((m, n), dtype=output_dtype, device=device)
-    if m == 0 or n == 0:
+    out, done = new_output(m, n, k, output_dtype, device, bias)
+    if done:
         return out
-    if k == 0:
-        return out.copy_(bias.to(output_dtype).expand(m, n)) if bias is not None else out.zero_()
     if weight.dtype == torch.int16:
         return _dwords_gemm(codes, row_scale, weight, scales, bias, out, tuning)
     words = weight.dtype == torch.int32

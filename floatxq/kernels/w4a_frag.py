@@ -33,6 +33,7 @@ from floatxq.kernels._triton import (
     dependent_launches,
     import_triton,
     launch_device,
+    new_output,
     triton_interpret_enabled,
 )
 
@@ -225,11 +226,9 @@ def w4a16_frag_linear(
     the contiguous group size (``k`` for one group); ``has_lo``: the scales' low parts may be
     nonzero (scales of another dtype than ``x``; else the decode skips them)."""
     m = x.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=device)
-    if m == 0 or n == 0:
+    out, done = new_output(m, n, k, x.dtype, device, bias)
+    if done:
         return out
-    if k == 0:
-        return out.copy_(bias.to(x.dtype).expand(m, n)) if bias is not None else out.zero_()
     if m > _MAX_ROWS:  # (one launch per block of rows: the kernel's widest operand is 32)
         for i in range(0, m, _MAX_ROWS):
             out[i : i + _MAX_ROWS] = w4a16_frag_linear(
@@ -299,11 +298,9 @@ def w4a_fp8_frag_gemm(
     m, k = codes.shape
     n = scales.shape[1]
     device = codes.device
-    out = torch.empty((m, n), dtype=out_dtype, device=device)
-    if m == 0 or n == 0:
+    out, done = new_output(m, n, k, out_dtype, device, bias)
+    if done:
         return out
-    if k == 0:
-        return out.copy_(bias.to(out_dtype).expand(m, n)) if bias is not None else out.zero_()
     if m > _MAX_ROWS:
         for i in range(0, m, _MAX_ROWS):
             rows = slice(i, i + _MAX_ROWS)

@@ -255,7 +255,7 @@ class W4ANVFP4Linear(W4ALinear):
             carrier = pack_activation(x2, "w4a_nvfp4", global_scale=stored, recipe=recipe)
             codes, scales, g = carrier.codes, carrier.scales, carrier.global_scale
         out = self._nvfp4_gemm(codes, scales, g, None, x.dtype, x.device, chosen)
-        if chosen[0] == "emulation":  # later calls like this one: three bound launches
+        if chosen[0] == "emulation" and x2.shape[0] <= nvfp4.BOUND_MAX_ROWS:  # later calls: bound
             weight = self._emulation_weight(x2.shape[0])
             bound = nvfp4.bound_linear(x2, bits, recipe, weight, self.scales, self.bias)
             if (bound := on_rows(bound, x, self.out_features)) is not None:
