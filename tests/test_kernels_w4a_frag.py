@@ -18,12 +18,17 @@ import pytest
 import torch
 
 import floatxq as fq
-from floatxq.gptq.decode_words import stage_decode_words
+from floatxq.gptq.decode_words import gptq_decode_operands, stage_decode_words
 from floatxq.gptq.fragment_words import stage_fragment_words
 from floatxq.gptq.int4 import dequantize_gptq, unpack_gptq
 from floatxq.kernels.w4a16 import w4a16_linear_kernel
 from floatxq.kernels.w4a_fp8 import fp8_linear_prepacked, fp8_pack
-from floatxq.kernels.w4a_frag import FragTuning, fragment_unavailable_reason
+from floatxq.kernels.w4a_frag import (
+    FragTuning,
+    fragment_unavailable_reason,
+    w4a16_frag_linear,
+    w4a_fp8_frag_gemm,
+)
 from floatxq.testing import (
     FP32_ACCUMULATION,
     assert_bitwise_equal,
@@ -102,6 +107,8 @@ def test_tuning_refuses_what_the_kernels_cannot_run():
         FragTuning(w4a16_blocks=12)
     with pytest.raises(ValueError, match="int >= 1"):
         FragTuning(w4a16_max_rows=0)
+    with pytest.raises(ValueError, match="reduce_chunk must be 1, 2, 4, 8 or 16"):
+        FragTuning(reduce_chunk=3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,6 +146,26 @@ def test_fragment_sums_repeat_bitwise_after_split_k():
         assert_bitwise_equal(w4a16_linear_kernel(x, packed, group_size=size, route="w4a16_frag"),
                              first)  # fmt: skip
         assert_bitwise_equal(fp8_linear_prepacked(*args, route="fragment"), first8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [4, 8, 16])
+def test_split_k_sum_with_loads_in_flight_is_the_same_sum(chunk):
+    # splits of 5, 12 and 3 (K / 128 over one tile of columns): chunks with a ragged tail
+    tuned = FragTuning(reduce_chunk=chunk)
+    for seed, (m, n, k) in enumerate([(3, 64, 640), (1, 64, 1536), (8, 200, 384)]):
+        packed, size = _case(seed, k, n, 128, "gptq", torch.float16, "cuda")
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ops = gptq_decode_operands(packed, group_size=size, dtype=x.dtype)[0]
+        frag = stage_fragment_words(ops.words)
+        call = (x, frag, ops, None, k, n, size, x.device, True)
+        assert_bitwise_equal(w4a16_frag_linear(*call, tuned), w4a16_frag_linear(*call),
+                             msg=f"w4a16 {(m, n, k)} chunk {chunk}")  # fmt: skip
+        words = stage_decode_words(unpack_gptq(packed).codes)
+        tokens, row_scale = fp8_pack(x)
+        args = (tokens, row_scale, stage_fragment_words(words), packed.scales, None, x.dtype)
+        assert_bitwise_equal(w4a_fp8_frag_gemm(*args, tuned), w4a_fp8_frag_gemm(*args),
+                             msg=f"w4a-fp8 {(m, n, k)} chunk {chunk}")  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -31,7 +31,12 @@ from floatxq.testing import (
     w4a16_linear_error_bound,
     w4a_fp8_linear_error_bound,
 )
-from floatxq.testing.interpreter import can_interpret, needs_interpreter, run_interpreted_tests
+from floatxq.testing.interpreter import (
+    INTERPRETING,
+    can_interpret,
+    needs_interpreter,
+    run_interpreted_tests,
+)
 
 # (k, n, group_size, format, scales dtype): tiles of one group, of several groups, groups
 # spanning tiles, one group over a ragged k, ragged k and n
@@ -166,7 +171,7 @@ def test_interpreted_words_route_refuses_what_it_cannot_read():
     reason="needs Triton installed and no CUDA device (with CUDA the compiled kernel is tested)",
 )
 def test_interpreter_suite():
-    run_interpreted_tests(__file__, expected=3)
+    run_interpreted_tests(__file__, expected=4)
 
 
 @needs_interpreter
@@ -174,6 +179,36 @@ def test_interpreted_w4a16_words():
     for seed, case in enumerate(CASES):
         for m in (0, 1, 3) if seed % 2 else (2, 17):
             _check_w4a16(seed, case, m, torch.float16, "cpu")
+
+
+if INTERPRETING:  # (the interpreter resolves a kernel's names in its module)
+    import triton
+    import triton.language as tl
+
+    from floatxq.kernels._fp8_small_m_jit import sum_partials
+
+    @triton.jit
+    def _summed(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        ok = offs < MN
+        acc = sum_partials(tl.zeros([BLOCK], dtype=tl.float32), part_ptr, offs, ok, MN, SPLIT)
+        tl.store(out_ptr + offs, acc, mask=ok)
+
+
+@needs_interpreter
+def test_interpreted_split_k_sum_is_in_split_order():
+    # the last split's sum (every Triton split-K kernel's): loads in flight, chunks with a
+    # ragged tail, the same bits as adding one partial at a time in split order
+    g = torch.Generator().manual_seed(0)
+    for split in (1, 3, 8, 12, 17):
+        parts = torch.randn(split, 50, generator=g) * torch.logspace(-6, 6, 50)
+        parts[:, :3] = -0.0  # (signed zeros stay as one-at-a-time addition leaves them)
+        out = torch.empty(50)
+        _summed[(1,)](parts, out, 50, SPLIT=split, BLOCK=64)
+        expected = torch.zeros(50)
+        for s in range(split):
+            expected = expected + parts[s]
+        assert_bitwise_equal(out, expected, msg=f"split {split}")
 
 
 @needs_interpreter

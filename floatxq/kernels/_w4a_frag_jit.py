@@ -154,9 +154,19 @@ def _operand(d, LA: gl.constexpr, NU: gl.constexpr):
 
 @gluon.jit
 @no_type_check
-def _finish(acc, part_ptr, count_ptr, tile, pid_k, o_n, o_m, M, N, SPLIT: gl.constexpr):
+def _part(part_ptr, s, MN, p_offs, p_mask, SPLIT: gl.constexpr):
+    """Split ``s``'s stored tile (``-0.0``, the identity of addition, past the last split)."""
+    return gl.load(part_ptr + s * MN + p_offs, mask=p_mask & (s < SPLIT), other=-0.0,
+                   cache_modifier=".cg")  # fmt: skip
+
+
+@gluon.jit
+@no_type_check
+def _finish(acc, part_ptr, count_ptr, tile, pid_k, o_n, o_m, M, N, SPLIT: gl.constexpr,
+            CHUNK: gl.constexpr):  # fmt: skip
     """Split-K: store this split's FP32 tile; the last split of the tile to arrive sums all of
-    them in split order, resets the counter and returns ``(sum, True)``."""
+    them in split order (``CHUNK`` loads in flight), resets the counter and returns
+    ``(sum, True)``."""
     last = True
     if SPLIT > 1:
         p_offs = o_m.to(gl.int64)[None, :] * N + o_n[:, None]
@@ -168,9 +178,11 @@ def _finish(acc, part_ptr, count_ptr, tile, pid_k, o_n, o_m, M, N, SPLIT: gl.con
         if last:
             gl.thread_barrier()
             acc = gl.zeros_like(acc)
-            for s in range(SPLIT):
-                acc += gl.load(part_ptr + s * M * N + p_offs, mask=p_mask, other=0.0,
-                               cache_modifier=".cg")  # fmt: skip
+            MN = M * N
+            CH: gl.constexpr = CHUNK if SPLIT > CHUNK else SPLIT
+            for s0 in range(0, SPLIT, CH):
+                for j in gl.static_range(CH):
+                    acc += _part(part_ptr, s0 + j, MN, p_offs, p_mask, SPLIT)
             gl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
     return acc, last
 
@@ -259,6 +271,7 @@ def w4a16_frag_kernel(
     MW: gl.constexpr,
     K_ITERS: gl.constexpr,
     SPLIT: gl.constexpr,
+    CHUNK: gl.constexpr,
     STAGES: gl.constexpr,
     WARPS: gl.constexpr,
     PREFETCH_X: gl.constexpr = False,
@@ -359,7 +372,7 @@ def w4a16_frag_kernel(
             x3 = y3
     o_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     o_m = gl.arange(0, MW, layout=gl.SliceLayout(0, MMA))
-    acc, last = _finish(acc, part_ptr, count_ptr, pid_n, pid_k, o_n, o_m, M, N, SPLIT)
+    acc, last = _finish(acc, part_ptr, count_ptr, pid_n, pid_k, o_n, o_m, M, N, SPLIT, CHUNK)
     if last:
         if HAS_BIAS:  # (the bias in x's dtype, as the reference adds it)
             bias = gl.load(b_ptr + o_n, mask=o_n < N, other=0.0).to(DT)
@@ -402,6 +415,7 @@ def w4a_fp8_frag_kernel(
     MW: gl.constexpr,
     K_ITERS: gl.constexpr,
     SPLIT: gl.constexpr,
+    CHUNK: gl.constexpr,
     STAGES: gl.constexpr,
     WARPS: gl.constexpr,
     PREFETCH_X: gl.constexpr = False,
@@ -486,7 +500,7 @@ def w4a_fp8_frag_kernel(
             x1 = y1
             x2 = y2
             x3 = y3
-    total, last = _finish(total, part_ptr, count_ptr, pid_n, pid_k, o_n, o_m, M, N, SPLIT)
+    total, last = _finish(total, part_ptr, count_ptr, pid_n, pid_k, o_n, o_m, M, N, SPLIT, CHUNK)
     if last:
         rs = gl.load(rs_ptr + o_m, mask=o_m < M, other=0.0)
         out = total * rs[None, :]

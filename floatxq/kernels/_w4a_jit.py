@@ -14,6 +14,7 @@ import triton.language as tl
 from triton import knobs
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from floatxq.kernels._fp8_small_m_jit import sum_partials
 from floatxq.kernels._fp8_weight_jit import fp8_encode
 
 __all__ = [
@@ -144,11 +145,8 @@ def split_k_reduce(acc, part_ptr, count_ptr, tile, pid_k, offs_m, offs_n, M, N,
     last = arrived == SPLIT - 1
     if last:
         tl.debug_barrier()
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j in range(SPLIT):
-            acc += tl.load(
-                part_ptr + j * M * N + p_offs, mask=p_mask, other=0.0, cache_modifier=".cg"
-            )
+        acc = sum_partials(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), part_ptr, p_offs,
+                           p_mask, M * N, SPLIT)  # fmt: skip
         tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
     return acc, last
 

@@ -52,8 +52,8 @@ class FragTuning:
     """Launch shapes of the fragment kernels (defaults measured on an H200, 8192 × 8192).
 
     Raises:
-      ValueError: a count below 1, ``stages`` other than 1 or 2, ``warps`` not dividing
-        ``blocks``.
+      ValueError: a count below 1, ``stages`` other than 1 or 2, ``reduce_chunk`` not a power
+        of two up to 16, ``warps`` not dividing ``blocks``.
 
     Numerics: none; results agree for every tuning up to FP32 summation order.
 
@@ -78,6 +78,9 @@ class FragTuning:
     ``benchmarks/w4a_tuning_sweep.py``: 1.0–1.3× faster than 8 blocks at 6 programs)."""
     w4a16_target_programs: int = 8
     """``target_programs`` of the W4A16 kernel."""
+    reduce_chunk: int = 1
+    """Partial tiles the last program of a split-K tile loads before adding them (1, 2, 4, 8 or
+    16; the sum's order, and so its bits, do not depend on it)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -86,6 +89,10 @@ class FragTuning:
                 raise ValueError(f"FragTuning: {f.name} must be an int >= 1, got {value!r}")
         if self.stages > 2:
             raise ValueError(f"FragTuning: stages must be 1 or 2, got {self.stages}")
+        if self.reduce_chunk not in (1, 2, 4, 8, 16):
+            raise ValueError(
+                f"FragTuning: reduce_chunk must be 1, 2, 4, 8 or 16, got {self.reduce_chunk}"
+            )
         for name in ("blocks", "w4a16_blocks"):
             blocks = getattr(self, name)
             if blocks % self.warps or blocks & (blocks - 1):
@@ -179,7 +186,7 @@ def _plan(
     width = 8 if m <= 8 else (16 if m <= 16 else _MAX_ROWS)
     # PREFETCH_X (the constexpr after the warps) stays off: measured slower (RESULTS.md)
     tail = (*head, k % DECODE_TILE_ROWS == 0, n % (FRAGMENT_COLUMNS * blocks) == 0,
-            blocks, width, steps // split, split, tuning.stages, tuning.warps,
+            blocks, width, steps // split, split, tuning.reduce_chunk, tuning.stages, tuning.warps,
             False)  # fmt: skip
     return (tiles, split, 1), tail, {"num_warps": tuning.warps}
 
