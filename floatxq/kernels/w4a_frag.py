@@ -78,9 +78,10 @@ class FragTuning:
     ``benchmarks/w4a_tuning_sweep.py``: 1.0–1.3× faster than 8 blocks at 6 programs)."""
     w4a16_target_programs: int = 8
     """``target_programs`` of the W4A16 kernel."""
-    reduce_chunk: int = 1
+    reduce_chunk: int = 8
     """Partial tiles the last program of a split-K tile loads before adding them (1, 2, 4, 8 or
-    16; the sum's order, and so its bits, do not depend on it)."""
+    16; the sum's order, and so its bits, do not depend on it). One at a time made 2 to 8 rows
+    on the narrow layers 1.4–1.6× slower (``benchmarks/w4a_narrow_probe.py``)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
