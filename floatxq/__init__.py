@@ -27,6 +27,7 @@ _OWNERS: dict[str, tuple[str, ...]] = {
         "DynamicRules",
         "FP8Config",
         "GPTQConfig",
+        "NVFP4Config",
         "backend_for_activation",
     ),
     "floatxq.dispatch": (
@@ -342,6 +343,7 @@ __all__ = [
     "Int4Planes",
     "InterruptedQuantize",
     "NVFP4Blocks",
+    "NVFP4Config",
     "NVFP4Packed",
     "NVFP4Recipe",
     "NVFP4RecipeName",

@@ -16,6 +16,7 @@ from floatxq.config import (
     DynamicRules,
     FP8Config,
     GPTQConfig,
+    NVFP4Config,
 )
 from floatxq.formats import FP8_DECODE_ONLY_FORMATS, FP8_FORMATS, FP8WeightFormat
 from floatxq.interop.payload import (
@@ -54,7 +55,7 @@ def test_enum_members_are_their_string_values(member, value):
 
 
 def test_enum_members_are_only_what_exists():
-    assert [m.value for m in METHOD] == ["fp8", "gptq"]
+    assert [m.value for m in METHOD] == ["fp8", "gptq", "nvfp4"]
     assert [m.value for m in FORMAT] == ["fp8", "gptq", "gptq_v2"]
     assert [m.value for m in BACKEND] == [
         "auto", "fp8_torch", "gptq_torch", "gptq_w4afp8", "gptq_w4a_nvfp4", "mlx"
@@ -66,6 +67,7 @@ def test_enum_members_are_only_what_exists():
 def test_configs_name_their_method_without_a_field():
     assert FP8Config.method is METHOD.FP8 and FP8Config().method is METHOD.FP8
     assert GPTQConfig.method is METHOD.GPTQ
+    assert NVFP4Config.method is METHOD.NVFP4 and NVFP4Config().method is METHOD.NVFP4
     assert "method" not in {f.name for f in dataclasses.fields(FP8Config)}
     with pytest.raises(TypeError, match="method"):
         FP8Config(method="fp8")

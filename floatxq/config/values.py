@@ -26,6 +26,7 @@ class METHOD(_StrEnum):
 
     FP8 = "fp8"
     GPTQ = "gptq"
+    NVFP4 = "nvfp4"
 
 
 class FORMAT(_StrEnum):

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from floatxq._typing import Float, Float32, Tensor
-from floatxq.config import FP8Config, GPTQConfig
+from floatxq.config import FP8Config, GPTQConfig, NVFP4Config
 from floatxq.formats import ACTIVATION_SCALE_BITS
 from floatxq.fp8 import fp32_reciprocal
 from floatxq.interop.activations import ct_input_activations, refuse_dropped_activations
@@ -472,7 +472,7 @@ def _ct_payload(modules: _Modules, facts: Mapping[str, _GptqFacts] | None = None
 
 
 def export_layout(
-    model: nn.Module, quantize_config: FP8Config | GPTQConfig | None, layout: str
+    model: nn.Module, quantize_config: FP8Config | GPTQConfig | NVFP4Config | None, layout: str
 ) -> LayoutExport:
     """The tensors and payloads that save ``model`` in a checkpoint ``layout``.
 

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from floatxq.config import FP8Config, GPTQConfig
+from floatxq.config import FP8Config, GPTQConfig, NVFP4Config
 from floatxq.interop.export import (
     DEFAULT_LAYOUT,
     CheckpointLayout,
@@ -102,6 +102,13 @@ def _planned(model: nn.Module, config: Any) -> dict[str, _Planned]:
             conv = isinstance(modules[plan.name], _ConvNd)
             block = cfg.weight_block_size if cfg.weight_scale_method == "block" else None
             found[plan.name] = _fp8(plan.name, cfg.format, cfg.weight_scale_method, block, conv)
+    elif isinstance(config, NVFP4Config):
+        from floatxq.lifecycle.nvfp4 import plan_nvfp4
+
+        for plan in plan_nvfp4(model, config):
+            if plan.config is not None:
+                found[plan.name] = _Planned(plan.name, "nvfp4", "NVFP4 weights",
+                                            ("compressed-tensors",))  # fmt: skip
     elif isinstance(config, GPTQConfig):
         from floatxq.lifecycle.decoder import features
         from floatxq.lifecycle.gptq import plan_gptq
@@ -181,7 +188,7 @@ def _check_flat_layout(where: str, layout: str, found: list[_Planned], config: A
 
 def check_layout(
     model: Any,
-    quantize_config: FP8Config | GPTQConfig | None = None,
+    quantize_config: FP8Config | GPTQConfig | NVFP4Config | None = None,
     layout: str | None = None,
     *,
     where: str = "layout",
@@ -223,10 +230,10 @@ def check_layout(
         raise TypeError(
             f"{where}: expected an nn.Module or a QuantizedModel, got {type(model).__name__}"
         )
-    if config is not None and not isinstance(config, (FP8Config, GPTQConfig)):
+    if config is not None and not isinstance(config, (FP8Config, GPTQConfig, NVFP4Config)):
         raise TypeError(
-            f"{where}: quantize_config must be an FP8Config, a GPTQConfig or None, got "
-            f"{type(config).__name__}"
+            f"{where}: quantize_config must be an FP8Config, a GPTQConfig, an NVFP4Config or "
+            f"None, got {type(config).__name__}"
         )
     if layout is None:
         layout = DEFAULT_LAYOUT if getattr(config, "activation", None) is None else "gptq"

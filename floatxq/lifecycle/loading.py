@@ -25,6 +25,7 @@ from floatxq.config import (
     METHOD,
     FP8Config,
     GPTQConfig,
+    NVFP4Config,
     backend_for_activation,
 )
 from floatxq.interop.checkpoint import (
@@ -284,8 +285,8 @@ def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None) 
     return path
 
 
-def _as_config(value: Any) -> FP8Config | GPTQConfig:
-    if isinstance(value, (FP8Config, GPTQConfig)):
+def _as_config(value: Any) -> FP8Config | GPTQConfig | NVFP4Config:
+    if isinstance(value, (FP8Config, GPTQConfig, NVFP4Config)):
         return value
     if isinstance(value, Mapping):
         method = payload_method(value) or METHOD.FP8.value
@@ -297,15 +298,15 @@ def _as_config(value: Any) -> FP8Config | GPTQConfig:
             )
         return fp8_config_from_payload(value)
     raise TypeError(
-        f"load: quantize_config must be an FP8Config, a GPTQConfig, a payload mapping of either "
-        f"or None, got {type(value).__name__}"
+        f"load: quantize_config must be an FP8Config, a GPTQConfig, an NVFP4Config, a payload "
+        f"mapping of the first two or None, got {type(value).__name__}"
     )
 
 
 def load(
     model_or_path: nn.Module | str | os.PathLike[str],
     *,
-    quantize_config: FP8Config | GPTQConfig | Mapping[str, Any] | None = None,
+    quantize_config: FP8Config | GPTQConfig | NVFP4Config | Mapping[str, Any] | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     backend: str | BACKEND = "auto",
@@ -319,7 +320,8 @@ def load(
         local Hub cache, else downloaded: :func:`resolve_model`). A directory holding a quantized
         checkpoint (floatxq's or another tool's, see ``docs/interop.md``) is rebuilt from its
         files: its quantized modules get the saved bytes.
-      quantize_config: an ``FP8Config`` or ``GPTQConfig`` (or a payload of either, see
+      quantize_config: an ``FP8Config``, ``GPTQConfig`` or ``NVFP4Config`` (or a payload of the
+        first two, see
         :mod:`floatxq.interop.payload`) for :meth:`QuantizedModel.quantize`. Given a native
         FP8 / NVFP4 checkpoint, a ``GPTQConfig`` requantizes it: the source modules keep their
         bytes, run their own forward for the calibration capture and are decoded one at a time

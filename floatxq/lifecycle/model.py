@@ -17,6 +17,7 @@ from floatxq.config import (
     BACKEND,
     FP8Config,
     GPTQConfig,
+    NVFP4Config,
 )
 from floatxq.interop.checkpoint import (
     SIDE_FILES,
@@ -72,7 +73,7 @@ class QuantizedModel:
         self,
         model: Any,  # an nn.Module; an mlx_lm model for backend "mlx"
         *,
-        quantize_config: FP8Config | GPTQConfig | None,
+        quantize_config: FP8Config | GPTQConfig | NVFP4Config | None,
         backend: BACKEND,
         quantized: bool = False,
         source: Path | None = None,
@@ -119,7 +120,7 @@ class QuantizedModel:
         return self.interrupted is not None
 
     def __repr__(self) -> str:
-        kind = "GPTQ" if isinstance(self.quantize_config, GPTQConfig) else "FP8"
+        kind = {GPTQConfig: "GPTQ", NVFP4Config: "NVFP4"}.get(type(self.quantize_config), "FP8")
         state = (
             f"{len(self.quantized_modules)} {kind} modules" if self.quantized else "not quantized"
         )
@@ -147,7 +148,7 @@ class QuantizedModel:
     ) -> "QuantizedModel":
         """Quantize the model's linear modules in place.
 
-        FP8 is weight-only (no calibration). GPTQ is calibrated and runs layer by layer
+        FP8 and NVFP4 are weight-only (no calibration). GPTQ is calibrated and runs layer by layer
         (:mod:`floatxq.lifecycle.gptq`): a decoder layer at a time on the work device
         (``device`` of :func:`load`, else CUDA, else CPU); the model ends on ``device`` if given.
 
@@ -185,7 +186,8 @@ class QuantizedModel:
         ``quantize()`` and ``save()`` then refuse the model until it is reloaded or resumed with
         ``resume=True`` (``docs/gptq.md``, "An interrupted run").
 
-        Numerics: FP8 as :func:`floatxq.quantize_fp8_weight`; GPTQ as :func:`floatxq.gptq_solve`.
+        Numerics: FP8 as :func:`floatxq.quantize_fp8_weight`; NVFP4 as
+        :func:`floatxq.lifecycle.nvfp4.quantize_nvfp4_modules`; GPTQ as :func:`floatxq.gptq_solve`.
         """
         if self.quantize_config is None:
             raise RuntimeError("quantize: no quantize_config was given to floatxq.load")
@@ -206,20 +208,25 @@ class QuantizedModel:
                 "text_column": text_column,
             }
             return self._quantize_gptq(calibration, batch_size, progress, tokenizer, options)
+        nvfp4 = isinstance(self.quantize_config, NVFP4Config)
+        kind = "NVFP4" if nvfp4 else "FP8"
         if calibration is not None:
             warnings.warn(
-                "quantize: FP8 weight-only quantization needs no calibration data; the given "
-                "dataset is ignored",
+                f"quantize: {kind} weight-only quantization needs no calibration data; the "
+                f"given dataset is ignored",
                 UserWarning,
                 stacklevel=2,
             )
         from floatxq.lifecycle.fp8 import plan_fp8
+        from floatxq.lifecycle.nvfp4 import plan_nvfp4, quantize_nvfp4_modules
 
-        total = sum(p.config is not None for p in plan_fp8(self.model, self.quantize_config))
-        callback, bar = _progress(progress, total, "fp8 quantize")
+        plan = plan_nvfp4 if nvfp4 else plan_fp8
+        swap = quantize_nvfp4_modules if nvfp4 else quantize_fp8_modules
+        total = sum(p.config is not None for p in plan(self.model, self.quantize_config))
+        callback, bar = _progress(progress, total, f"{kind.lower()} quantize")
         start = time.perf_counter()
         try:
-            self.quantized_modules = quantize_fp8_modules(
+            self.quantized_modules = swap(
                 self.model, self.quantize_config, device=self.device, on_module=callback
             )
         finally:

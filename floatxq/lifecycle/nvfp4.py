@@ -1,0 +1,210 @@
+"""The NVFP4 weight-only lifecycle (NVFP4A16): which linears are quantized, their global scales,
+and swapping them one at a time for :class:`~floatxq.nn.fp4_linear.TorchFP4Linear`.
+
+Round to nearest on the recipe's grid: each weight becomes ``nvfp4_quantize(W, g, recipe)``
+with ``g = nvfp4_global_scale(amax, recipe)``, where ``amax`` is the weight's own largest
+magnitude (``global_scale="module"``) or the largest of the sibling projections a serving
+engine fuses into one GEMM (``"fused"``: ``q_proj``/``k_proj``/``v_proj`` and
+``gate_proj``/``up_proj`` of one parent module), so the fused weight has one global scale.
+
+The global scale is then moved (by at most an FP32 ulp or two, rarely) to the nearest value whose
+reciprocal round-trips, ``fl(1/fl(1/g)) = g``: compressed-tensors stores ``1/g``, and only such
+a ``g`` reads back bit for bit.
+"""
+
+import typing
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from floatxq.config import NVFP4Config
+from floatxq.formats import NVFP4_BLOCK
+from floatxq.fp8 import fp32_reciprocal
+from floatxq.interop.export_gptq import output_embedding_names
+from floatxq.lifecycle.fp8 import _restore_homes, _tensor_homes
+from floatxq.nn.fp4_linear import TorchFP4Linear
+from floatxq.nvfp4.layouts import NVFP4Weight
+from floatxq.nvfp4.quantize import nvfp4_global_scale, nvfp4_quantize
+
+__all__ = [
+    "FUSED_SIBLINGS",
+    "Nvfp4Plan",
+    "fused_amax",
+    "plan_nvfp4",
+    "quantize_nvfp4_modules",
+    "round_trip_scale",
+]
+
+FUSED_SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"),
+                                                ("gate_proj", "up_proj"))  # fmt: skip
+"""Sibling projections (last name parts under one parent) that share a global scale with
+``global_scale="fused"``."""
+
+
+class Nvfp4Plan(NamedTuple):
+    """One module's decision: quantize with ``config``, or skip with a reason."""
+
+    name: str
+    config: NVFP4Config | None
+    reason: str | None
+
+
+def plan_nvfp4(model: nn.Module, config: NVFP4Config) -> list[Nvfp4Plan]:
+    """Decide, module by module, what the NVFP4 lifecycle does (nothing is changed).
+
+    Targets are the ``nn.Linear`` modules. The output embedding is skipped unless
+    ``config.lm_head``; a ``-:`` dynamic rule excludes; ``+:`` rules override per module.
+
+    Raises:
+      ValueError: a target whose ``in_features`` is not a multiple of 16 (the NVFP4 block),
+        naming it and how to exclude it.
+
+    Numerics: names only.
+    """
+    heads = output_embedding_names(model)
+    plans = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or isinstance(module, TorchFP4Linear):
+            continue
+        if name in heads and not config.lm_head:
+            plans.append(Nvfp4Plan(name, None, "output embedding (lm_head=False)"))
+            continue
+        resolved = config.resolve(name)
+        if resolved is None:
+            plans.append(Nvfp4Plan(name, None, "excluded by a '-:' dynamic rule"))
+            continue
+        if module.in_features % NVFP4_BLOCK:
+            raise ValueError(
+                f"quantize: module {name!r} has in_features={module.in_features}, not a multiple "
+                f"of the NVFP4 block ({NVFP4_BLOCK}); exclude it with a '-:' dynamic rule"
+            )
+        plans.append(Nvfp4Plan(name, resolved, None))
+    return plans
+
+
+def _amax(module: nn.Module) -> torch.Tensor:
+    weight = module.weight.detach()
+    if not torch.isfinite(weight).all():
+        raise ValueError("the weight holds NaN or infinity")
+    return weight.abs().amax().float() if weight.numel() else torch.zeros(())
+
+
+def fused_amax(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """Each of ``names``' shared amax under ``global_scale="fused"``: the largest ``|W|`` among
+    its :data:`FUSED_SIBLINGS` group in ``names`` (its own where it has no planned sibling).
+
+    Raises:
+      ValueError: a weight with NaN or infinity, naming the module.
+
+    Numerics: exact (maxima of magnitudes, in FP32 on the CPU).
+    """
+    modules = dict(model.named_modules())
+    own = {}
+    for name in names:
+        try:
+            own[name] = _amax(modules[name]).cpu()
+        except ValueError as exc:
+            raise ValueError(f"quantize: module {name!r}: {exc}") from None
+    shared = dict(own)
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        group = next((g for g in FUSED_SIBLINGS if leaf in g), None)
+        if group is None:
+            continue
+        siblings = [f"{parent}.{s}" if parent else s for s in group]
+        shared[name] = torch.stack([own[s] for s in siblings if s in own]).amax()
+    return shared
+
+
+def quantize_nvfp4_modules(
+    model: nn.Module,
+    config: NVFP4Config,
+    *,
+    device: torch.device | None = None,
+    on_module: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Replace every planned linear of ``model`` by a ``TorchFP4Linear``, one at a time.
+
+    Each weight moves to ``device`` (when given) only while it is quantized, and the NVFP4
+    module stays there. Any exception during the swaps (``KeyboardInterrupt`` included) puts
+    every replaced module back, its tensors on the devices they were on, before it propagates.
+
+    Returns:
+      the names of the quantized modules, in model order.
+
+    Raises:
+      ValueError: as :func:`plan_nvfp4`; a non-finite weight (before any module is changed);
+        as :meth:`~floatxq.nn.fp4_linear.TorchFP4Linear.from_nvfp4`, naming the module.
+      TypeError: a weight dtype other than float16, bfloat16 or float32, naming the module.
+
+    Numerics: each weight's bytes are ``nvfp4_quantize(W, nvfp4_global_scale(amax, recipe),
+    recipe)`` (bit for bit), ``amax`` as the module docstring says.
+    """
+    plans = [p for p in plan_nvfp4(model, config) if p.config is not None]
+    modules = dict(model.named_modules())
+    names = [p.name for p in plans]
+    if config.global_scale == "fused":
+        amax = fused_amax(model, names)
+    else:
+        amax = {}
+        for name in names:
+            try:
+                amax[name] = _amax(modules[name]).cpu()
+            except ValueError as exc:
+                raise ValueError(f"quantize: module {name!r}: {exc}") from None
+    done: list[str] = []
+    homes: dict[str, list[tuple[nn.Module, str, str, torch.device]]] = {}
+    try:
+        for plan in plans:
+            module = modules[plan.name]
+            cfg = typing.cast(NVFP4Config, plan.config)
+            homes[plan.name] = _tensor_homes(module)
+            source = module.to(device) if device is not None else module
+            try:
+                fp4 = _quantized(source, amax[plan.name], cfg.recipe)
+            except (ValueError, TypeError) as exc:  # named: which of the modules it was
+                kind = ValueError if isinstance(exc, ValueError) else TypeError
+                raise kind(f"quantize: module {plan.name!r}: {exc}") from exc
+            model.set_submodule(plan.name, fp4)
+            del source, module
+            done.append(plan.name)
+            if on_module is not None:
+                on_module(plan.name)
+    except BaseException:
+        for name, places in homes.items():
+            model.set_submodule(name, modules[name])
+            _restore_homes(places)
+        raise
+    return done
+
+
+def _quantized(linear: nn.Module, amax: torch.Tensor, recipe: str) -> TorchFP4Linear:
+    weight = linear.weight.detach()
+    if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(
+            f"the weight must be float16, bfloat16 or float32 to quantize to NVFP4, got "
+            f"{weight.dtype}"
+        )
+    with torch.no_grad():
+        g = round_trip_scale(nvfp4_global_scale(amax, recipe=recipe)).to(weight.device)
+        q = nvfp4_quantize(weight, g, recipe)
+    return TorchFP4Linear.from_nvfp4(NVFP4Weight(*q), linear.bias, dtype=weight.dtype)
+
+
+def round_trip_scale(g: torch.Tensor) -> torch.Tensor:
+    """``g`` (FP32) moved to a value whose reciprocal round-trips: ``fl(1/fl(1/g)) = g``, the
+    scale a compressed-tensors file (which stores ``fl(1/g)``) reads back unchanged. Iterates
+    ``g ← fl(1/fl(1/g))`` (a step moves at most an ulp); a power of two, exact both ways, if
+    that has not settled after 8 steps.
+
+    Numerics: exact IEEE divisions; the result is within a few FP32 ulps of ``g``.
+    """
+    g = g.float()
+    for _ in range(8):
+        back = fp32_reciprocal(fp32_reciprocal(g))
+        if torch.equal(back, g):
+            return g
+        g = back
+    return torch.exp2(torch.round(torch.log2(g)))
