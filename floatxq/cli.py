@@ -251,7 +251,7 @@ def quantize(
     ),
     out: Path = typer.Option(..., "--out", help="Directory to write the quantized model to."),
     revision: str | None = typer.Option(None, help="A Hub model's branch, tag or commit."),
-    method: str = typer.Option("fp8", help="Quantization method: fp8 or gptq."),
+    method: str = typer.Option("fp8", help="Quantization method: fp8, gptq or nvfp4."),
     format: str = typer.Option("float8_e4m3fn", "--format", help="FP8 format or alias."),
     scale_method: str | None = typer.Option(None, help="tensor, row or block."),
     block_size: tuple[int, int] | None = typer.Option(None, help="Block rows and columns."),
@@ -265,6 +265,10 @@ def quantize(
         "compressed-tensors, vLLM), hf (transformers/DeepSeek fine-grained FP8: tensor or block "
         "scales), gptq (GPTQ files vLLM, TGI and GPT-QModel read; the default with --activation, "
         "the one layout that holds a policy) or gptqmodel (GPT-QModel's files).",
+    ),
+    recipe: str = typer.Option("nvidia", help="NVFP4: the block-scale recipe."),
+    global_scale: str = typer.Option(
+        "module", help="NVFP4: each module's own global scale, or 'fused' (q/k/v, gate/up share)."
     ),
     bits: int = typer.Option(4, help="GPTQ: bits per weight (2, 4 or 8)."),
     group_size: int = typer.Option(128, help="GPTQ: input columns per scale (-1: whole row)."),
@@ -307,8 +311,8 @@ def quantize(
     from floatxq.interop.export import normalize_layout
 
     chosen = method.strip().lower()
-    if chosen not in ("fp8", "gptq"):
-        raise _fail(f"unsupported --method {method!r}; accepted: fp8, gptq")
+    if chosen not in ("fp8", "gptq", "nvfp4"):
+        raise _fail(f"unsupported --method {method!r}; accepted: fp8, gptq, nvfp4")
     _check_device(device)
     if out.exists() and not overwrite:
         raise _fail(f"--out {out} already exists; choose a new directory or pass --overwrite")
@@ -343,6 +347,10 @@ def quantize(
                 lm_head=lm_head,
                 activation=policy,
                 dynamic=dynamic,
+            )
+        elif chosen == "nvfp4":
+            config = floatxq.NVFP4Config(
+                recipe=recipe, global_scale=global_scale, lm_head=lm_head, dynamic=dynamic
             )
         else:
             config = floatxq.FP8Config(
@@ -383,11 +391,12 @@ def quantize(
         start = time.perf_counter()
         source.quantize(cal, batch_size=batch_size, progress=not _quiet(), layout=layout, **options)
         written = source.save(out, layout=layout, overwrite=overwrite)
-    what = (
-        f"gptq {config.bits}-bit, group {config.group_size}"
-        if isinstance(config, floatxq.GPTQConfig)
-        else f"{config.format}, {config.weight_scale_method}"
-    )
+    if isinstance(config, floatxq.GPTQConfig):
+        what = f"gptq {config.bits}-bit, group {config.group_size}"
+    elif isinstance(config, floatxq.NVFP4Config):
+        what = f"nvfp4 {config.recipe}, {config.global_scale} global scales"
+    else:
+        what = f"{config.format}, {config.weight_scale_method}"
     if policy is not None:
         what += f", activations {policy.mode}" + (f" {policy.recipe}" if policy.recipe else "")
     seconds = time.perf_counter() - start

@@ -140,3 +140,23 @@ def test_eval_tokenizer_model_against_its_fp8_version(tmp_path):
     (plain / "tokenizer_config.json").unlink()
     code, output = _run("eval", str(plain), "--windows", "2")
     assert code == 2 and "tokenizer" in output
+
+
+def test_quantize_tiny_to_nvfp4_and_inspect(tmp_path):
+    out = tmp_path / "nvfp4"
+    code, output = _run(
+        "quantize", "tiny", "--out", str(out), "--method", "nvfp4", "--global-scale", "fused"
+    )
+    assert code == 0, output
+    assert "quantized 56 modules (nvfp4 nvidia, fused global scales)" in output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "nvfp4-pack-quantized"
+    code, output = _run("inspect", str(out))
+    assert code == 0, output
+    assert "quantized:   56 layers" in output and "nvfp4" in output.lower()
+    code, output = _run("quantize", "tiny", "--out", str(tmp_path / "x"), "--method", "nvfp4",
+                        "--recipe", "best")  # fmt: skip
+    assert code == 2 and "Unsupported NVFP4 scale recipe: 'best'" in output
+    code, output = _run("quantize", "tiny", "--out", str(tmp_path / "y"), "--method", "nvfp4",
+                        "--global-scale", "layer")  # fmt: skip
+    assert code == 2 and "global_scale: expected one of ['module', 'fused']" in output
