@@ -99,6 +99,10 @@ _OWNERS: dict[str, tuple[str, ...]] = {
         "pack_gptq",
         "unpack_gptq",
     ),
+    "floatxq.gptq.nvfp4_grid": (
+        "NVFP4GPTQSolution",
+        "nvfp4_gptq_solve",
+    ),
     "floatxq.gptq.planes": (
         "E2M1Planes",
         "Int4Planes",
@@ -344,6 +348,7 @@ __all__ = [
     "InterruptedQuantize",
     "NVFP4Blocks",
     "NVFP4Config",
+    "NVFP4GPTQSolution",
     "NVFP4Packed",
     "NVFP4Recipe",
     "NVFP4RecipeName",
@@ -438,6 +443,7 @@ __all__ = [
     "nvfp4_from_modelopt",
     "nvfp4_from_torchao",
     "nvfp4_global_scale",
+    "nvfp4_gptq_solve",
     "nvfp4_kernel_recipe",
     "nvfp4_linear",
     "nvfp4_linear_prepacked",

@@ -1,0 +1,155 @@
+"""GPTQ onto the NVFP4 grid: the column solve with a recipe's E4M3 block scales held fixed.
+
+:func:`nvfp4_gptq_solve` takes a weight, its layer's input Hessian and an FP32 global scale. The
+recipe chooses each 16-input block's E4M3 scale from the weight as round to nearest does
+(:func:`floatxq.nvfp4_block_scales`); GPTQ then walks the input columns in order, rounds each
+to the nearest E2M1 multiple of its block's scale and spreads the rounding error over the
+columns not yet quantized through the Cholesky factor of the damped inverse Hessian (the
+Hessian-aware rounding of GPTQ, here on a floating-point grid). Both results share the scales,
+so their Hessian losses compare directly; the solve keeps the GPTQ codes unless round to nearest
+has the lower loss (then it returns round to nearest and says so).
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from floatxq._checks import require_floating
+from floatxq._typing import Float, Float8e4m3fn, Float32, Tensor, UInt8
+from floatxq.formats import NVFP4_BLOCK, NVFP4RecipeName, normalize_nvfp4_recipe
+from floatxq.nvfp4.e2m1 import e2m1_decode, e2m1_encode, e2m1_round, pack_e2m1
+from floatxq.nvfp4.quantize import nvfp4_block_scales
+
+__all__ = ["NVFP4GPTQSolution", "nvfp4_gptq_solve"]
+
+
+class NVFP4GPTQSolution(NamedTuple):
+    """The codes and scales of :func:`nvfp4_gptq_solve` and how they compare to round to nearest."""
+
+    packed: UInt8[Tensor, "n half"]
+    """Two E2M1 codes per byte, even input in the low nibble (as :func:`floatxq.nvfp4_quantize`)."""
+    block_scales: Float8e4m3fn[Tensor, "n blocks"]
+    """The recipe's E4M3 scale of each 16-input block (the same for both results)."""
+    global_scale: Float32[Tensor, ""]
+    loss: Float32[Tensor, ""]
+    """``tr(E H Eᵀ)`` of the kept result, ``E = W - decode`` (the undamped Hessian, FP64 sums)."""
+    rtn_loss: Float32[Tensor, ""]
+    """The same loss for round to nearest at the same scales."""
+    solved: bool
+    """True when the GPTQ codes were kept (their loss at most ``rtn_loss``)."""
+
+
+def _checked(weight: Tensor, hessian: Tensor, global_scale: Tensor | float) -> Tensor:
+    where = "nvfp4_gptq_solve"
+    require_floating(weight, name="weight", where=where)
+    require_floating(hessian, name="hessian", where=where)
+    if weight.ndim != 2 or weight.shape[1] % NVFP4_BLOCK:
+        raise ValueError(
+            f"{where}: weight must be (out, in) with in a multiple of {NVFP4_BLOCK}, got shape "
+            f"{tuple(weight.shape)}"
+        )
+    k = weight.shape[1]
+    if tuple(hessian.shape) != (k, k):
+        raise ValueError(f"{where}: hessian must be ({k}, {k}), got {tuple(hessian.shape)}")
+    if hessian.device != weight.device:
+        raise ValueError(f"{where}: hessian is on {hessian.device}, weight on {weight.device}")
+    if not (torch.isfinite(weight).all() and torch.isfinite(hessian).all()):
+        raise ValueError(f"{where}: weight and hessian must be finite")
+    g = torch.as_tensor(global_scale, dtype=torch.float32, device=weight.device).reshape(())
+    if not (torch.isfinite(g) and g > 0):
+        raise ValueError(f"{where}: global_scale must be positive and finite, got {g.item()}")
+    return g
+
+
+def _upper_inverse_factor(hessian: Tensor, damp_percent: float) -> Tensor:
+    """The upper Cholesky factor of the damped Hessian's inverse (dead inputs: diagonal 1)."""
+    h = hessian.to(torch.float64).clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    mean = torch.diagonal(h).mean()
+    h += torch.eye(h.shape[0], dtype=h.dtype, device=h.device) * (damp_percent * mean)
+    factor, info = torch.linalg.cholesky_ex(h)
+    if int(info) != 0:
+        raise ValueError(
+            "nvfp4_gptq_solve: the damped hessian is not positive definite; raise damp_percent"
+        )
+    return torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True)
+
+
+def _loss(error: Tensor, hessian: Tensor) -> Tensor:
+    e = error.to(torch.float64)
+    return ((e @ hessian.to(torch.float64)) * e).sum().to(torch.float32)
+
+
+def nvfp4_gptq_solve(
+    weight: Float[Tensor, "n k"],
+    hessian: Float[Tensor, "k k"],
+    global_scale: Float32[Tensor, ""] | float,
+    *,
+    recipe: NVFP4RecipeName = "nvidia",
+    damp_percent: float = 0.01,
+    blocksize: int = 128,
+) -> NVFP4GPTQSolution:
+    """GPTQ of ``weight`` onto the NVFP4 grid of ``recipe``'s block scales under ``global_scale``.
+
+    Args: ``weight`` ``(out, in)``, ``in % 16 == 0``; ``hessian`` ``(in, in)`` positive
+    semi-definite (the layer inputs' ``2·XᵀX/n``; an input with diagonal 0 gets weight 0), on the
+    weight's device; ``global_scale`` FP32, positive; ``damp_percent`` of the mean diagonal added
+    before the factorization; ``blocksize`` columns updated together (speed only).
+
+    Raises:
+      ValueError: shapes, non-finite values, a bad global scale or recipe, a damped Hessian that
+        is not positive definite, ``damp_percent`` negative or ``blocksize`` below 1.
+      TypeError: non-floating tensors.
+
+    Numerics: scales as :func:`floatxq.nvfp4_block_scales` (bit for bit); each column's value
+    ``e2m1_round(w / e) · e`` with ``e = float(block_scale) · g`` in FP32, the error propagation
+    in FP64. The loss never exceeds round to nearest's at the same scales (the codes with the
+    lower loss are returned; ties keep GPTQ's). Round to nearest's bytes are
+    :func:`floatxq.nvfp4_quantize`'s.
+
+    Example:
+      >>> w = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+      >>> x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+      >>> s = nvfp4_gptq_solve(w, x.T @ x, 0.01)
+      >>> bool(s.loss <= s.rtn_loss), s.packed.shape, s.block_scales.shape
+      (True, torch.Size([8, 16]), torch.Size([8, 2]))
+    """
+    g = _checked(weight, hessian, global_scale)
+    recipe = normalize_nvfp4_recipe(recipe)
+    if not damp_percent >= 0:
+        raise ValueError(f"nvfp4_gptq_solve: damp_percent must be >= 0, got {damp_percent}")
+    if blocksize < 1:
+        raise ValueError(f"nvfp4_gptq_solve: blocksize must be >= 1, got {blocksize}")
+    w32 = weight.to(torch.float32)
+    rtn = nvfp4_block_scales(w32, g, recipe)
+    step = (rtn.block_scales.to(torch.float32) * g).repeat_interleave(NVFP4_BLOCK, dim=1)
+    rtn_values = e2m1_decode(rtn.codes)
+    k = w32.shape[1]
+    upper = _upper_inverse_factor(hessian, damp_percent)
+    work = w32.to(torch.float64).clone()
+    work[:, torch.diagonal(hessian) == 0] = 0.0
+    values = torch.empty_like(w32)
+    for i1 in range(0, k, blocksize):
+        i2 = min(i1 + blocksize, k)
+        block = work[:, i1:i2].clone()
+        errors = torch.empty_like(block)
+        for i in range(i2 - i1):
+            col = i1 + i
+            v = e2m1_round(block[:, i].to(torch.float32) / step[:, col])
+            values[:, col] = v
+            err = (block[:, i] - (v * step[:, col]).to(torch.float64)) / upper[col, col]
+            block[:, i:] -= err[:, None] * upper[col, col:i2][None, :]
+            errors[:, i] = err
+        work[:, i2:] -= errors @ upper[i1:i2, i2:]
+    gptq_loss = _loss(w32 - values * step, hessian)
+    rtn_loss = _loss(w32 - rtn_values * step, hessian)
+    solved = bool(gptq_loss <= rtn_loss)
+    return NVFP4GPTQSolution(
+        packed=pack_e2m1(e2m1_encode(values) if solved else rtn.codes),
+        block_scales=rtn.block_scales,
+        global_scale=g,
+        loss=gptq_loss if solved else rtn_loss,
+        rtn_loss=rtn_loss,
+        solved=solved,
+    )
