@@ -15,6 +15,7 @@ from torch.nn.modules.conv import _ConvNd
 
 from floatxq.config import FP8Config
 from floatxq.interop.export_gptq import output_embedding_names
+from floatxq.lifecycle.swap import swap_modules
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
 try:  # transformers is a dependency, but keep the module importable without it
@@ -109,57 +110,15 @@ def quantize_fp8_modules(
     modules = dict(model.named_modules())
     for plan in plans:
         _check_divisible(plan.name, modules[plan.name], plan.config)  # type: ignore[arg-type]
-    done: list[str] = []
-    homes: dict[str, list[tuple[nn.Module, str, str, torch.device]]] = {}
-    try:
-        for plan in plans:
-            module = modules[plan.name]
-            cfg = typing.cast(FP8Config, plan.config)
-            homes[plan.name] = _tensor_homes(module)
-            source = module.to(device) if device is not None else module
-            try:
-                with torch.no_grad():
-                    fp8 = TorchFP8Linear.from_linear(
-                        source,
-                        format=cfg.format,
-                        weight_scale_method=cfg.weight_scale_method,
-                        weight_block_size=cfg.weight_block_size,
-                    )
-            except (ValueError, TypeError) as exc:  # named: which of the modules it was
-                kind = ValueError if isinstance(exc, ValueError) else TypeError
-                raise kind(f"quantize: module {plan.name!r}: {exc}") from exc
-            model.set_submodule(plan.name, fp8)
-            del source, module
-            done.append(plan.name)
-            if on_module is not None:
-                on_module(plan.name)
-    except BaseException:
-        for name, places in homes.items():  # the failing module may have moved, not swapped
-            model.set_submodule(name, modules[name])
-            _restore_homes(places)
-        raise
-    return done
+    configs = {plan.name: typing.cast(FP8Config, plan.config) for plan in plans}
 
+    def build(name: str, source: nn.Module) -> nn.Module:
+        cfg = configs[name]
+        return TorchFP8Linear.from_linear(
+            source,
+            format=cfg.format,
+            weight_scale_method=cfg.weight_scale_method,
+            weight_block_size=cfg.weight_block_size,
+        )
 
-def _tensor_homes(module: nn.Module) -> list[tuple[nn.Module, str, str, torch.device]]:
-    """Where each parameter and buffer of ``module`` (and its children) lives now."""
-    places = []
-    for owner in module.modules():
-        for kind, tensors in (("param", owner._parameters), ("buffer", owner._buffers)):
-            for key, tensor in tensors.items():
-                if tensor is not None:
-                    places.append((owner, kind, key, tensor.device))
-    return places
-
-
-def _restore_homes(places: list[tuple[nn.Module, str, str, torch.device]]) -> None:
-    """Move tensors back where :func:`_tensor_homes` found them, as ``Module.to`` moved them
-    (a parameter keeps its object, a buffer is replaced); a copy between devices is exact."""
-    for owner, kind, key, home in places:
-        tensor = owner._parameters[key] if kind == "param" else owner._buffers[key]
-        if tensor is None or tensor.device == home:
-            continue
-        if kind == "param":
-            tensor.data = tensor.data.to(home)
-        else:
-            owner._buffers[key] = tensor.to(home)
+    return swap_modules(model, list(configs), build, device=device, on_module=on_module)

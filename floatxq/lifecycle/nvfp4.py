@@ -23,7 +23,7 @@ from floatxq.config import NVFP4Config
 from floatxq.formats import NVFP4_BLOCK
 from floatxq.fp8 import fp32_reciprocal
 from floatxq.interop.export_gptq import output_embedding_names
-from floatxq.lifecycle.fp8 import _restore_homes, _tensor_homes
+from floatxq.lifecycle.swap import swap_modules
 from floatxq.nn.fp4_linear import TorchFP4Linear
 from floatxq.nvfp4.layouts import NVFP4Weight
 from floatxq.nvfp4.quantize import nvfp4_global_scale, nvfp4_quantize
@@ -84,11 +84,15 @@ def plan_nvfp4(model: nn.Module, config: NVFP4Config) -> list[Nvfp4Plan]:
     return plans
 
 
-def _amax(module: nn.Module) -> torch.Tensor:
-    weight = module.weight.detach()
-    if not torch.isfinite(weight).all():
-        raise ValueError("the weight holds NaN or infinity")
-    return weight.abs().amax().float() if weight.numel() else torch.zeros(())
+def _own_amax(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """Each module's ``max|W|`` (FP32, on the CPU), every weight checked finite first."""
+    modules, found = dict(model.named_modules()), {}
+    for name in names:
+        weight = modules[name].weight.detach()
+        if not torch.isfinite(weight).all():
+            raise ValueError(f"quantize: module {name!r}: the weight holds NaN or infinity")
+        found[name] = weight.abs().amax().float().cpu() if weight.numel() else torch.zeros(())
+    return found
 
 
 def fused_amax(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
@@ -100,13 +104,7 @@ def fused_amax(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
 
     Numerics: exact (maxima of magnitudes, in FP32 on the CPU).
     """
-    modules = dict(model.named_modules())
-    own = {}
-    for name in names:
-        try:
-            own[name] = _amax(modules[name]).cpu()
-        except ValueError as exc:
-            raise ValueError(f"quantize: module {name!r}: {exc}") from None
+    own = _own_amax(model, names)
     shared = dict(own)
     for name in names:
         parent, _, leaf = name.rpartition(".")
@@ -143,41 +141,14 @@ def quantize_nvfp4_modules(
     recipe)`` (bit for bit), ``amax`` as the module docstring says.
     """
     plans = [p for p in plan_nvfp4(model, config) if p.config is not None]
-    modules = dict(model.named_modules())
     names = [p.name for p in plans]
-    if config.global_scale == "fused":
-        amax = fused_amax(model, names)
-    else:
-        amax = {}
-        for name in names:
-            try:
-                amax[name] = _amax(modules[name]).cpu()
-            except ValueError as exc:
-                raise ValueError(f"quantize: module {name!r}: {exc}") from None
-    done: list[str] = []
-    homes: dict[str, list[tuple[nn.Module, str, str, torch.device]]] = {}
-    try:
-        for plan in plans:
-            module = modules[plan.name]
-            cfg = typing.cast(NVFP4Config, plan.config)
-            homes[plan.name] = _tensor_homes(module)
-            source = module.to(device) if device is not None else module
-            try:
-                fp4 = _quantized(source, amax[plan.name], cfg.recipe)
-            except (ValueError, TypeError) as exc:  # named: which of the modules it was
-                kind = ValueError if isinstance(exc, ValueError) else TypeError
-                raise kind(f"quantize: module {plan.name!r}: {exc}") from exc
-            model.set_submodule(plan.name, fp4)
-            del source, module
-            done.append(plan.name)
-            if on_module is not None:
-                on_module(plan.name)
-    except BaseException:
-        for name, places in homes.items():
-            model.set_submodule(name, modules[name])
-            _restore_homes(places)
-        raise
-    return done
+    amax = fused_amax(model, names) if config.global_scale == "fused" else _own_amax(model, names)
+    recipes = {p.name: typing.cast(NVFP4Config, p.config).recipe for p in plans}
+
+    def build(name: str, source: nn.Module) -> nn.Module:
+        return _quantized(source, amax[name], recipes[name])
+
+    return swap_modules(model, names, build, device=device, on_module=on_module)
 
 
 def _quantized(linear: nn.Module, amax: torch.Tensor, recipe: str) -> TorchFP4Linear:
@@ -187,9 +158,8 @@ def _quantized(linear: nn.Module, amax: torch.Tensor, recipe: str) -> TorchFP4Li
             f"the weight must be float16, bfloat16 or float32 to quantize to NVFP4, got "
             f"{weight.dtype}"
         )
-    with torch.no_grad():
-        g = round_trip_scale(nvfp4_global_scale(amax, recipe=recipe)).to(weight.device)
-        q = nvfp4_quantize(weight, g, recipe)
+    g = round_trip_scale(nvfp4_global_scale(amax, recipe=recipe)).to(weight.device)
+    q = nvfp4_quantize(weight, g, recipe)
     return TorchFP4Linear.from_nvfp4(NVFP4Weight(*q), linear.bias, dtype=weight.dtype)
 
 
