@@ -67,7 +67,8 @@ def test_enum_members_are_only_what_exists():
 def test_configs_name_their_method_without_a_field():
     assert FP8Config.method is METHOD.FP8 and FP8Config().method is METHOD.FP8
     assert GPTQConfig.method is METHOD.GPTQ
-    assert NVFP4Config.method is METHOD.NVFP4 and NVFP4Config().method is METHOD.NVFP4
+    assert NVFP4Config.quant_method is METHOD.NVFP4 and NVFP4Config().method == "rtn"
+    assert FP8Config.quant_method is METHOD.FP8 and GPTQConfig.quant_method is METHOD.GPTQ
     assert "method" not in {f.name for f in dataclasses.fields(FP8Config)}
     with pytest.raises(TypeError, match="method"):
         FP8Config(method="fp8")

@@ -44,7 +44,8 @@ def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
 def test_config_normalizes_and_refuses_clearly():
     cfg = fq.NVFP4Config(recipe="lsq_grid", global_scale="fused", meta={"by": "me"})
     assert (cfg.recipe, cfg.global_scale, cfg.lm_head) == ("least_squares_grid", "fused", False)
-    assert cfg.method == "nvfp4" and hash(cfg) is not None
+    assert cfg.quant_method == "nvfp4" and cfg.method == "rtn" and cfg.activations is None
+    assert hash(cfg) is not None
     with pytest.raises(ValueError, match="Unsupported NVFP4 scale recipe"):
         fq.NVFP4Config(recipe="best")
     with pytest.raises(ValueError, match="global_scale: expected one of"):

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from floatxq.config.rules import DynamicRules, _module_overrides, _rules_or_none
-from floatxq.config.values import METHOD, _check_bool, _frozen_meta
+from floatxq.config.values import METHOD, _check_bool, _check_real, _frozen_meta
 from floatxq.formats import NVFP4Recipe, normalize_nvfp4_recipe
 
-__all__ = ["NVFP4_GLOBAL_SCALES", "NVFP4Config"]
+__all__ = ["NVFP4_ACTIVATIONS", "NVFP4_GLOBAL_SCALES", "NVFP4_METHODS", "NVFP4Config"]
 
 NVFP4GlobalScale = Literal["module", "fused"]
 NVFP4_GLOBAL_SCALES: tuple[NVFP4GlobalScale, ...] = ("module", "fused")
@@ -20,7 +20,20 @@ NVFP4_GLOBAL_SCALES: tuple[NVFP4GlobalScale, ...] = ("module", "fused")
 amax of the sibling projections a serving engine fuses into one GEMM (``"fused"``: q/k/v,
 gate/up), so that the fused weight has one global scale."""
 
-_NVFP4_RULE_KEYS: tuple[str, ...] = ("recipe",)
+NVFP4Method = Literal["rtn", "gptq"]
+NVFP4_METHODS: tuple[NVFP4Method, ...] = ("rtn", "gptq")
+"""How the E2M1 codes are chosen: round to nearest on the recipe's grid (``"rtn"``, no data
+needed), or GPTQ's column solve onto that grid with the recipe's block scales, calibrated layer
+by layer (``"gptq"``: Hessian-aware rounding)."""
+
+NVFP4Activations = Literal["nvfp4"]
+NVFP4_ACTIVATIONS: tuple[NVFP4Activations, ...] = ("nvfp4",)
+"""Activation quantization besides ``None`` (weight-only, NVFP4A16): ``"nvfp4"`` (W4A4) quantizes
+each linear's input to NVFP4 per block of 16 at a static global scale calibrated per module
+(stored as ``input_scale``; compressed-tensors files hold its reciprocal,
+``input_global_scale``)."""
+
+_NVFP4_RULE_KEYS: tuple[str, ...] = ("recipe", "method", "activations")
 
 
 def _normalize_nvfp4_rule(key: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -34,7 +47,21 @@ def _normalize_nvfp4_rule(key: str, overrides: Mapping[str, Any]) -> dict[str, A
     out: dict[str, Any] = {}
     if "recipe" in overrides:
         out["recipe"] = _recipe(overrides["recipe"], where=f"{where}.recipe")
+    if "method" in overrides:
+        out["method"] = _choice(overrides["method"], NVFP4_METHODS, where=f"{where}.method")
+    if "activations" in overrides:
+        out["activations"] = _activations(overrides["activations"], where=f"{where}.activations")
     return out
+
+
+def _choice(value: Any, accepted: tuple[str, ...], *, where: str) -> Any:
+    if value not in accepted:
+        raise ValueError(f"{where}: expected one of {list(accepted)}, got {value!r}")
+    return value
+
+
+def _activations(value: Any, *, where: str) -> NVFP4Activations | None:
+    return None if value is None else _choice(value, NVFP4_ACTIVATIONS, where=where)
 
 
 def _recipe(value: Any, *, where: str) -> NVFP4Recipe:
@@ -46,18 +73,23 @@ def _recipe(value: Any, *, where: str) -> NVFP4Recipe:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True, init=False)
 class NVFP4Config:
-    """NVFP4 weight-only quantization settings (NVFP4A16), with per-module ``dynamic`` rules.
+    """NVFP4 quantization settings (NVFP4A16 or W4A4), with per-module ``dynamic`` rules.
 
     Each quantized linear stores E2M1 codes, E4M3 scales per block of 16 inputs and one FP32
     global scale, as :class:`~floatxq.nn.TorchFP4Linear` holds them. ``recipe`` is any floatxq
-    NVFP4 block-scale recipe (legacy ``lsq*`` aliases accepted); ``global_scale`` is
-    ``"module"`` or ``"fused"`` (:data:`NVFP4_GLOBAL_SCALES`); ``dynamic`` rules may override
-    ``recipe``; ``lm_head`` quantizes the output embedding too; ``meta`` holds descriptive
-    JSON-like entries carried into the saved files and not interpreted.
+    NVFP4 block-scale recipe (legacy ``lsq*`` aliases accepted); ``method`` is ``"rtn"`` or
+    ``"gptq"`` (:data:`NVFP4_METHODS`; ``damp_percent`` is GPTQ's dampening, a fraction of the
+    Hessian's mean diagonal); ``activations`` is None (weight-only) or ``"nvfp4"``
+    (:data:`NVFP4_ACTIVATIONS`: W4A4 with a calibrated static global scale per module);
+    ``global_scale`` is ``"module"`` or ``"fused"`` (:data:`NVFP4_GLOBAL_SCALES`); ``dynamic``
+    rules may override ``recipe``, ``method`` and ``activations``; ``lm_head`` quantizes the
+    output embedding too; ``meta`` holds descriptive JSON-like entries carried into the saved
+    files and not interpreted. ``gptq`` and W4A4 need calibration text; RTN weight-only needs none.
 
     Raises:
-      ValueError: an unknown recipe or global-scale source, a rule overriding anything else.
-      TypeError: ``lm_head`` not a bool, ``meta`` not a mapping.
+      ValueError: an unknown recipe, method, activation kind or global-scale source, a
+        ``damp_percent`` outside ``[0, 1)``, a rule overriding anything else.
+      TypeError: ``lm_head`` not a bool, ``damp_percent`` not a number, ``meta`` not a mapping.
 
     Numerics: names only; the recipes are described in ``docs/nvfp4.md``.
 
@@ -67,8 +99,12 @@ class NVFP4Config:
       ('least_squares', 'exhaustive')
     """
 
-    method: ClassVar[METHOD] = METHOD.NVFP4
+    quant_method: ClassVar[METHOD] = METHOD.NVFP4
+    """The checkpoint family (``"nvfp4"``): ``method`` here names the rounding, not the format."""
     recipe: NVFP4Recipe
+    method: NVFP4Method
+    activations: NVFP4Activations | None
+    damp_percent: float
     global_scale: NVFP4GlobalScale
     lm_head: bool
     dynamic: DynamicRules | None
@@ -78,6 +114,9 @@ class NVFP4Config:
         self,
         *,
         recipe: str = "nvidia",
+        method: str = "rtn",
+        activations: str | None = None,
+        damp_percent: float = 0.01,
         global_scale: str = "module",
         lm_head: bool = False,
         dynamic: Mapping[str, Mapping[str, Any] | None] | DynamicRules | None = None,
@@ -87,13 +126,32 @@ class NVFP4Config:
             raise ValueError(
                 f"global_scale: expected one of {list(NVFP4_GLOBAL_SCALES)}, got {global_scale!r}"
             )
+        damp = _check_real(damp_percent, where="damp_percent")
+        if not 0.0 <= damp < 1.0:
+            raise ValueError(f"damp_percent: got {damp!r}, accepted: 0 <= damp_percent < 1")
         set_field = object.__setattr__
         set_field(self, "recipe", _recipe(recipe, where="recipe"))
+        set_field(self, "method", _choice(method, NVFP4_METHODS, where="method"))
+        set_field(self, "activations", _activations(activations, where="activations"))
+        set_field(self, "damp_percent", damp)
         set_field(self, "global_scale", global_scale)
         set_field(self, "lm_head", _check_bool(lm_head, where="lm_head"))
         rules = DynamicRules.from_mapping(dynamic, normalize=_normalize_nvfp4_rule)
         set_field(self, "dynamic", _rules_or_none(rules))
         set_field(self, "meta", _frozen_meta(meta))
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether any module may need calibration text: ``method="gptq"`` or W4A4, here or in
+        a ``+:`` rule.
+
+        Example:
+          >>> NVFP4Config().needs_calibration, NVFP4Config(method="gptq").needs_calibration
+          (False, True)
+        """
+        settings = [{"method": self.method, "activations": self.activations}]
+        settings += [dict(rule.overrides) for rule in self.dynamic or () if not rule.exclude]
+        return any(s.get("method") == "gptq" or s.get("activations") for s in settings)
 
     def resolve(self, module_name: str) -> "NVFP4Config | None":
         """The settings for one module (the first matching ``+:`` rule applied, ``dynamic``

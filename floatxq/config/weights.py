@@ -102,6 +102,7 @@ class FP8Config:
     """
 
     method: ClassVar[METHOD] = METHOD.FP8
+    quant_method: ClassVar[METHOD] = METHOD.FP8
     format: FP8WeightFormat
     weight_scale_method: FP8ScaleMethod
     weight_block_size: tuple[int, int] | None
@@ -295,6 +296,7 @@ class GPTQConfig:
     """
 
     method: ClassVar[METHOD] = METHOD.GPTQ
+    quant_method: ClassVar[METHOD] = METHOD.GPTQ
     bits: int
     group_size: int
     sym: bool

@@ -12,6 +12,10 @@ unknown keys, and refuses settings whose feature floatxq does not have yet (an F
 or ``preprocessors``, a GPTQ ``rotation`` or ``adapter``) with a
 ValueError saying so, instead of dropping them.
 
+NVFP4 payloads are floatxq's own (GPT-QModel has none): ``quant_method: "nvfp4"`` and the
+:class:`~floatxq.config.NVFP4Config` fields by name, where ``method`` is the rounding (``"rtn"`` or
+``"gptq"``), not the checkpoint family.
+
 Round trips are exact: ``config -> payload -> config`` gives an equal config, and
 ``payload -> config -> payload`` gives the same payload for every payload floatxq writes.
 """
@@ -21,7 +25,14 @@ from typing import Any
 
 import torch
 
-from floatxq.config import METHOD, ActivationConfig, DynamicRules, FP8Config, GPTQConfig
+from floatxq.config import (
+    METHOD,
+    ActivationConfig,
+    DynamicRules,
+    FP8Config,
+    GPTQConfig,
+    NVFP4Config,
+)
 from floatxq.formats import (
     normalize_fp8_format,
     normalize_fp8_scale_semantics,
@@ -400,11 +411,67 @@ def gptq_config_from_payload(payload: Mapping[str, Any]) -> GPTQConfig:
     return GPTQConfig(**data)
 
 
+_NVFP4_KEYS: frozenset[str] = frozenset(
+    {"quant_method", "method", "recipe", "activations", "damp_percent", "global_scale",
+     "lm_head", "dynamic", "meta"}
+)  # fmt: skip
+
+
+def nvfp4_config_to_payload(config: NVFP4Config) -> dict[str, Any]:
+    """floatxq's NVFP4 payload for ``config``: plain JSON values, None and ``{}`` left out.
+
+    Numerics: names only.
+
+    Example:
+      >>> nvfp4_config_to_payload(NVFP4Config(method="gptq"))["quant_method"]
+      'nvfp4'
+    """
+    if not isinstance(config, NVFP4Config):
+        raise TypeError(f"config: expected an NVFP4Config, got {type(config).__name__}")
+    payload: dict[str, Any] = {
+        "quant_method": METHOD.NVFP4.value,
+        "method": config.method,
+        "recipe": config.recipe,
+        "activations": config.activations,
+        "damp_percent": config.damp_percent,
+        "global_scale": config.global_scale,
+        "lm_head": config.lm_head,
+        "dynamic": _rules_payload(config.dynamic),
+        "meta": _thaw(config.meta),
+    }
+    return _without_empty(payload)
+
+
+def nvfp4_config_from_payload(payload: Mapping[str, Any]) -> NVFP4Config:
+    """Read an NVFP4 payload written by :func:`nvfp4_config_to_payload`.
+
+    ``quant_method`` must be ``"nvfp4"`` (any case); the other keys are
+    :class:`~floatxq.config.NVFP4Config`'s arguments, checked by it.
+
+    Raises:
+      TypeError: ``payload`` is not a mapping, or a field's value has the wrong kind.
+      ValueError: an unknown key, another ``quant_method``, a value the config refuses.
+
+    Numerics: names only.
+
+    Example:
+      >>> nvfp4_config_from_payload({"quant_method": "nvfp4", "recipe": "lsq"}).recipe
+      'least_squares'
+    """
+    data = _as_dict(payload, accepted=_NVFP4_KEYS, where="NVFP4 payload")
+    family = data.pop("quant_method", METHOD.NVFP4.value)
+    if not isinstance(family, str) or family.lower() != METHOD.NVFP4.value:
+        raise ValueError(f"quant_method: expected 'nvfp4' in an NVFP4 payload, got {family!r}")
+    return NVFP4Config(**data)
+
+
 __all__ = [
     "fp8_config_from_payload",
     "fp8_config_to_payload",
     "gptq_config_from_payload",
     "gptq_config_to_payload",
+    "nvfp4_config_from_payload",
+    "nvfp4_config_to_payload",
     "payload_format",
     "payload_method",
 ]

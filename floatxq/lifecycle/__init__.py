@@ -22,6 +22,8 @@ from floatxq.interop.payload import (
     fp8_config_to_payload,
     gptq_config_from_payload,
     gptq_config_to_payload,
+    nvfp4_config_from_payload,
+    nvfp4_config_to_payload,
     payload_format,
     payload_method,
 )
@@ -79,6 +81,8 @@ __all__ = [
     "load",
     "load_calibration_file",
     "normalize_layout",
+    "nvfp4_config_from_payload",
+    "nvfp4_config_to_payload",
     "payload_format",
     "payload_method",
     "prepare_calibration",

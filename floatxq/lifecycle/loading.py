@@ -37,6 +37,7 @@ from floatxq.interop.checkpoint import (
 from floatxq.interop.payload import (
     fp8_config_from_payload,
     gptq_config_from_payload,
+    nvfp4_config_from_payload,
     payload_method,
 )
 from floatxq.interop.shards import read_json
@@ -292,14 +293,17 @@ def _as_config(value: Any) -> FP8Config | GPTQConfig | NVFP4Config:
         method = payload_method(value) or METHOD.FP8.value
         if method == METHOD.GPTQ:
             return gptq_config_from_payload(value)
+        if method == METHOD.NVFP4:
+            return nvfp4_config_from_payload(value)
         if method != METHOD.FP8:
             raise ValueError(
-                f"load: quantize_config method {method!r} is not supported; accepted: 'fp8', 'gptq'"
+                f"load: quantize_config method {method!r} is not supported; accepted: 'fp8', "
+                f"'gptq', 'nvfp4'"
             )
         return fp8_config_from_payload(value)
     raise TypeError(
         f"load: quantize_config must be an FP8Config, a GPTQConfig, an NVFP4Config, a payload "
-        f"mapping of the first two or None, got {type(value).__name__}"
+        f"mapping of one of them or None, got {type(value).__name__}"
     )
 
 

@@ -148,9 +148,11 @@ class QuantizedModel:
     ) -> "QuantizedModel":
         """Quantize the model's linear modules in place.
 
-        FP8 and NVFP4 are weight-only (no calibration). GPTQ is calibrated and runs layer by layer
-        (:mod:`floatxq.lifecycle.gptq`): a decoder layer at a time on the work device
-        (``device`` of :func:`load`, else CUDA, else CPU); the model ends on ``device`` if given.
+        FP8 and NVFP4 round to nearest are weight-only (no calibration). GPTQ, and NVFP4 with
+        ``method="gptq"`` or ``activations="nvfp4"``, are calibrated and run layer by layer
+        (:mod:`floatxq.lifecycle.gptq`, :mod:`floatxq.lifecycle.nvfp4_calibrated`): a decoder
+        layer at a time on the work device (``device`` of :func:`load`, else CUDA, else CPU);
+        the model ends on ``device`` if given.
 
         Args:
           calibration: GPTQ's samples: strings, 1-D token-id tensors, lists of ints or mappings
@@ -209,6 +211,14 @@ class QuantizedModel:
             }
             return self._quantize_gptq(calibration, batch_size, progress, tokenizer, options)
         nvfp4 = isinstance(self.quantize_config, NVFP4Config)
+        if nvfp4 and self.quantize_config.needs_calibration:
+            options = {
+                "max_length": max_length,
+                "overflow": overflow,
+                "num_samples": num_samples,
+                "text_column": text_column,
+            }
+            return self._quantize_nvfp4(calibration, batch_size, progress, tokenizer, options)
         kind = "NVFP4" if nvfp4 else "FP8"
         if calibration is not None:
             warnings.warn(
@@ -266,6 +276,68 @@ class QuantizedModel:
                 f"settings, so {reload}"
             )
 
+    def _prepared(
+        self, calibration: Any, batch_size: int, tokenizer: Any, options: Mapping[str, Any]
+    ) -> Any:
+        """The calibration batches (:func:`~floatxq.lifecycle.calibration.prepare_calibration`)
+        with the model's padding id, vocabulary and positions."""
+        from floatxq.lifecycle.calibration import prepare_calibration
+
+        hf_config = getattr(self.model, "config", None)
+        pad = getattr(hf_config, "pad_token_id", None)
+        return prepare_calibration(
+            calibration,
+            tokenizer=tokenizer or self.tokenizer or _LazyTokenizer(self.source),
+            batch_size=batch_size,
+            pad_token_id=pad if isinstance(pad, int) else 0,
+            vocab_size=getattr(hf_config, "vocab_size", None),
+            max_length=_max_length(options["max_length"], hf_config),
+            overflow=options["overflow"],
+            num_samples=options["num_samples"],
+            text_column=options["text_column"],
+        )
+
+    def _quantize_nvfp4(
+        self,
+        calibration: Any,
+        batch_size: int,
+        progress: Any,
+        tokenizer: Any,
+        options: Mapping[str, Any],
+    ) -> "QuantizedModel":
+        """NVFP4 with ``method="gptq"`` or W4A4: calibrated layer by layer; rolls back on
+        failure (:func:`~floatxq.lifecycle.nvfp4_calibrated.quantize_nvfp4_calibrated`)."""
+        from floatxq.lifecycle.nvfp4 import plan_nvfp4
+        from floatxq.lifecycle.nvfp4_calibrated import quantize_nvfp4_calibrated
+
+        config = self.quantize_config
+        assert isinstance(config, NVFP4Config)
+        if calibration is None:
+            raise ValueError(
+                "quantize: NVFP4 with method='gptq' or activations='nvfp4' needs calibration "
+                "data (strings or token-id tensors); floatxq.tiny.calibration_samples(...) gives "
+                "some for the built-in tiny Llama"
+            )
+        total = sum(p.config is not None for p in plan_nvfp4(self.model, config))
+        prepared = self._prepared(calibration, batch_size, tokenizer, options)
+        work = self.device or _default_work_device(self.model)
+        callback, bar = _progress(progress, total, "nvfp4 quantize")
+        start = time.perf_counter()
+        try:
+            report = quantize_nvfp4_calibrated(
+                self.model, config, prepared, device=work, on_module=callback
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        if self.device is not None:
+            self.model.to(self.device)
+        self.report = report
+        self.quantize_seconds = time.perf_counter() - start
+        self.quantized = True
+        self.quantized_modules = [m.name for m in report.modules]
+        return self
+
     def _quantize_gptq(
         self,
         calibration: Any,
@@ -274,7 +346,6 @@ class QuantizedModel:
         tokenizer: Any,
         options: Mapping[str, Any],
     ) -> "QuantizedModel":
-        from floatxq.lifecycle.calibration import prepare_calibration
         from floatxq.lifecycle.gptq import plan_gptq, quantize_gptq_model
 
         config = self.quantize_config
@@ -288,19 +359,7 @@ class QuantizedModel:
         finished = previous is not None and len(previous.done) == previous.total
         # refuses unpackable modules before any work (a finished resume has none left)
         plans = [] if finished else plan_gptq(self.model, config)
-        hf_config = getattr(self.model, "config", None)
-        pad = getattr(hf_config, "pad_token_id", None)
-        prepared = prepare_calibration(
-            calibration,
-            tokenizer=tokenizer or self.tokenizer or _LazyTokenizer(self.source),
-            batch_size=batch_size,
-            pad_token_id=pad if isinstance(pad, int) else 0,
-            vocab_size=getattr(hf_config, "vocab_size", None),
-            max_length=_max_length(options["max_length"], hf_config),
-            overflow=options["overflow"],
-            num_samples=options["num_samples"],
-            text_column=options["text_column"],
-        )
+        prepared = self._prepared(calibration, batch_size, tokenizer, options)
         work = self.device or _default_work_device(self.model)
         names = [p.name for p in plans if p.config is not None]
         kinds = {name: type(self.model.get_submodule(name)) for name in names}

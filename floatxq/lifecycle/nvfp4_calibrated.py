@@ -1,0 +1,321 @@
+"""The calibrated NVFP4 lifecycle: GPTQ onto the NVFP4 grid and W4A4 input scales, layer by layer.
+
+:func:`quantize_nvfp4_calibrated` runs when an :class:`~floatxq.config.NVFP4Config` asks for
+``method="gptq"`` or ``activations="nvfp4"`` (for any module); RTN weight-only needs no data and
+goes through :func:`floatxq.lifecycle.nvfp4.quantize_nvfp4_modules` instead. The order is the
+GPTQ lifecycle's (:mod:`floatxq.lifecycle.gptq`), one decoder layer on the work device at a time:
+
+1. each weight's FP32 global scale is fixed first, from the original weights, exactly as RTN
+   fixes it (the module's own amax or the fused siblings', moved to a value whose reciprocal
+   round-trips: :func:`~floatxq.lifecycle.nvfp4.round_trip_scale`);
+2. the calibration batches go through the embeddings once and the first decoder layer's inputs
+   are kept on the work device;
+3. per layer, the selected linears are grouped by the input they read (q/k/v, o, gate/up, down);
+   per group the layer runs over every batch up to that input and folds, over the unpadded rows,
+   :data:`floatxq.stats.HESSIAN` (when a module of the group uses ``gptq``) and
+   :data:`floatxq.stats.RUNNING_AMAX` (when one quantizes its activations);
+4. each module becomes a :class:`~floatxq.nn.fp4_linear.TorchFP4Linear`: codes from
+   :func:`floatxq.nvfp4_gptq_solve` (``gptq``; the recipe's block scales, never a higher Hessian
+   loss than round to nearest at those scales) or :func:`floatxq.nvfp4_quantize` (``rtn``), and
+   for W4A4 the input scale ``round_trip_scale(nvfp4_global_scale(amax, recipe="nvidia"))`` of the
+   group's input. It replaces the original at once, so later groups and layers see the
+   quantized outputs (activation quantization included);
+5. the layer runs again to give the next layer's inputs; with ``lm_head=True`` the output
+   embedding is done last, on the final norm's outputs.
+
+Any exception (``KeyboardInterrupt`` included) puts every original module back, on the device it
+lived on, before it propagates: the model is as it was.
+"""
+
+import time
+import typing
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from floatxq.config import NVFP4Config
+from floatxq.gptq.nvfp4_grid import nvfp4_gptq_solve
+from floatxq.lifecycle.calibration import CalibrationSet
+from floatxq.lifecycle.decoder import (
+    call_layer,
+    capture_inputs,
+    decoder_layers,
+    device_of,
+    features,
+    final_norm,
+    layer_output,
+    move_outside,
+    output_embedding,
+)
+from floatxq.lifecycle.gptq import _dense_weight, _finalized, _fold_group, _groups_by_input
+from floatxq.lifecycle.nvfp4 import _own_amax, fused_amax, plan_nvfp4, round_trip_scale
+from floatxq.nn.fp4_linear import TorchFP4Linear
+from floatxq.nvfp4.layouts import NVFP4Weight
+from floatxq.nvfp4.quantize import nvfp4_block_qdq, nvfp4_global_scale, nvfp4_quantize
+from floatxq.stats import HESSIAN, RUNNING_AMAX, Statistic, fold_all
+
+__all__ = ["NVFP4ModuleReport", "NVFP4RunReport", "quantize_nvfp4_calibrated"]
+
+ACTIVATION_RECIPE = "nvidia"
+"""The block-scale recipe of W4A4 activations: serving engines quantize them with max/6."""
+
+
+class NVFP4ModuleReport(NamedTuple):
+    """One quantized module: its settings, Hessian losses (``gptq`` only, per calibration row:
+    ``loss`` of the chosen codes, ``rtn_loss`` of round to nearest at the same scales) and input
+    scale (W4A4 only)."""
+
+    name: str
+    layer: int | None
+    method: str
+    recipe: str
+    loss: float | None
+    rtn_loss: float | None
+    input_scale: float | None
+    seconds: float
+
+
+class NVFP4RunReport(NamedTuple):
+    """What :func:`quantize_nvfp4_calibrated` did."""
+
+    modules: tuple[NVFP4ModuleReport, ...]
+    layers: int
+    samples: int
+    tokens: int
+    seconds: float
+
+
+class _StandIn(nn.Module):
+    """A quantized module's stand-in while its layer is still being run: the same forward as the
+    :class:`~floatxq.nn.fp4_linear.TorchFP4Linear` it wraps (the pure reference: activations
+    through :func:`floatxq.nvfp4_block_qdq` at the input scale for W4A4, the weight decoded in
+    ``x``'s dtype, then ``F.linear``), the weight decoded once per dtype instead of per batch."""
+
+    def __init__(self, packed: TorchFP4Linear) -> None:
+        super().__init__()
+        self.packed = packed
+        self.decoded: dict[torch.dtype, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in self.decoded:
+            self.decoded[x.dtype] = self.packed.dequantize_weight(x.dtype)
+        scale = getattr(self.packed, "input_scale", None)
+        if scale is not None:
+            x = nvfp4_block_qdq(x, scale, ACTIVATION_RECIPE)
+        bias = self.packed.bias
+        return nn.functional.linear(
+            x, self.decoded[x.dtype], None if bias is None else bias.to(x.dtype)
+        )
+
+
+def _statistics(configs: list[NVFP4Config], k: int, device: torch.device) -> tuple[dict, dict]:
+    """The statistics one input group needs, and their initial states."""
+    statistics: dict[str, Statistic] = {}
+    if any(c.method == "gptq" for c in configs):
+        statistics["hessian"] = HESSIAN
+    if any(c.activations is not None for c in configs):
+        statistics["amax"] = RUNNING_AMAX
+    states = {key: s.init(k, device=device) if key == "hessian" else s.init(device=device)
+              for key, s in statistics.items()}  # fmt: skip
+    return statistics, states
+
+
+def _build(
+    name: str,
+    module: nn.Module,
+    config: NVFP4Config,
+    weight_scale: torch.Tensor,
+    folded: dict[str, Any],
+    rows: int,
+    layer: int | None,
+    device: torch.device,
+) -> tuple[TorchFP4Linear, NVFP4ModuleReport]:
+    """One module's ``TorchFP4Linear`` (on ``device``) and report."""
+    start = time.perf_counter()
+    dtype = module.weight.dtype
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(
+            f"quantize: module {name!r}: the weight must be float16, bfloat16 or float32 to "
+            f"quantize to NVFP4, got {dtype}"
+        )
+    weight = _dense_weight(module, device)
+    g = weight_scale.to(device)
+    loss = rtn_loss = None
+    if config.method == "gptq":
+        solution = nvfp4_gptq_solve(
+            weight, folded["hessian"], g, recipe=config.recipe, damp_percent=config.damp_percent
+        )
+        packed = NVFP4Weight(solution.packed, solution.block_scales, solution.global_scale)
+        loss = float(solution.loss) / max(rows, 1)
+        rtn_loss = float(solution.rtn_loss) / max(rows, 1)
+    else:
+        packed = NVFP4Weight(*nvfp4_quantize(weight, g, config.recipe))
+    del weight
+    input_scale = None
+    if config.activations is not None:
+        amax = folded["amax"].to(device)
+        input_scale = round_trip_scale(nvfp4_global_scale(amax, recipe=ACTIVATION_RECIPE))
+    bias = getattr(module, "bias", None)
+    bias = None if bias is None else bias.detach().to(device)
+    extra = {} if input_scale is None else {"input_scale": input_scale}
+    built = TorchFP4Linear.from_nvfp4(packed, bias, dtype=dtype, **extra)
+    scale = None if input_scale is None else float(input_scale)
+    report = NVFP4ModuleReport(
+        name, layer, config.method, config.recipe, loss, rtn_loss, scale,
+        time.perf_counter() - start,
+    )  # fmt: skip
+    return built, report
+
+
+def quantize_nvfp4_calibrated(
+    model: nn.Module,
+    config: NVFP4Config,
+    calibration: CalibrationSet,
+    *,
+    device: torch.device,
+    on_module: Callable[[str], None] | None = None,
+) -> NVFP4RunReport:
+    """Quantize ``model``'s planned linears to NVFP4 in place, calibrated layer by layer.
+
+    Args:
+      model: a Hugging Face causal LM (decoder layers in an ``nn.ModuleList``), in eval mode.
+      config: the :class:`~floatxq.config.NVFP4Config` (rules resolved per module).
+      calibration: prepared batches (:func:`~floatxq.lifecycle.calibration.prepare_calibration`).
+      device: the work device (one decoder layer, its statistics and the activations at a time);
+        each NVFP4 module is moved back to where its original lived.
+      on_module: called with each module's name once it is quantized.
+
+    Returns:
+      :class:`NVFP4RunReport`.
+
+    Raises:
+      ValueError: as :func:`~floatxq.lifecycle.nvfp4.plan_nvfp4` and before any change, a
+        non-finite weight (naming it); non-finite calibration activations or a module no batch
+        reaches (naming them); as :func:`floatxq.nvfp4_gptq_solve`.
+      TypeError: a weight dtype other than float16, bfloat16 or float32, naming the module.
+
+    Numerics: as the module docstring; Hessians ``2/N Σ xᵀx`` over the unpadded rows in FP32.
+    """
+    plans = [p for p in plan_nvfp4(model, config) if p.config is not None]
+    targets = {p.name: typing.cast(NVFP4Config, p.config) for p in plans}
+    names = list(targets)
+    amax = fused_amax(model, names) if config.global_scale == "fused" else _own_amax(model, names)
+    weight_scales = {
+        n: round_trip_scale(nvfp4_global_scale(amax[n], recipe=targets[n].recipe)) for n in names
+    }
+    layers_name, layers = decoder_layers(model)
+    head = output_embedding(model)
+    head_name = head[0] if head is not None and head[0] in targets else None
+    homes = {n: device_of(model.get_submodule(n)) for n in names}
+    originals: dict[str, nn.Module] = {}
+    reports: list[NVFP4ModuleReport] = []
+    skip = {id(layers)} | ({id(head[1])} if head is not None else set())
+    home = {id(m): device_of(m) for m in layers}
+    outside_home = device_of(
+        model.get_submodule(layers_name.rsplit(".", 1)[0]) if "." in layers_name else model
+    )
+    rows = calibration.tokens
+    was_training = model.training
+    start = time.perf_counter()
+
+    solved: dict[str, nn.Module] = {}  # a layer's modules while it runs on stand-ins
+
+    def replace(name: str, module: nn.Module, built: nn.Module, report: NVFP4ModuleReport) -> None:
+        originals[name] = module
+        solved[name] = built
+        model.set_submodule(name, _StandIn(built))
+        reports.append(report)
+        if on_module is not None:
+            on_module(name)
+
+    model.eval()
+    try:
+        with torch.no_grad():
+            move_outside(model, skip, device)
+            layers[0].to(device)
+            inputs = capture_inputs(model, layers[0], calibration, device)
+            move_outside(model, skip, outside_home)
+            for index, layer in enumerate(layers):
+                layer.to(device)
+                prefix = f"{layers_name}.{index}."
+                wanted = [(n, model.get_submodule(n)) for n in names if n.startswith(prefix)]
+                groups = _groups_by_input(layer, wanted, inputs[0]) if wanted else []
+                del wanted
+                for group in groups:
+                    group_names = [n for n, _ in group]
+                    configs = [targets[n] for n in group_names]
+                    statistics, states = _statistics(configs, features(group[0][1])[0], device)
+                    folded = (
+                        _fold_group(layer, group[0][1], group_names, inputs, statistics, states)
+                        if statistics
+                        else {}
+                    )
+                    while group:
+                        name, module = group.pop(0)
+                        built, report = _build(
+                            name, module, targets[name], weight_scales[name], folded, rows,
+                            index, device,
+                        )  # fmt: skip
+                        replace(name, module, built, report)
+                        del module
+                    del folded, states
+                if index < len(layers) - 1 or head_name is not None:
+                    for i, item in enumerate(inputs):
+                        inputs[i] = item._replace(hidden=layer_output(call_layer(layer, item)))
+                for name, built in solved.items():
+                    model.set_submodule(name, built)
+                solved.clear()
+                layer.to(home[id(layer)])
+            if head_name is not None and head is not None:
+                _head(model, head, targets[head_name], weight_scales[head_name], inputs,
+                      layers_name, rows, device, outside_home, replace)  # fmt: skip
+                for name, built in solved.items():
+                    model.set_submodule(name, built)
+            del inputs
+    except BaseException:
+        for name, module in originals.items():
+            model.set_submodule(name, module.to(homes[name]))
+        raise
+    finally:
+        move_outside(model, skip, outside_home)
+        for layer in layers:
+            layer.to(home[id(layer)])
+        model.train(was_training)
+    for name in originals:  # each NVFP4 module where its original lived
+        model.get_submodule(name).to(homes[name])
+    return NVFP4RunReport(
+        tuple(reports), len(layers), calibration.samples, calibration.tokens,
+        time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def _head(
+    model: nn.Module,
+    head: tuple[str, nn.Module],
+    config: NVFP4Config,
+    weight_scale: torch.Tensor,
+    inputs: list,
+    layers_name: str,
+    rows: int,
+    device: torch.device,
+    outside_home: torch.device,
+    replace: Callable[..., None],
+) -> None:
+    """The output embedding, last, on the final norm's outputs."""
+    name, module = head
+    norm = final_norm(model, layers_name)
+    if norm is not None:
+        norm.to(device)
+    module.to(device)
+    statistics, states = _statistics([config], features(module)[0], device)
+    for item in inputs:
+        hidden = norm(item.hidden) if norm is not None else item.hidden
+        states = fold_all(statistics, states, hidden, mask=item.mask)
+    folded = _finalized(statistics, states, [name]) if statistics else {}
+    built, report = _build(name, module, config, weight_scale, folded, rows, None, device)
+    module.to(outside_home)
+    if norm is not None:
+        norm.to(outside_home)
+    replace(name, module, built, report)
