@@ -1,6 +1,10 @@
 """GPTQ at 8B scale: the lifecycle on a random Llama-3-8B-shaped model, layer by layer on one GPU.
 
 Run (one H200): python benchmarks/gptq_scale.py --out /tmp/gptq-8b.json
+NVFP4 (``--method``): ``nvfp4`` (round to nearest, weight-only: no calibration, each weight
+quantized on the GPU and put back on the CPU), ``nvfp4-gptq`` (GPTQ onto the NVFP4 grid,
+calibrated as INT4 GPTQ is), ``nvfp4-w4a4`` (round to nearest plus calibrated input scales);
+``--recipe`` picks the NVFP4 recipe (default ``nvidia``).
 CPU smoke run: python benchmarks/gptq_scale.py --device cpu --layers 2 --hidden 256 \
     --intermediate 512 --heads 4 --kv-heads 2 --vocab 1024 --samples 4 --seq-len 64
 Build only (time the CPU model build): add ``--build-only``.
@@ -114,6 +118,10 @@ def main() -> int:
     parser.add_argument(
         "--order", default="act_group_aware", choices=["act_group_aware", "desc_act", "plain"]
     )
+    parser.add_argument(
+        "--method", default="gptq", choices=["gptq", "nvfp4", "nvfp4-gptq", "nvfp4-w4a4"]
+    )
+    parser.add_argument("--recipe", default="nvidia", help="the NVFP4 recipe")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="build threads (0: torch's)")
     parser.add_argument("--build-only", action="store_true", help="time the CPU build, stop")
@@ -168,10 +176,18 @@ def main() -> int:
         ids = torch.randint(0, args.vocab, (args.samples, args.seq_len), generator=g)
         samples = list(ids.unbind(0))
         desc = args.order == "desc_act"
-        qconfig = GPTQConfig(
+        qconfig: Any = GPTQConfig(
             bits=4, group_size=args.group_size, desc_act=desc,
             act_group_aware=args.order == "act_group_aware",
         )  # fmt: skip
+        if args.method != "gptq":
+            qconfig = floatxq.NVFP4Config(
+                recipe=args.recipe,
+                method="gptq" if args.method == "nvfp4-gptq" else "rtn",
+                activations="nvfp4" if args.method == "nvfp4-w4a4" else None,
+            )
+            if args.method == "nvfp4":
+                samples = None  # weight-only round to nearest reads no data
         stamps: dict[str, float] = {}
         # No device for load: the model stays on CPU and GPTQ works on the default device (the
         # first GPU), so the peak below is the working set, not the finished model moved there.
@@ -212,6 +228,8 @@ def main() -> int:
         record.update(
             {
                 "quantize": {
+                    "method": args.method,
+                    "recipe": args.recipe if args.method != "gptq" else None,
                     "group_size": args.group_size,
                     "order": args.order,
                     "samples": args.samples,
@@ -231,7 +249,8 @@ def main() -> int:
         )
         median = sorted(per_layer)[len(per_layer) // 2] if per_layer else float("nan")
         print(
-            f"quantize: {wall:.2f} s for {len(modules)} modules in {args.layers} layers "
+            f"{args.method} quantize: {wall:.2f} s for {len(qm.quantized_modules)} modules in "
+            f"{args.layers} layers "
             f"({args.samples} × {args.seq_len} tokens, batch {args.batch_size}); per layer "
             f"median {median:.2f} s, first {per_layer[0] if per_layer else float('nan'):.2f} s; "
             f"module solves {record['solve_seconds']:.2f} s"

@@ -48,3 +48,18 @@ def test_refusals_name_the_problem(production_checks):
         fq.nvfp4_gptq_solve(w, -torch.eye(32), 1.0, damp_percent=0.0)
     with pytest.raises(ValueError, match="Unsupported NVFP4 scale recipe"):
         fq.nvfp4_gptq_solve(w, h, 1.0, recipe="best")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("rows", "k", "blocksize"), [(96, 512, 128), (33, 400, 128), (5, 64, 16)])
+def test_cuda_graph_replay_gives_the_eager_bytes(rows, k, blocksize):
+    w = (torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) * 0.02).cuda()
+    h = _correlated(k, rows).cuda()
+    g = fq.nvfp4_global_scale(w.abs().amax(), recipe="nvidia")
+    graphed = fq.nvfp4_gptq_solve(w, h, g, blocksize=blocksize)
+    eager = fq.nvfp4_gptq_solve(w, h, g, blocksize=blocksize, cuda_graph=False)
+    assert torch.equal(graphed.packed, eager.packed)
+    assert torch.equal(graphed.loss, eager.loss) and graphed.solved == eager.solved
+    cpu = fq.nvfp4_gptq_solve(w.cpu(), h.cpu(), g.cpu(), blocksize=blocksize)
+    assert cpu.loss <= cpu.rtn_loss and graphed.loss <= graphed.rtn_loss

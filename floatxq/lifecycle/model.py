@@ -235,9 +235,11 @@ class QuantizedModel:
         total = sum(p.config is not None for p in plan(self.model, self.quantize_config))
         callback, bar = _progress(progress, total, f"{kind.lower()} quantize")
         start = time.perf_counter()
+        # NVFP4 quantizes on the work device (CUDA when there is one), each module going back
+        extra = {"work_device": _default_work_device(self.model)} if nvfp4 else {}
         try:
             self.quantized_modules = swap(
-                self.model, self.quantize_config, device=self.device, on_module=callback
+                self.model, self.quantize_config, device=self.device, on_module=callback, **extra
             )
         finally:
             if bar is not None:

@@ -121,13 +121,15 @@ def quantize_nvfp4_modules(
     config: NVFP4Config,
     *,
     device: torch.device | None = None,
+    work_device: torch.device | None = None,
     on_module: Callable[[str], None] | None = None,
 ) -> list[str]:
     """Replace every planned linear of ``model`` by a ``TorchFP4Linear``, one at a time.
 
-    Each weight moves to ``device`` (when given) only while it is quantized, and the NVFP4
-    module stays there. Any exception during the swaps (``KeyboardInterrupt`` included) puts
-    every replaced module back, its tensors on the devices they were on, before it propagates.
+    Each weight moves to ``device`` (when given, else ``work_device`` when given) only while it
+    is quantized; the NVFP4 module stays on ``device``, or goes back where the weight lived.
+    Any exception during the swaps (``KeyboardInterrupt`` included) puts every replaced module
+    back, its tensors on the devices they were on, before it propagates.
 
     Returns:
       the names of the quantized modules, in model order.
@@ -144,11 +146,15 @@ def quantize_nvfp4_modules(
     names = [p.name for p in plans]
     amax = fused_amax(model, names) if config.global_scale == "fused" else _own_amax(model, names)
     recipes = {p.name: typing.cast(NVFP4Config, p.config).recipe for p in plans}
+    modules = dict(model.named_modules())
+    homes = {n: device or modules[n].weight.device for n in names}
+    del modules
 
     def build(name: str, source: nn.Module) -> nn.Module:
-        return _quantized(source, amax[name], recipes[name])
+        return _quantized(source, amax[name], recipes[name]).to(homes[name])
 
-    return swap_modules(model, names, build, device=device, on_module=on_module)
+    work = device if device is not None else work_device
+    return swap_modules(model, names, build, device=work, on_module=on_module)
 
 
 def _quantized(linear: nn.Module, amax: torch.Tensor, recipe: str) -> TorchFP4Linear:
