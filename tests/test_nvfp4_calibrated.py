@@ -184,3 +184,74 @@ def test_a_failing_run_puts_every_original_module_back(monkeypatch):
         assert module is before[name], name
         assert_bitwise_equal(module.weight, weights[name], msg=name)
     assert not _fp4(model)
+
+
+def _input_amax(model: nn.Module, samples: list[torch.Tensor], names: list[str]) -> dict:
+    """``max|x|`` of each module's inputs over ``samples``, recorded on ``model`` as it is."""
+    found: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def fn(_module, args):
+            amax = args[0].detach().abs().amax().float()
+            found[name] = torch.maximum(found.get(name, amax), amax)
+
+        return fn
+
+    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    with torch.no_grad():
+        for ids in samples:
+            model(input_ids=ids[None])
+    for h in handles:
+        h.remove()
+    return found
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_w4a4_input_scales_are_the_calibrated_maxima_of_the_quantized_models_inputs(method):
+    samples = _samples()
+    cfg = fq.NVFP4Config(
+        method=method, activations="nvfp4", dynamic={r".*o_proj": {"activations": None}}
+    )
+    q = fq.load(_llama(), quantize_config=cfg).quantize(samples, progress=False)
+    fp4 = _fp4(q.model)
+    w4a4 = {n for n, m in fp4.items() if m.input_scale is not None}
+    assert w4a4 == {n for n in fp4 if not n.endswith("o_proj")} and len(w4a4) == 12
+    # calibration ran each layer on modules that compute what the finished ones compute, so the
+    # finished model's inputs are the calibration inputs: each scale is their maximum / 2688
+    seen = _input_amax(q.model, samples, sorted(w4a4))
+    for name in w4a4:
+        g = fp4[name].input_scale
+        assert g.dtype == torch.float32 and torch.equal(1.0 / (1.0 / g), g), name
+        expected = fq.nvfp4_global_scale(seen[name], recipe="nvidia")
+        ulps = g.view(torch.int32).item() - expected.view(torch.int32).item()
+        assert abs(ulps) <= 2, (name, g.item(), expected.item())
+    layer0 = q.model.model.layers[0]
+    fused = (layer0.self_attn.q_proj, layer0.self_attn.k_proj, layer0.self_attn.v_proj)
+    assert all(torch.equal(m.input_scale, fused[0].input_scale) for m in fused)  # one input
+    if method == "rtn":  # the weights are round to nearest's bytes, whatever the activations
+        rtn = _fp4(
+            fq.load(_llama(), quantize_config=fq.NVFP4Config()).quantize(progress=False).model
+        )
+        for name, module in fp4.items():
+            assert_bitwise_equal(module.weight, rtn[name].weight, msg=name)
+
+
+def test_w4a4_runs_its_activation_quantization_and_reloads_bit_for_bit(tmp_path):
+    samples = _samples()
+    q = fq.load(_llama(), quantize_config=fq.NVFP4Config(activations="nvfp4"))
+    q.quantize(samples, progress=False)
+    ids = _ids()
+    logits = q.model(input_ids=ids).logits
+    module = q.model.model.layers[1].mlp.down_proj
+    x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(5))
+    qdq = fq.nvfp4_block_qdq(x, module.input_scale, "nvidia")
+    expected = nn.functional.linear(qdq, module.dequantize_weight(x.dtype))
+    assert_bitwise_equal(module(x), expected)
+    assert not torch.equal(module(x), nn.functional.linear(x, module.dequantize_weight(x.dtype)))
+    out = q.save(tmp_path / "w4a4")
+    loaded = fq.load(out)
+    for name, m in _fp4(q.model).items():
+        twin = loaded.model.get_submodule(name)
+        assert_bitwise_equal(twin.input_scale, m.input_scale, msg=name)
+        assert_bitwise_equal(twin.weight, m.weight, msg=name)
+    assert_bitwise_equal(loaded.model(input_ids=ids).logits, logits)

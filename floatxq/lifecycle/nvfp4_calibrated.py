@@ -159,8 +159,7 @@ def _build(
         input_scale = round_trip_scale(nvfp4_global_scale(amax, recipe=ACTIVATION_RECIPE))
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach().to(device)
-    extra = {} if input_scale is None else {"input_scale": input_scale}
-    built = TorchFP4Linear.from_nvfp4(packed, bias, dtype=dtype, **extra)
+    built = TorchFP4Linear.from_nvfp4(packed, bias, dtype=dtype, input_scale=input_scale)
     scale = None if input_scale is None else float(input_scale)
     report = NVFP4ModuleReport(
         name, layer, config.method, config.recipe, loss, rtn_loss, scale,
