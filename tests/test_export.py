@@ -165,7 +165,7 @@ def _assert_logits_match(ours: nn.Module, loaded: nn.Module, rtol: float) -> Non
 
 
 def test_normalize_layout_names_aliases_and_refusals():
-    assert CHECKPOINT_LAYOUTS == ("compressed-tensors", "hf", "gptqmodel", "gptq")
+    assert CHECKPOINT_LAYOUTS == ("compressed-tensors", "hf", "gptqmodel", "gptq", "modelopt")
     assert DEFAULT_LAYOUT == "compressed-tensors"
     for value, canonical in [
         ("compressed-tensors", "compressed-tensors"),
@@ -175,6 +175,7 @@ def test_normalize_layout_names_aliases_and_refusals():
         ("transformers", "hf"),
         ("DeepSeek", "hf"),
         ("GPTQModel", "gptqmodel"),
+        ("NVIDIA-ModelOpt", "modelopt"),
     ]:
         assert normalize_layout(value) == canonical
     with pytest.raises(ValueError, match=r"'gptq-model'.*accepted: 'compressed-tensors'"):

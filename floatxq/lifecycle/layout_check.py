@@ -13,6 +13,7 @@ work, every method × layout × module combination a layout cannot hold (``docs/
   convolutions), NVFP4, GPTQ without ``desc_act`` group reordering; no W4A activation policy.
 * ``gptq``: GPTQ modules only, from a ``GPTQConfig`` (a W4A policy is carried).
 * ``gptqmodel``: the ``gptq`` files for a GPTQ model; every FP8 module for an FP8 model; no NVFP4.
+* ``modelopt``: NVFP4 modules only (weight-only and W4A4); no FP8, no GPTQ, no W4A policy.
 
 What depends on the solved numbers (a v1 zero point of 0, scales float16 cannot hold, tensors
 ``load`` would refuse) is still checked by the save itself.
@@ -32,6 +33,7 @@ from floatxq.interop.export import (
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
 _E4M3 = "float8_e4m3fn"
+_NVFP4_HELD = ("compressed-tensors", "modelopt")
 
 
 class _Planned(NamedTuple):
@@ -79,7 +81,7 @@ def _existing(model: nn.Module) -> dict[str, _Planned]:
             block = module.weight_block_size if method == "block" else None
             found[name] = _fp8(name, module.format, method, block, module.conv is not None)
         elif isinstance(module, TorchFP4Linear):
-            found[name] = _Planned(name, "nvfp4", "NVFP4 weights", ("compressed-tensors",))
+            found[name] = _Planned(name, "nvfp4", "NVFP4 weights", _NVFP4_HELD)
         elif isinstance(module, GPTQLinear):
             from floatxq.interop.export_gptq import _gptq_facts
 
@@ -107,8 +109,7 @@ def _planned(model: nn.Module, config: Any) -> dict[str, _Planned]:
 
         for plan in plan_nvfp4(model, config):
             if plan.config is not None:
-                found[plan.name] = _Planned(plan.name, "nvfp4", "NVFP4 weights",
-                                            ("compressed-tensors",))  # fmt: skip
+                found[plan.name] = _Planned(plan.name, "nvfp4", "NVFP4 weights", _NVFP4_HELD)
     elif isinstance(config, GPTQConfig):
         from floatxq.lifecycle.decoder import features
         from floatxq.lifecycle.gptq import plan_gptq
@@ -147,15 +148,18 @@ def _check_gptq_layout(where: str, layout: str, found: list[_Planned], config: A
         )
 
 
+_MODELOPT_WHY = "floatxq writes ModelOpt's NVFP4 layout, which holds NVFP4 modules only"
+
+
 def _check_flat_layout(where: str, layout: str, found: list[_Planned], config: Any) -> None:
-    """``hf`` and ``compressed-tensors``."""
+    """``hf``, ``compressed-tensors`` and ``modelopt``."""
     if not found:
         raise ValueError(
             f"{where}: layout {layout!r} describes quantized modules, and with this "
             f"quantize_config no module would be quantized (every linear is excluded)"
         )
     activation = getattr(config, "activation", None)
-    if isinstance(config, GPTQConfig) and activation is not None:
+    if isinstance(config, GPTQConfig) and activation is not None and layout != "modelopt":
         raise ValueError(
             f"{where}: layout {layout!r} holds weight-only GPTQ; this config has a W4A "
             f"activation policy (mode {activation.mode!r}) that it would drop; save with layout "
@@ -170,6 +174,9 @@ def _check_flat_layout(where: str, layout: str, found: list[_Planned], config: A
         "float8_e4m3fn linear weights",
         ("compressed-tensors", "gptq"): "desc_act reorders the groups (g_idx), and "
         "compressed-tensors stores no g_idx",
+        ("modelopt", "gptq"): _MODELOPT_WHY,
+        ("modelopt", "fp8"): _MODELOPT_WHY + " (ModelOpt's FP8 is static W8A8, whose readers "
+        "need an input_scale)",
     }
     for module in found:
         if layout not in module.held:
