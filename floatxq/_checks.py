@@ -372,6 +372,63 @@ def fp8_state_problems(
     return problems
 
 
+def check_model_dtype(dtype: Any, *, where: str) -> torch.dtype:
+    """A model dtype: float16, bfloat16 or float32 (``ValueError`` otherwise)."""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"{where}: dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype}"
+        )
+    return dtype
+
+
+def positive_scale(value: Any, *, name: str, where: str, device: Any) -> Tensor:
+    """One positive finite real number (:func:`real_scalar`'s kinds) as a 0-d FP32 tensor on
+    ``device``: ``ValueError`` naming ``name`` for zero, negative, NaN or infinity."""
+    g = real_scalar(value, name=name, where=where, device=torch.device("cpu"))
+    if not (math.isfinite(g.item()) and g.item() > 0):
+        raise ValueError(f"{where}: {name} must be finite and > 0, got {g.item()!r}")
+    return g.to(device)
+
+
+def fp4_state_problems(
+    state_dict: dict[str, Any], prefix: str, scalars: tuple[str, ...]
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """``(replacements, (key, message) problems)`` of an incoming NVFP4-linear state dict:
+    ``weight`` as ``float4_e2m1fn_x2`` and ``weight_scale`` as uint8 are viewed as the stored
+    bytes, any other dtype is refused (bytes are never converted); each one-value scale named in
+    ``scalars`` (``weight_scale_2``, ``input_scale``) becomes a 0-d FP32 tensor, refused unless
+    finite and > 0. Other shapes are left to ``nn.Module``'s size check."""
+    replaced: dict[str, Any] = {}
+    problems = []
+    for name, want, also in (
+        ("weight", torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)),
+        ("weight_scale", torch.float8_e4m3fn, torch.uint8),
+    ):
+        key = prefix + name
+        incoming = state_dict.get(key)
+        if not isinstance(incoming, torch.Tensor) or incoming.dtype == want:
+            continue
+        if incoming.dtype == also:
+            replaced[key] = incoming.view(want)
+            continue
+        problems.append((key, (
+            f"{key}: got dtype {incoming.dtype}; the NVFP4 {name} is {want} bytes (or {also}) "
+            f"and is never converted"
+        )))  # fmt: skip
+    for name in scalars:
+        key = prefix + name
+        incoming = state_dict.get(key)
+        if not isinstance(incoming, torch.Tensor) or incoming.numel() != 1 or incoming.is_meta:
+            continue
+        g = incoming.detach().float().reshape(())
+        if bool(torch.isfinite(g)) and bool(g > 0):
+            replaced[key] = g
+        else:
+            what = "activation global scale" if name == "input_scale" else "tensor scale"
+            problems.append((key, f"{key}: the {what} must be finite and > 0, got {g.item()!r}"))
+    return replaced, problems
+
+
 def check_linear_input(x: Any, in_features: int, device: torch.device, *, where: str) -> None:
     """A linear module's input: a floating tensor ``(*, in_features)`` on ``device`` (where the
     module's buffers are): ``TypeError`` for another kind, dtype or device, ``ValueError`` for

@@ -25,6 +25,9 @@ BUILDERS = {
         nn.Linear(512, 256), input_quant="token"
     ),
     "TorchFP4Linear": lambda: fq.TorchFP4Linear.from_linear(nn.Linear(512, 256)),
+    "TorchFP4Linear W4A4": lambda: fq.TorchFP4Linear.from_linear(
+        nn.Linear(512, 256), input_scale=0.0017
+    ),
     "GPTQLinear": _gptq,
     "GPTQLinear 8-bit": lambda: _gptq(8),
     "W4AFP8Linear": lambda: fq.W4AFP8Linear.from_gptq_linear(_gptq()),

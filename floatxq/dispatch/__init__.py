@@ -16,8 +16,10 @@ A test that replaces a fact a choice reads patches the submodule that reads it.
 
 from floatxq.dispatch.decode import (
     FP4_DECODE_ROUTES,
+    FP4_W4A4_ROUTES,
     GPTQ_DECODE_ROUTE,
     fp4_decode_route,
+    fp4_w4a4_route,
     gptq_route,
     torchao_missing,
     w4a16_route,
@@ -63,6 +65,7 @@ from floatxq.dispatch.w4a import (
 
 __all__ = [
     "FP4_DECODE_ROUTES",
+    "FP4_W4A4_ROUTES",
     "FP8_ENCODE_MIN_ELEMENTS",
     "GPTQ_DECODE_ROUTE",
     "MLX_ENCODER_MIN_ELEMENTS",
@@ -78,6 +81,7 @@ __all__ = [
     "FP8RouteTuning",
     "RoutePreference",
     "fp4_decode_route",
+    "fp4_w4a4_route",
     "fp8_pack_reason",
     "fp8_scaled_route",
     "gptq_route",

@@ -5,15 +5,18 @@ import importlib.util
 
 import torch
 
-from floatxq.formats import MODEL_DTYPES
+from floatxq.formats import K_GROUP, MODEL_DTYPES
 from floatxq.kernels._triton import triton_unavailable_reason
+from floatxq.kernels.nvfp4 import nvfp4_unavailable_reason
 from floatxq.kernels.w4a16 import DEFAULT_W4A16_TUNING, W4A16Route, W4A16Tuning
 from floatxq.kernels.w4a_frag import DEFAULT_FRAG_TUNING, FragTuning, fragment_unavailable_reason
 
 __all__ = [
     "FP4_DECODE_ROUTES",
+    "FP4_W4A4_ROUTES",
     "GPTQ_DECODE_ROUTE",
     "fp4_decode_route",
+    "fp4_w4a4_route",
     "gptq_route",
     "torchao_missing",
     "w4a16_route",
@@ -24,6 +27,9 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 FP4_DECODE_ROUTES = ("dequant_matmul", "triton_decode", "torchao_nvfp4")
 """Routes of ``TorchFP4Linear``: the pure decode, the Triton decode, torchao's NVFP4Tensor."""
 GPTQ_DECODE_ROUTE = "dequant_matmul"
+FP4_W4A4_ROUTES = ("w4a4_dequant_matmul", "w4a4_triton")
+"""Routes of a W4A4 ``TorchFP4Linear`` (one with an ``input_scale``): the activation's NVFP4
+quantize-dequantize in torch or by the Triton packer and decoder, then the weight's decode."""
 
 
 @functools.cache
@@ -82,6 +88,38 @@ def fp4_decode_route(
     if why is not None:
         reason = f"{reason}, in torch: the Triton decode cannot run ({why})"
     return route, reason
+
+
+def fp4_w4a4_route(device: torch.device, dtype: torch.dtype, k: int) -> tuple[str, str | None]:
+    """``(route, reason)`` of a W4A4 ``TorchFP4Linear`` call (input ``x`` on ``device`` in
+    ``dtype``, ``k`` columns).
+
+    Returns:
+      ``("w4a4_triton", None)`` on CUDA where the Triton NVFP4 packer and decoder run for ``x``
+      (float16/bfloat16/float32, ``k % 128 == 0``, SM 8.9+): the activation is packed and decoded
+      in two launches, the weight decoded by the Triton decode. Else ``"w4a4_dequant_matmul"``:
+      the activation's quantize-dequantize in torch (the same bytes; on CUDA without host
+      checks), the weight decoded by :func:`fp4_decode_route`'s decode; ``reason`` says why the
+      kernels were skipped (``None`` off CUDA, where torch is the only route). torchao is never
+      a candidate: its weight-only route does not quantize the activation.
+
+    Example:
+      >>> fp4_w4a4_route(torch.device("cpu"), torch.bfloat16, 256)
+      ('w4a4_dequant_matmul', None)
+      >>> fp4_w4a4_route(torch.device("cuda"), torch.bfloat16, 64)[1]
+      "K=64 is not a multiple of 128 (the Triton NVFP4 packer's group); quantized in torch"
+    """
+    if device.type != "cuda":
+        return "w4a4_dequant_matmul", None
+    if dtype not in MODEL_DTYPES:
+        why = f"x is {dtype}; the Triton NVFP4 packer reads float16, bfloat16 or float32"
+    elif k % K_GROUP:
+        why = f"K={k} is not a multiple of {K_GROUP} (the Triton NVFP4 packer's group)"
+    else:
+        why = nvfp4_unavailable_reason(device)
+    if why is None:
+        return "w4a4_triton", None
+    return "w4a4_dequant_matmul", f"{why}; quantized in torch"
 
 
 def w4a16_route(

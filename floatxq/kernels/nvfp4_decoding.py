@@ -46,6 +46,7 @@ __all__ = [
     "nvfp4_accumulate_group",
     "nvfp4_decode",
     "nvfp4_dequantize_kernel",
+    "torchao_nvfp4_linear",
 ]
 
 _FP4X2 = getattr(torch, "float4_e2m1fn_x2", None)
@@ -205,6 +206,27 @@ def bound_linear(
         return F.linear(x, weight, None if bias is None else bias.to(dtype))
 
     return linear
+
+
+def torchao_nvfp4_linear(
+    x: Tensor, packed: Tensor, block_scales: Tensor, global_scale: Tensor, bias: Tensor | None
+) -> Tensor:
+    """``F.linear`` of ``x`` and torchao's weight-only ``NVFP4Tensor`` of a ``TorchFP4Linear``'s
+    buffers (``x`` stays as it is; torchao decodes the weight with its own rounding order).
+
+    Raises:
+      Exception: whatever torchao raises (missing, or a shape or device it does not take)."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+
+    weight = NVFP4Tensor(  # torchao 0.18's constructor (positional: the layout)
+        packed,
+        block_scales,
+        NVFP4_BLOCK,
+        x.dtype,
+        per_tensor_scale=global_scale,
+        is_swizzled_scales=False,
+    )
+    return F.linear(x, weight, bias)
 
 
 def nvfp4_decode(
