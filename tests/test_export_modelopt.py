@@ -179,6 +179,52 @@ def test_a_compressed_tensors_save_of_the_reloaded_model_is_the_same_weights(sav
         assert_bitwise_equal(fq.load(again).model(_ids()).logits, model.model(_ids()).logits)
 
 
+def _w4a4_model(which: str = ".") -> nn.Module:
+    """The tiny Llama (bf16) with NVFP4 linears, W4A4 where the name contains ``which``."""
+    model = _llama(dtype=torch.bfloat16)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and name != "lm_head":
+            parent, _, leaf = name.rpartition(".")
+            scale = 10.0 / (6 * 448) if which in name else None
+            new = TorchFP4Linear.from_linear(module, input_scale=scale)
+            setattr(model.get_submodule(parent), leaf, new)
+    return model
+
+
+def _unchecked(model: nn.Module):
+    """The modelopt export before the check that ``floatxq.load`` reads it back."""
+    from floatxq.interop.export import _export, _modules
+
+    return _export(model, _modules(model), None, "modelopt")
+
+
+def test_w4a4_modules_write_their_input_scale_and_declare_nvfp4():
+    model = _w4a4_model()
+    exported = _unchecked(model)
+    modules = _fp4_modules(model)
+    for name, module in modules.items():
+        stored = exported.state[f"{name}.input_scale"]
+        assert stored.shape == () and stored.dtype == torch.float32
+        assert_bitwise_equal(stored, module.input_scale)  # ModelOpt's input_scale: the same value
+        assert float(stored) == pytest.approx(10.0 / 2688, rel=2**-24)
+    side = exported.json_files["hf_quant_config.json"]
+    assert side["quantization"]["quant_algo"] == "NVFP4"
+    group = exported.quantization_config["config_groups"]["group_0"]
+    assert group["input_activations"] == group["weights"]  # 4-bit float, blocks of 16
+
+
+def test_mixed_weight_only_and_w4a4_are_modelopts_mixed_precision():
+    model = _w4a4_model("self_attn")
+    exported = _unchecked(model)
+    layers = exported.json_files["hf_quant_config.json"]["quantization"]["quantized_layers"]
+    assert len(layers) == 14
+    for name, entry in layers.items():
+        algo = "NVFP4" if "self_attn" in name else "W4A16_NVFP4"
+        assert entry == {"quant_algo": algo, "group_size": 16}, name
+        assert (f"{name}.input_scale" in exported.state) == ("self_attn" in name)
+    assert exported.quantization_config["quant_algo"] == "MIXED_PRECISION"
+
+
 def test_payloads_are_modelopts_for_mixed_weight_only_and_w4a4():
     side, embedded = modelopt_payloads(
         {"a.q": "NVFP4", "a.k": "W4A16_NVFP4", "b.q": "NVFP4"}, ["lm_head", "a.gate"]
@@ -288,6 +334,19 @@ def test_embedded_config_is_modelopts_own_conversion_of_the_sidecar(saved):
     # floatxq adds what vLLM reads from the embedded form: group_size, kv_cache_quant_algo
     extra = {k: ours.pop(k) for k in ("group_size", "kv_cache_quant_algo")}
     assert extra == {"group_size": 16, "kv_cache_quant_algo": None}
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("which", [".", "self_attn"], ids=["w4a4", "mixed"])
+def test_w4a4_and_mixed_configs_are_modelopts_own_conversion(which):
+    convert = pytest.importorskip("modelopt.torch.export.convert_hf_config")
+    exported = _unchecked(_w4a4_model(which))
+    theirs = convert.convert_hf_quant_config_format(exported.json_files["hf_quant_config.json"])
+    ours = dict(exported.quantization_config)
+    assert ours.pop("kv_cache_quant_algo") is None
+    if which == ".":
+        assert ours.pop("group_size") == 16
+    assert ours["ignore"] == ["lm_head"]
     assert ours == theirs
 
 
