@@ -26,6 +26,7 @@ from floatxq.formats import FP8_WEIGHT_DTYPES
 from floatxq.interop.activations import with_declared_activations
 from floatxq.interop.checkpoint import CheckpointError
 from floatxq.interop.layouts import LayoutDecision, _lower
+from floatxq.interop.nvfp4_w4a4 import check_ct_nvfp4_inputs, nvfp4_w4a4_scale_names
 from floatxq.interop.shards import bounded_json
 
 _ACTIVATION_SUFFIXES = (
@@ -48,14 +49,15 @@ class ModuleSource(NamedTuple):
 def refuse_activation_scales(decision: LayoutDecision, names: Sequence[str], root: Path) -> None:
     """Refuse checkpoints whose tensors carry activation-quantization scales.
 
-    floatxq runs weight-only sources (its FP8 routes quantize activations dynamically, per call);
-    a static activation scale in the files is part of the producer's numerics that floatxq would
-    drop, so such checkpoints are refused rather than run differently.
+    floatxq runs weight-only sources (FP8 activations dynamically, per call) and NVFP4 W4A4
+    (:mod:`floatxq.interop.nvfp4_w4a4`); any other static activation scale is part of the
+    producer's numerics that floatxq would drop, so it is refused rather than run differently.
 
     Raises:
       CheckpointError: naming the first such tensor and the layout.
     """
-    found = [n for n in names if n.endswith(_ACTIVATION_SUFFIXES)]
+    w4a4 = nvfp4_w4a4_scale_names(decision.layout, names)
+    found = [n for n in names if n.endswith(_ACTIVATION_SUFFIXES) and n not in w4a4]
     if not found:
         return
     raise CheckpointError(
@@ -287,7 +289,8 @@ def read_module(
     if "weight_packed" in keys:
         if "weight_global_scale" in keys:
             allowed = ("weight_packed", "weight_scale", "weight_global_scale", "bias")
-            _extra(source, allowed, where)
+            _extra(source, (*allowed, "input_global_scale"), where)
+            check_ct_nvfp4_inputs(source.name, source.tensors, qconfig, original, file)
             return _fp4_module(source, "compressed-tensors", original, dtype, file)
         _require(source, ("weight_packed", "weight_scale"), where)
         _extra(source, ("weight_packed", "weight_scale", "weight_shape", "bias"), where)
@@ -301,7 +304,8 @@ def read_module(
     _require(source, ("weight", "weight_scale"), where)
     scale = source.tensors["weight_scale"]
     if "weight_scale_2" in keys:
-        _extra(source, ("weight", "weight_scale", "weight_scale_2", "bias"), where)
+        allowed = ("weight", "weight_scale", "weight_scale_2", "bias")
+        _extra(source, (*allowed, "input_scale") if layout == "modelopt" else allowed, where)
         return _fp4_module(source, "modelopt", original, dtype, file)
     _extra(source, ("weight", "weight_scale", "weight_zero_point", "bias"), where)
     _check_zero_point(source, where)

@@ -680,16 +680,19 @@ def fp4_module_from_source(
     ``weight_packed``, ``weight_scale``, ``weight_global_scale`` (divides); ``torchao``:
     ``_weight_qdata``, ``_weight_scale``, ``_weight_per_tensor_scale`` (optional);
     ``comfy``: ``weight`` (high nibble first), swizzled ``weight_scale``, ``weight_scale_2``.
-    An optional ``bias`` is kept in ``dtype``.
+    An optional ``bias`` is kept in ``dtype``. An activation global scale makes the module W4A4
+    (:func:`floatxq.interop.nvfp4_w4a4.input_scale_from_source`): ModelOpt's ``input_scale``,
+    compressed-tensors' ``input_global_scale`` (divides: its FP32 reciprocal is taken).
 
     Raises:
-      ValueError: a missing tensor (named), bad shapes, a global scale that is not finite and
-        positive, an unknown layout. TypeError: wrong dtypes.
+      ValueError: a missing tensor (named), bad shapes, a global or input scale that is not
+        finite and positive, an unknown layout. TypeError: wrong dtypes.
 
     Numerics: codes and E4M3 block scales byte for byte (nibbles reordered, scales
     unswizzled where the producer differs); compressed-tensors' dividing global scale becomes
     its FP32 reciprocal.
     """
+    from floatxq.interop.nvfp4_w4a4 import input_scale_from_source
     from floatxq.nn.fp4_linear import TorchFP4Linear
     from floatxq.nvfp4.layouts import (
         nvfp4_from_comfy,
@@ -729,4 +732,5 @@ def fp4_module_from_source(
         w = nvfp4_from_comfy(t["weight"], t["weight_scale"], t["weight_scale_2"], shape=shape)
     if tuple(w.shape) != tuple(shape):
         raise ValueError(f"{where}: the weight decodes to {tuple(w.shape)}, expected {shape}")
-    return TorchFP4Linear.from_nvfp4(w, t.get("bias"), dtype=dtype)
+    g = input_scale_from_source(t, layout, w.packed.device)
+    return TorchFP4Linear.from_nvfp4(w, t.get("bias"), dtype=dtype, input_scale=g)

@@ -47,7 +47,13 @@ def nvfp4_activation_qdq(
 
     Numerics: bit for bit :func:`floatxq.nvfp4_block_qdq` ``(x, global_scale, "nvidia")`` on
     finite input, zeros' signs included (the decoded value takes ``x``'s sign). On CUDA nothing
-    is checked on the device: a block holding NaN or infinity decodes to NaN.
+    is checked on the device: a block holding NaN or infinity decodes to NaN. Serving engines
+    use the same grid but round in another order: compressed-tensors' fake quantization computes
+    the block scale as ``(max/6)·(1/g)`` with ``max/6`` in ``x``'s dtype, lets an underflowing
+    E4M3 scale become 0.125, and decodes ``code·(scale·(1/g))``; vLLM's kernel multiplies by
+    reciprocals (``x·(1/(scale·g))``) and applies both global scales after the FP4 product. A
+    block then rarely lands on a neighbouring E4M3 or E2M1 value, and a decoded value whose
+    exact product is a tie of ``x.dtype``'s grid can round the other way.
 
     Example:
       >>> nvfp4_activation_qdq(torch.tensor([[1.0] * 15 + [6.0]]), torch.tensor(1.0),

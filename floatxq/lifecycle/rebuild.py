@@ -31,6 +31,7 @@ from floatxq.interop.layouts import (
     read_fp8_config,
     read_gptq_config,
 )
+from floatxq.interop.nvfp4_w4a4 import modelopt_nvfp4_w4a4
 from floatxq.interop.readers import module_sources, read_module, refuse_activation_scales
 from floatxq.interop.shards import header_metadata, iter_tensors, read_json, tensor_infos
 from floatxq.interop.sources import (
@@ -374,7 +375,7 @@ def _load_quantized(
         declared.update(qpayload)
         declared.setdefault("quant_method", "modelopt")
         mode = modelopt_activation_quantization(declared, names)
-        if mode is not None:
+        if mode is not None and not modelopt_nvfp4_w4a4(declared, names, path):
             raise CheckpointError(f"load: {path}: " + MODELOPT_ACTIVATION_REFUSAL.format(mode=mode))
     refuse_activation_scales(decision, names, path)
     qconfig: FP8Config | GPTQConfig | None = None
