@@ -388,7 +388,7 @@ def test_ct_nvfp4_w4a4_payload_and_tensors_are_what_compressed_tensors_writes(tm
     scheme = preset_name_to_scheme("NVFP4", ["Linear"])
     reference = _ct_reference(_llama(), scheme, None, tmp_path / "ct")
     model = _nvfp4_llama(w4a4=".")
-    exported = _unchecked_ct(model)
+    exported = export_layout(model, None, "ct")
     _assert_like_ct(exported, reference, tmp_path)
     group = exported.quantization_config["config_groups"]["group_0"]
     assert group["input_activations"]["dynamic"] == "local"
@@ -401,9 +401,28 @@ def test_ct_nvfp4_w4a4_payload_and_tensors_are_what_compressed_tensors_writes(tm
         assert float(stored) == pytest.approx(6 * 448 / 10.0, rel=2**-23)
 
 
-def test_ct_mixed_weight_only_and_w4a4_nvfp4_are_separate_groups():
+@pytest.mark.parametrize("amax", [8.0, 10.0])
+def test_ct_w4a4_save_reloads_with_its_input_scale(amax, tmp_path):
+    """load takes fl(1/input_global_scale): the module's own scale when its reciprocal
+    round-trips (amax 8), else the FP32 value half an ulp away (amax 10), never another."""
+    model = _nvfp4_llama(w4a4=".")
+    g = torch.tensor(amax / (6 * 448), dtype=torch.float32)
+    for module in _quantized_modules(model).values():
+        module.input_scale = g.clone()
+    loaded = fq.load(fq.load(model).save(tmp_path / "w4a4", layout="ct")).model
+    back = torch.ones(()) / (torch.ones(()) / g)
+    assert torch.equal(back, g) == (amax == 8.0)
+    for name, module in _quantized_modules(loaded).items():
+        assert_bitwise_equal(module.input_scale, back, msg=name)
+        assert_bitwise_equal(module.weight, model.get_submodule(name).weight, msg=name)
+    if amax == 8.0:
+        with torch.no_grad():
+            assert_bitwise_equal(loaded(IDS).logits, model(IDS).logits)
+
+
+def test_ct_mixed_weight_only_and_w4a4_nvfp4_are_separate_groups(tmp_path):
     model = _nvfp4_llama(w4a4="self_attn")
-    exported = _unchecked_ct(model)
+    exported = export_layout(model, None, "ct")
     qc = exported.quantization_config
     assert qc["format"] == "nvfp4-pack-quantized"
     groups = list(qc["config_groups"].values())
@@ -420,6 +439,9 @@ def test_ct_mixed_weight_only_and_w4a4_nvfp4_are_separate_groups():
     assert {n for n in exported.state if n.endswith(".input_global_scale")} == {
         f"{n}.input_global_scale" for n in attention
     }
+    loaded = fq.load(_save(model, exported, tmp_path / "mixed")).model
+    for name, module in _quantized_modules(loaded).items():
+        assert (module.input_scale is not None) == (name in attention), name
 
 
 def test_ct_w4a4_export_runs_in_transformers_with_floatxqs_activation_quantization(tmp_path):
@@ -431,7 +453,7 @@ def test_ct_w4a4_export_runs_in_transformers_with_floatxqs_activation_quantizati
     from compressed_tensors.quantization.lifecycle.forward import forward_quantize
 
     model = _nvfp4_llama(w4a4=".")
-    loaded = _load(_save(model, _unchecked_ct(model), tmp_path / "w4a4"))
+    loaded = _load(_save(model, export_layout(model, None, "ct"), tmp_path / "w4a4"))
     _, _, worst = _compare_weights(model, loaded)
     assert worst <= 1
     generator = torch.Generator().manual_seed(0)
@@ -496,14 +518,6 @@ def _nvfp4_llama(*, fp8_mlp: bool = False, w4a4: str = "") -> nn.Module:
 
 _INPUT_SCALE = 10.0 / (6 * 448)
 """An activation global scale (decode multiplier) whose FP32 reciprocal is not a power of two."""
-
-
-def _unchecked_ct(model: nn.Module):
-    """The compressed-tensors export before the check that ``floatxq.load`` reads it back (W4A4
-    tensors and payload, compared here with what compressed-tensors writes)."""
-    from floatxq.interop.export import _export, _modules
-
-    return _export(model, _modules(model), None, "compressed-tensors")
 
 
 @pytest.mark.parametrize("dequantize", [True, False], ids=["dequantize", "default"])

@@ -191,16 +191,9 @@ def _w4a4_model(which: str = ".") -> nn.Module:
     return model
 
 
-def _unchecked(model: nn.Module):
-    """The modelopt export before the check that ``floatxq.load`` reads it back."""
-    from floatxq.interop.export import _export, _modules
-
-    return _export(model, _modules(model), None, "modelopt")
-
-
 def test_w4a4_modules_write_their_input_scale_and_declare_nvfp4():
     model = _w4a4_model()
-    exported = _unchecked(model)
+    exported = export_layout(model, None, "modelopt")
     modules = _fp4_modules(model)
     for name, module in modules.items():
         stored = exported.state[f"{name}.input_scale"]
@@ -213,16 +206,43 @@ def test_w4a4_modules_write_their_input_scale_and_declare_nvfp4():
     assert group["input_activations"] == group["weights"]  # 4-bit float, blocks of 16
 
 
-def test_mixed_weight_only_and_w4a4_are_modelopts_mixed_precision():
-    model = _w4a4_model("self_attn")
-    exported = _unchecked(model)
-    layers = exported.json_files["hf_quant_config.json"]["quantization"]["quantized_layers"]
-    assert len(layers) == 14
-    for name, entry in layers.items():
-        algo = "NVFP4" if "self_attn" in name else "W4A16_NVFP4"
-        assert entry == {"quant_algo": algo, "group_size": 16}, name
-        assert (f"{name}.input_scale" in exported.state) == ("self_attn" in name)
-    assert exported.quantization_config["quant_algo"] == "MIXED_PRECISION"
+def test_w4a4_save_reloads_bit_for_bit(tmp_path):
+    model = _w4a4_model()
+    path = fq.load(model).save(tmp_path / "w4a4", layout="modelopt")
+    loaded = fq.load(path)
+    assert loaded.layout.scheme == "NVFP4"
+    theirs = _fp4_modules(loaded.model)
+    for name, module in _fp4_modules(model).items():
+        assert_bitwise_equal(theirs[name].input_scale, module.input_scale, msg=name)
+    with torch.no_grad():
+        assert_bitwise_equal(loaded.model(_ids()).logits, model(_ids()).logits)
+
+
+def test_mixed_weight_only_and_w4a4_are_refused_before_writing(tmp_path):
+    """ModelOpt declares the mix as MIXED_PRECISION, which floatxq.load does not run as W4A4:
+    the save refuses, naming a weight-only module and the layout that holds the mix."""
+    model = fq.load(_w4a4_model("self_attn"))
+    with pytest.raises(
+        ValueError,
+        match=r"'modelopt' cannot hold module 'model\.layers\.0\.mlp\.gate_proj' \(NVFP4 "
+        r"weights, weight-only\): .*W4A4 modules \(e\.g\. 'model\.layers\.0\.self_attn\.q_proj'\)"
+        r".*hold it: 'compressed-tensors'$",
+    ):
+        model.save(tmp_path / "mixed", layout="modelopt")
+    assert not (tmp_path / "mixed").exists()
+    model.save(tmp_path / "ct", layout="ct")  # which holds it
+
+
+def test_files_load_would_refuse_are_not_written(tmp_path, monkeypatch):
+    """The save runs load's ModelOpt metadata check: W4A4 declared for a module without an
+    input_scale is refused before anything is written."""
+    import floatxq.interop.export as export
+
+    monkeypatch.setattr(export, "modelopt_nvfp4_algo", lambda module: "NVFP4")
+    model = fq.load(_w4a4_model("self_attn"))
+    with pytest.raises(fq.CheckpointError, match=r"mlp\.gate_proj\.input_scale is missing"):
+        model.save(tmp_path / "bad", layout="modelopt")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_payloads_are_modelopts_for_mixed_weight_only_and_w4a4():
@@ -340,9 +360,17 @@ def test_embedded_config_is_modelopts_own_conversion_of_the_sidecar(saved):
 @pytest.mark.parametrize("which", [".", "self_attn"], ids=["w4a4", "mixed"])
 def test_w4a4_and_mixed_configs_are_modelopts_own_conversion(which):
     convert = pytest.importorskip("modelopt.torch.export.convert_hf_config")
-    exported = _unchecked(_w4a4_model(which))
-    theirs = convert.convert_hf_quant_config_format(exported.json_files["hf_quant_config.json"])
-    ours = dict(exported.quantization_config)
+    model = _w4a4_model(which)
+    algos = {n: "NVFP4" if which in n else "W4A16_NVFP4" for n in _fp4_modules(model)}
+    sidecar, ours = modelopt_payloads(algos, ["lm_head"])
+    if which == ".":  # what the save writes
+        exported = export_layout(model, None, "modelopt")
+        assert (
+            exported.json_files["hf_quant_config.json"]["quantization"] == sidecar["quantization"]
+        )
+        assert exported.quantization_config == ours
+    theirs = convert.convert_hf_quant_config_format(sidecar)
+    ours = dict(ours)
     assert ours.pop("kv_cache_quant_algo") is None
     if which == ".":
         assert ours.pop("group_size") == 16

@@ -61,8 +61,14 @@ from floatxq.interop.export_gptq import (
     output_embedding_names,
     stream_scale_entry,
 )
-from floatxq.interop.export_modelopt import SIDECAR_FILE, modelopt_nvfp4_algo, modelopt_payloads
+from floatxq.interop.export_modelopt import (
+    SIDECAR_FILE,
+    W4A16_ALGO,
+    modelopt_nvfp4_algo,
+    modelopt_payloads,
+)
 from floatxq.interop.layouts import LayoutDecision
+from floatxq.interop.nvfp4_w4a4 import modelopt_nvfp4_w4a4
 from floatxq.interop.payload import fp8_config_to_payload, gptq_config_to_payload
 from floatxq.interop.readers import (
     ModuleSource,
@@ -70,6 +76,7 @@ from floatxq.interop.readers import (
     read_module,
     refuse_activation_scales,
 )
+from floatxq.interop.sources import MODELOPT_ACTIVATION_REFUSAL, modelopt_activation_quantization
 from floatxq.nn.fp8_linear import TorchFP8Linear
 from floatxq.w4a.activation import global_scale_bits_problem
 
@@ -629,6 +636,18 @@ def _modelopt_export(model: nn.Module, modules: _Modules) -> LayoutExport:
             _fp8_layouts(module),
         )
     algos = {module_name: modelopt_nvfp4_algo(module) for module_name, module in modules.nvfp4}
+    if len(set(algos.values())) > 1:  # floatxq.load reads ModelOpt's W4A4 as quant_algo NVFP4
+        weight_only = next(n for n, algo in algos.items() if algo == W4A16_ALGO)
+        w4a4 = next(n for n, algo in algos.items() if algo != W4A16_ALGO)
+        raise _refuse(
+            "modelopt",
+            weight_only,
+            "NVFP4 weights, weight-only",
+            f"the model mixes it with W4A4 modules (e.g. {w4a4!r}), which ModelOpt declares as "
+            f"MIXED_PRECISION, and floatxq.load runs ModelOpt W4A4 only as quant_algo NVFP4 on "
+            f"every NVFP4 module; compressed-tensors holds both in separate config groups",
+            ["compressed-tensors"],
+        )
     sidecar, embedded = modelopt_payloads(algos, modules.dense)
     state = _converted_state(model, modules, "modelopt")
     return LayoutExport(state, embedded, None, {SIDECAR_FILE: sidecar})
@@ -681,6 +700,15 @@ def _check_loadable(
     """
     decision = _read_decision(exported, layout, config)
     refuse_activation_scales(decision, list(exported.state), Path(_SAVED))
+    if decision.layout == "modelopt":  # the metadata check load runs before the modules
+        declared = {**(exported.json_files or {}).get(SIDECAR_FILE, {})}
+        declared.update(exported.quantization_config)
+        mode = modelopt_activation_quantization(declared, list(exported.state))
+        if mode is not None and not modelopt_nvfp4_w4a4(declared, exported.state, _SAVED):
+            raise CheckpointError(
+                f"export: layout 'modelopt' is not written: {_SAVED}: "
+                + MODELOPT_ACTIVATION_REFUSAL.format(mode=mode)
+            )
     weights: dict[str, Tensor] = {}
     for key, tensor in exported.state.items():
         prefix, _, leaf = key.rpartition(".")
@@ -728,3 +756,11 @@ def _check_loadable(
                 f"layout {layout!r} is not written: {exc}{_reader_hint(module, decision.layout)}"
             ) from None
         refuse_dropped_activations(layout, source.name, module, read)
+        if (
+            getattr(module, "input_scale", None) is not None
+            and getattr(read, "input_scale", None) is None
+        ):
+            raise CheckpointError(
+                f"export: module {source.name!r} is W4A4 (an input_scale), and layout "
+                f"{layout!r}'s files would load it as weight-only; not written"
+            )
