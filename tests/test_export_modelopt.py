@@ -222,6 +222,8 @@ def test_mixed_weight_only_and_w4a4_are_refused_before_writing(tmp_path):
     """ModelOpt declares the mix as MIXED_PRECISION, which floatxq.load does not run as W4A4:
     the save refuses, naming a weight-only module and the layout that holds the mix."""
     model = fq.load(_w4a4_model("self_attn"))
+    with pytest.raises(ValueError, match=r"layout: layout 'modelopt' cannot hold module .*W4A4"):
+        model.check_save_layout("modelopt")  # before any work, for a model already quantized
     with pytest.raises(
         ValueError,
         match=r"'modelopt' cannot hold module 'model\.layers\.0\.mlp\.gate_proj' \(NVFP4 "

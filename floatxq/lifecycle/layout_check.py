@@ -47,7 +47,8 @@ class _Planned(NamedTuple):
     held: tuple[str, ...]
     """The layouts that hold it."""
     scheme: Any = None
-    """FP8: ``(scale method, block size)`` (``hf`` writes one for the whole model)."""
+    """FP8: ``(scale method, block size)`` (``hf`` writes one for the whole model); NVFP4:
+    whether it is W4A4 (``modelopt`` holds W4A4 or weight-only NVFP4 modules, not both)."""
 
 
 def _fp8(name: str, fmt: str, method: str, block: Any, conv: bool) -> _Planned:
@@ -81,7 +82,9 @@ def _existing(model: nn.Module) -> dict[str, _Planned]:
             block = module.weight_block_size if method == "block" else None
             found[name] = _fp8(name, module.format, method, block, module.conv is not None)
         elif isinstance(module, TorchFP4Linear):
-            found[name] = _Planned(name, "nvfp4", "NVFP4 weights", _NVFP4_HELD)
+            w4a4 = getattr(module, "input_scale", None) is not None
+            what = "NVFP4 weights and activations (W4A4)" if w4a4 else "NVFP4 weights"
+            found[name] = _Planned(name, "nvfp4", what, _NVFP4_HELD, w4a4)
         elif isinstance(module, GPTQLinear):
             from floatxq.interop.export_gptq import _gptq_facts
 
@@ -181,6 +184,15 @@ def _check_flat_layout(where: str, layout: str, found: list[_Planned], config: A
     for module in found:
         if layout not in module.held:
             raise _refuse(where, layout, module, why.get((layout, module.kind), "unsupported"))
+    w4a4 = [m.name for m in found if m.kind == "nvfp4" and m.scheme is True]
+    weight_only = [m.name for m in found if m.kind == "nvfp4" and m.scheme is not True]
+    if layout == "modelopt" and w4a4 and weight_only:
+        raise ValueError(
+            f"{where}: layout 'modelopt' cannot hold module {weight_only[0]!r} (NVFP4 weights, "
+            f"weight-only): the model mixes it with W4A4 modules (e.g. {w4a4[0]!r}), and "
+            f"floatxq.load runs ModelOpt W4A4 only as quant_algo NVFP4 on every NVFP4 module; "
+            f"layouts that hold it: 'compressed-tensors'"
+        )
     if layout == "hf":
         first = found[0]
         for module in found[1:]:
