@@ -9,9 +9,11 @@ A :class:`~floatxq.nn.fp4_linear.TorchFP4Linear` already holds ModelOpt's tensor
 under those names, unchanged. The metadata says which modules quantize what:
 
 * ``hf_quant_config.json``: ``producer`` and ``quantization`` with ``quant_algo`` (``NVFP4`` for
-  W4A4 modules, ``W4A16_NVFP4`` for weight-only ones, ``MIXED_PRECISION`` with a per-module
-  ``quantized_layers`` when both occur), ``kv_cache_quant_algo: null``, ``group_size: 16`` and
-  ``exclude_modules`` (the dense linears, ``lm_head`` among them);
+  W4A4 modules, ``W4A16_NVFP4`` for weight-only ones; :func:`modelopt_payloads` describes a mix
+  as ModelOpt does, ``MIXED_PRECISION`` with a per-module ``quantized_layers``, which the save
+  refuses because ``floatxq.load`` runs ModelOpt W4A4 only as ``NVFP4``),
+  ``kv_cache_quant_algo: null``, ``group_size: 16`` and ``exclude_modules`` (the dense linears,
+  ``lm_head`` among them);
 * ``config.json``'s ``quantization_config``: the same with ``quant_method: "modelopt"``, one
   ``config_groups`` entry per algorithm and ``ignore`` for ``exclude_modules``, as ModelOpt embeds
   it.
