@@ -264,7 +264,8 @@ def quantize(
         help="Checkpoint layout: compressed-tensors (the default; transformers with "
         "compressed-tensors, vLLM), hf (transformers/DeepSeek fine-grained FP8: tensor or block "
         "scales), gptq (GPTQ files vLLM, TGI and GPT-QModel read; the default with --activation, "
-        "the one layout that holds a policy) or gptqmodel (GPT-QModel's files).",
+        "the one layout that holds a policy), gptqmodel (GPT-QModel's files) or modelopt "
+        "(NVIDIA ModelOpt's NVFP4 files: TensorRT-LLM, vLLM, SGLang; --method nvfp4 only).",
     ),
     recipe: str = typer.Option("nvidia", help="NVFP4: the block-scale recipe."),
     global_scale: str = typer.Option(

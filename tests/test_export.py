@@ -165,7 +165,7 @@ def _assert_logits_match(ours: nn.Module, loaded: nn.Module, rtol: float) -> Non
 
 
 def test_normalize_layout_names_aliases_and_refusals():
-    assert CHECKPOINT_LAYOUTS == ("compressed-tensors", "hf", "gptqmodel", "gptq")
+    assert CHECKPOINT_LAYOUTS == ("compressed-tensors", "hf", "gptqmodel", "gptq", "modelopt")
     assert DEFAULT_LAYOUT == "compressed-tensors"
     for value, canonical in [
         ("compressed-tensors", "compressed-tensors"),
@@ -175,6 +175,7 @@ def test_normalize_layout_names_aliases_and_refusals():
         ("transformers", "hf"),
         ("DeepSeek", "hf"),
         ("GPTQModel", "gptqmodel"),
+        ("NVIDIA-ModelOpt", "modelopt"),
     ]:
         assert normalize_layout(value) == canonical
     with pytest.raises(ValueError, match=r"'gptq-model'.*accepted: 'compressed-tensors'"):
@@ -380,13 +381,126 @@ def test_ct_nvfp4_payload_and_tensors_are_what_compressed_tensors_writes(tmp_pat
     _assert_like_ct(export_layout(_nvfp4_llama(), None, "ct"), reference, tmp_path)
 
 
+def test_ct_nvfp4_w4a4_payload_and_tensors_are_what_compressed_tensors_writes(tmp_path):
+    """llm-compressor's NVFP4 scheme: input_activations declared, input_global_scale = 1/g."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    scheme = preset_name_to_scheme("NVFP4", ["Linear"])
+    reference = _ct_reference(_llama(), scheme, None, tmp_path / "ct")
+    model = _nvfp4_llama(w4a4=".")
+    exported = export_layout(model, None, "ct")
+    _assert_like_ct(exported, reference, tmp_path)
+    group = exported.quantization_config["config_groups"]["group_0"]
+    assert group["input_activations"]["dynamic"] == "local"
+    for name, module in _quantized_modules(model).items():
+        stored = exported.state[f"{name}.input_global_scale"]
+        assert stored.dtype == torch.float32 and stored.shape == (1,)
+        # one FP32 division, the value compressed-tensors divides by to quantize activations
+        expected = torch.tensor([1.0], dtype=torch.float32) / module.input_scale.reshape(1)
+        assert_bitwise_equal(stored, expected)
+        assert float(stored) == pytest.approx(6 * 448 / 10.0, rel=2**-23)
+
+
+@pytest.mark.parametrize("amax", [8.0, 10.0])
+def test_ct_w4a4_save_reloads_with_its_input_scale(amax, tmp_path):
+    """load takes fl(1/input_global_scale): the module's own scale when its reciprocal
+    round-trips (amax 8), else the FP32 value half an ulp away (amax 10), never another."""
+    model = _nvfp4_llama(w4a4=".")
+    g = torch.tensor(amax / (6 * 448), dtype=torch.float32)
+    for module in _quantized_modules(model).values():
+        module.input_scale = g.clone()
+    loaded = fq.load(fq.load(model).save(tmp_path / "w4a4", layout="ct")).model
+    back = torch.ones(()) / (torch.ones(()) / g)
+    assert torch.equal(back, g) == (amax == 8.0)
+    for name, module in _quantized_modules(loaded).items():
+        assert_bitwise_equal(module.input_scale, back, msg=name)
+        assert_bitwise_equal(module.weight, model.get_submodule(name).weight, msg=name)
+    if amax == 8.0:
+        with torch.no_grad():
+            assert_bitwise_equal(loaded(IDS).logits, model(IDS).logits)
+
+
+def test_ct_mixed_weight_only_and_w4a4_nvfp4_are_separate_groups(tmp_path):
+    model = _nvfp4_llama(w4a4="self_attn")
+    exported = export_layout(model, None, "ct")
+    qc = exported.quantization_config
+    assert qc["format"] == "nvfp4-pack-quantized"
+    groups = list(qc["config_groups"].values())
+    assert len(groups) == 2
+    attention = [n for n in _quantized_modules(model) if "self_attn" in n]
+    mlp = [n for n in _quantized_modules(model) if ".mlp." in n]
+    assert sorted(groups[0]["targets"]) == sorted(attention)  # module order: attention first
+    assert groups[0]["input_activations"]["num_bits"] == 4
+    assert sorted(groups[1]["targets"]) == sorted(mlp)
+    assert groups[1]["input_activations"] is None
+    assert groups[0]["weights"] == groups[1]["weights"]
+    read = ct.quantization.QuantizationConfig.model_validate(qc)
+    assert read.config_groups["group_1"].input_activations is None
+    assert {n for n in exported.state if n.endswith(".input_global_scale")} == {
+        f"{n}.input_global_scale" for n in attention
+    }
+    loaded = fq.load(_save(model, exported, tmp_path / "mixed")).model
+    for name, module in _quantized_modules(loaded).items():
+        assert (module.input_scale is not None) == (name in attention), name
+
+
+def test_ct_w4a4_export_runs_in_transformers_with_floatxqs_activation_quantization(tmp_path):
+    """transformers (through compressed-tensors, on the CPU) loads the W4A4 files with each
+    module's input quantization at the stored input_global_scale: in FP32 its activation
+    quantize-dequantize is floatxq's ``nvfp4_block_qdq`` up to the order of the last multiply.
+    (In bf16 compressed-tensors divides by the block scale in bf16, and about one element in a
+    hundred rounds to the neighbouring E2M1 value, so logits are not compared.)"""
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+
+    model = _nvfp4_llama(w4a4=".")
+    loaded = _load(_save(model, export_layout(model, None, "ct"), tmp_path / "w4a4"))
+    _, _, worst = _compare_weights(model, loaded)
+    assert worst <= 1
+    generator = torch.Generator().manual_seed(0)
+    modules = _quantized_modules(model)
+    for name, module in modules.items():
+        theirs = loaded.get_submodule(name)
+        scheme = theirs.quantization_scheme.input_activations
+        assert (scheme.num_bits, scheme.group_size, scheme.dynamic) == (4, 16, "local"), name
+        assert_bitwise_equal(
+            theirs.input_global_scale.detach(), 1.0 / module.input_scale.reshape(1)
+        )
+        x = torch.randn(64, module.in_features, generator=generator) * 3  # up to past amax 10
+        with torch.no_grad():
+            got = forward_quantize(theirs, x.clone(), "input", scheme)
+        expected = fq.nvfp4_block_qdq(x, module.input_scale, "nvidia")
+        assert torch.equal(got == 0, expected == 0), name
+        assert bool(((got - expected).abs() <= 3 * 2.0**-24 * expected.abs()).all()), name
+    assert len(modules) == 14
+
+
 # --------------------------------------------------------------------------------------------
 # NVFP4 (compressed-tensors' nvfp4-pack-quantized)
 # --------------------------------------------------------------------------------------------
 
 
-def _nvfp4_llama(*, fp8_mlp: bool = False) -> nn.Module:
-    """The tiny Llama with every linear but lm_head NVFP4 (the MLP's FP8 rows with fp8_mlp)."""
+@pytest.mark.parametrize("dequantize", [True, False], ids=["dequantize", "default"])
+def test_ct_nvfp4_lifecycle_save_loads_in_transformers_as_floatxq_decodes(dequantize, tmp_path):
+    """The files NVFP4Config's quantize() and save() write for the tiny Llama: transformers'
+    weights and logits against floatxq's own load of the same files."""
+    from floatxq.tiny import TINY_LLAMA_DIR
+
+    quantized = fq.load(TINY_LLAMA_DIR, quantize_config=fq.NVFP4Config()).quantize(progress=False)
+    path = quantized.save(tmp_path / "ct")
+    ours = fq.load(path).model
+    assert len(_quantized_modules(ours)) == 56
+    loaded = _load(path, dequantize=dequantize)
+    differ, total, worst = _compare_weights(ours, loaded)
+    assert worst <= 1 and differ <= total // 1000, (differ, total)
+    if dequantize and _DEQUANTIZE_KEEPS_FP32_SCALES:
+        assert differ == 0  # FP32 global scales decoded as floatxq does
+    _assert_logits_match(ours, loaded, rtol=1e-2)
+
+
+def _nvfp4_llama(*, fp8_mlp: bool = False, w4a4: str = "") -> nn.Module:
+    """The tiny Llama with every linear but lm_head NVFP4 (the MLP's FP8 rows with fp8_mlp);
+    the modules whose names contain ``w4a4`` (all with ``"."``) W4A4, with an ``input_scale``
+    (the activation global scale of an amax of 10)."""
     fp4 = _fp4_class()
     model = _llama()
     for name, module in list(model.named_modules()):
@@ -394,10 +508,16 @@ def _nvfp4_llama(*, fp8_mlp: bool = False) -> nn.Module:
             parent, _, leaf = name.rpartition(".")
             if fp8_mlp and ".mlp." in name:
                 new = TorchFP8Linear.from_linear(module, weight_scale_method="row")
+            elif w4a4 and w4a4 in name:
+                new = fp4.from_linear(module, input_scale=_INPUT_SCALE)
             else:
                 new = fp4.from_linear(module)
             setattr(model.get_submodule(parent), leaf, new)
     return model
+
+
+_INPUT_SCALE = 10.0 / (6 * 448)
+"""An activation global scale (decode multiplier) whose FP32 reciprocal is not a power of two."""
 
 
 @pytest.mark.parametrize("dequantize", [True, False], ids=["dequantize", "default"])

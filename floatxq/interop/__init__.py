@@ -7,6 +7,7 @@
 - :mod:`~floatxq.interop.readers`: how each layout's module tensors become modules;
 - :mod:`~floatxq.interop.export`: the tensors and payloads a save writes for each reader;
 - :mod:`~floatxq.interop.export_gptq`: GPTQ modules in ``gptq`` and ``pack-quantized`` files;
+- :mod:`~floatxq.interop.export_modelopt`: ModelOpt's NVFP4 metadata (``hf_quant_config.json``);
 - :mod:`~floatxq.interop.sources`: other producers' native FP8 / NVFP4 / MX tensors;
 - :mod:`~floatxq.interop.inspect`: what a checkpoint is, without building a model.
 """

@@ -526,6 +526,7 @@ def _write_files(
     quantize_config: Mapping[str, Any] | None,
     extra_files: Mapping[str, str | os.PathLike[str]] | None,
     max_shard_bytes: int,
+    json_files: Mapping[str, Any] | None = None,
 ) -> None:
     """Every file of the checkpoint into ``tmp``, each synced to disk."""
     tensors = _unique_tensors(state)
@@ -546,6 +547,8 @@ def _write_files(
         _write_json(tmp / QUANTIZE_CONFIG_FILE, dict(quantize_config))
     for name, source in (extra_files or {}).items():
         shutil.copyfile(source, tmp / name)
+    for name, payload in (json_files or {}).items():
+        _write_json(tmp / name, dict(payload))
     for file in tmp.iterdir():
         with open(file, "rb") as fh:
             os.fsync(fh.fileno())
@@ -562,6 +565,7 @@ def write_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     lock_timeout: float | int | None = None,
+    json_files: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Path:
     """Write a model directory atomically: shards, index, config.json, quantize_config.json.
 
@@ -580,13 +584,16 @@ def write_checkpoint(
         until then the old one stays complete, in place or in a hidden ``-old-`` folder that
         :func:`recover_interrupted_save` puts back).
       lock_timeout: seconds to wait for another save to ``path`` (None: as long as it takes).
+      json_files: other JSON files written next to ``config.json``, by file name (ModelOpt's
+        ``hf_quant_config.json``); written after ``extra_files``, so they replace a copied one.
 
     Raises:
       FileExistsError: ``path`` exists (or was published by a concurrent save that got the lock
         first) and ``overwrite`` is False.
       ValueError: ``path`` is the working directory, the home directory, a filesystem root or a
         directory holding one of them; an existing plain file or symbolic link; or
-        ``max_shard_bytes`` is not a positive int, or ``lock_timeout`` not None or seconds >= 0.
+        ``max_shard_bytes`` is not a positive int, ``lock_timeout`` not None or seconds >= 0, or
+        a ``json_files`` name is a path or one of the files written from ``config``.
       TimeoutError: another save held the lock for ``lock_timeout`` seconds (names the lock file).
       OSError: the directory or lock file cannot be created (the message names the directory;
         nothing is left behind), or writing failed.
@@ -599,6 +606,12 @@ def write_checkpoint(
     if max_shard_bytes < 1:
         raise ValueError(f"save: max_shard_bytes must be positive, got {max_shard_bytes}")
     timeout = _checked_timeout(lock_timeout)
+    for name in json_files or {}:
+        if name in (CONFIG_FILE, QUANTIZE_CONFIG_FILE, INDEX_FILE) or Path(name).name != name:
+            raise ValueError(
+                f"save: json_files names {name!r}; give a plain file name other than "
+                f"{CONFIG_FILE}, {QUANTIZE_CONFIG_FILE} and {INDEX_FILE} (written from config)"
+            )
     _check_existing(target, overwrite)  # fail fast; checked again under the lock
     created = [d for d in (target.parent, *target.parent.parents) if not os.path.lexists(d)]
     try:
@@ -616,7 +629,9 @@ def write_checkpoint(
             except OSError as exc:
                 raise _cannot_write(exc, target.parent) from None
             try:
-                _write_files(tmp, state, config, quantize_config, extra_files, max_shard_bytes)
+                _write_files(
+                    tmp, state, config, quantize_config, extra_files, max_shard_bytes, json_files
+                )
                 _swap(tmp, target, replacing=replacing)
             except BaseException:
                 _discard(tmp)

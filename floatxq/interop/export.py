@@ -12,17 +12,21 @@ its own fine-grained FP8, where that tensor multiplies. So a save picks a layout
   :data:`GPTQMODEL_REFUSAL_MARKER` so transformers and vLLM refuse the files; for a GPTQ model the
   ``gptq`` files.
 * ``gptq``: GPTQ modules byte for byte in GPT-QModel's layout.
+* ``modelopt``: NVIDIA ModelOpt's NVFP4 files (:mod:`floatxq.interop.export_modelopt`): the
+  ``TorchFP4Linear`` buffers as they are, ``hf_quant_config.json`` and ``quant_method:
+  "modelopt"``; NVFP4 modules only (weight-only and W4A4).
 
 A model a layout cannot hold is refused with a ``ValueError`` naming the module and the layouts
 that hold it, never written approximately; what ``floatxq.load`` would refuse is refused here
 (``docs/checkpoint-safety.md``). ``docs/interop.md`` has the table of tensors, payloads and
-readers. Biases: ``hf`` and ``compressed-tensors`` write FP8 / NVFP4 biases in the model's
-dtype (the floating dtype of most parameters, what transformers loads a dense bias into);
+readers. Biases: ``hf``, ``compressed-tensors`` and ``modelopt`` write FP8 / NVFP4 biases in the
+model's dtype (the floating dtype of most parameters, what transformers loads a dense bias into);
 ``gptqmodel`` keeps the stored float16 bias; GPTQ modules keep theirs in every layout.
 
 Numerics: codes and NVFP4 bytes are written unchanged. Multiplying FP8 scales are the FP32
 reciprocal ``fl(1/s)`` of floatxq's inverse scale ``s``, and compressed-tensors' dividing
-``weight_global_scale`` is ``fl(1/g)`` of the NVFP4 tensor scale ``g``: exact for powers of two,
+``weight_global_scale`` (and a W4A4 module's ``input_global_scale``) is ``fl(1/g)`` of the
+NVFP4 tensor scale ``g`` (the activation global scale ``input_scale``): exact for powers of two,
 else ``|fl(1/s) - 1/s| <= 2**-24 * |1/s|``, so a multiplying reader's decode lies within
 ``3 * 2**-24`` relative of floatxq's before rounding into the model dtype (``docs/interop.md``,
 "Reciprocals").
@@ -57,7 +61,14 @@ from floatxq.interop.export_gptq import (
     output_embedding_names,
     stream_scale_entry,
 )
+from floatxq.interop.export_modelopt import (
+    SIDECAR_FILE,
+    W4A16_ALGO,
+    modelopt_nvfp4_algo,
+    modelopt_payloads,
+)
 from floatxq.interop.layouts import LayoutDecision
+from floatxq.interop.nvfp4_w4a4 import modelopt_nvfp4_w4a4
 from floatxq.interop.payload import fp8_config_to_payload, gptq_config_to_payload
 from floatxq.interop.readers import (
     ModuleSource,
@@ -65,6 +76,7 @@ from floatxq.interop.readers import (
     read_module,
     refuse_activation_scales,
 )
+from floatxq.interop.sources import MODELOPT_ACTIVATION_REFUSAL, modelopt_activation_quantization
 from floatxq.nn.fp8_linear import TorchFP8Linear
 from floatxq.w4a.activation import global_scale_bits_problem
 
@@ -78,7 +90,7 @@ __all__ = [
     "normalize_layout",
 ]
 
-CheckpointLayout = Literal["compressed-tensors", "hf", "gptqmodel", "gptq"]
+CheckpointLayout = Literal["compressed-tensors", "hf", "gptqmodel", "gptq", "modelopt"]
 """The checkpoint layouts a save can write (see the module docstring's table)."""
 CHECKPOINT_LAYOUTS: tuple[str, ...] = typing.get_args(CheckpointLayout)
 DEFAULT_LAYOUT: CheckpointLayout = "compressed-tensors"
@@ -87,6 +99,8 @@ LAYOUT_ALIASES: Mapping[str, str] = {
     "compressed_tensors": "compressed-tensors",
     "transformers": "hf",
     "deepseek": "hf",
+    "nvidia-modelopt": "modelopt",
+    "nvidia_modelopt": "modelopt",
 }
 """Other spellings :func:`normalize_layout` accepts, and the layout each names."""
 
@@ -116,19 +130,21 @@ class LayoutExport(NamedTuple):
         model's own (``model.state_dict()``'s), the rest new tensors in the layout's names.
       quantization_config: ``config.json``'s ``quantization_config``.
       quantize_config: ``quantize_config.json``'s payload (``gptqmodel`` only), else None.
+      json_files: other JSON files by name (``modelopt``: ``hf_quant_config.json``), else None.
     """
 
     state: dict[str, Tensor]
     quantization_config: dict[str, Any]
     quantize_config: dict[str, Any] | None
+    json_files: dict[str, dict[str, Any]] | None = None
 
 
 def normalize_layout(value: Any) -> CheckpointLayout:
     """The canonical layout name for ``value`` (case and surrounding spaces ignored).
 
-    Accepts ``"compressed-tensors"``, ``"hf"``, ``"gptqmodel"``, ``"gptq"`` and the aliases
-    ``"ct"``, ``"compressed_tensors"`` (compressed-tensors), ``"transformers"``, ``"deepseek"``
-    (hf).
+    Accepts ``"compressed-tensors"``, ``"hf"``, ``"gptqmodel"``, ``"gptq"``, ``"modelopt"`` and
+    the aliases ``"ct"``, ``"compressed_tensors"`` (compressed-tensors), ``"transformers"``,
+    ``"deepseek"`` (hf), ``"nvidia-modelopt"``, ``"nvidia_modelopt"`` (modelopt).
 
     Raises:
       TypeError: ``value`` is not a string. ValueError: an unknown name (the accepted ones are
@@ -238,10 +254,14 @@ def _check_fp8(layout: str, modules: _Modules, why: str) -> None:
             raise _refuse(layout, name, _describe_fp8(module), why, held)
 
 
+_NVFP4_LAYOUTS = ["compressed-tensors", "modelopt"]
+"""The layouts that hold an NVFP4 module (weight-only or W4A4)."""
+
+
 def _check_no_nvfp4(layout: str, modules: _Modules, why: str) -> None:
     if modules.nvfp4:
         name = modules.nvfp4[0][0]
-        raise _refuse(layout, name, "NVFP4 weights", why, ["compressed-tensors"])
+        raise _refuse(layout, name, "NVFP4 weights", why, _NVFP4_LAYOUTS)
 
 
 def _require_quantized(layout: str, modules: _Modules) -> None:
@@ -311,6 +331,31 @@ def _bias(bias: Float[Tensor, "out"], dtype: torch.dtype | None) -> Float[Tensor
     return bias if dtype is None or bias.dtype == dtype else bias.to(dtype)
 
 
+def _nvfp4_entries(module: nn.Module, layout: str) -> dict[str, tuple[str, Tensor] | None]:
+    """An NVFP4 module's buffers by name → (the name ``layout`` writes, the tensor): ModelOpt's
+    are the module's own; compressed-tensors' global scales divide (their FP32 reciprocals)."""
+    input_scale = getattr(module, "input_scale", None)  # W4A4: the activation global scale
+    if layout == "modelopt":
+        entries: dict[str, tuple[str, Tensor] | None] = {
+            leaf: (leaf, getattr(module, leaf))
+            for leaf in ("weight", "weight_scale", "weight_scale_2")
+        }
+        if input_scale is not None:
+            entries["input_scale"] = ("input_scale", input_scale)
+        return entries
+    entries = {
+        "weight": ("weight_packed", module.weight),
+        "weight_scale": ("weight_scale", module.weight_scale),
+        "weight_scale_2": (
+            "weight_global_scale",
+            fp32_reciprocal(module.weight_scale_2).reshape(1),
+        ),
+    }
+    if input_scale is not None:
+        entries["input_scale"] = ("input_global_scale", fp32_reciprocal(input_scale).reshape(1))
+    return entries
+
+
 def _converted_state(
     model: nn.Module,
     modules: _Modules,
@@ -334,14 +379,7 @@ def _converted_state(
             entries["bias"] = ("bias", _bias(module.bias, dtype))
         renamed[name] = entries
     for name, module in modules.nvfp4:
-        entries = {
-            "weight": ("weight_packed", module.weight),
-            "weight_scale": ("weight_scale", module.weight_scale),
-            "weight_scale_2": (
-                "weight_global_scale",
-                fp32_reciprocal(module.weight_scale_2).reshape(1),
-            ),
-        }
+        entries = _nvfp4_entries(module, layout)
         if module.bias is not None:
             entries["bias"] = ("bias", _bias(module.bias, dtype))
         renamed[name] = entries
@@ -418,9 +456,33 @@ def _ct_nvfp4_weights() -> dict[str, Any]:
     }
 
 
+def _ct_nvfp4_activations() -> dict[str, Any]:
+    """llm-compressor's ``NVFP4`` scheme's ``input_activations``: E2M1 per 16 inputs with E4M3
+    block scales computed per call ("local") under the stored ``input_global_scale``."""
+    return {
+        "num_bits": 4,
+        "type": "float",
+        "symmetric": True,
+        "group_size": _NVFP4_GROUP,
+        "strategy": "tensor_group",
+        "dynamic": "local",
+        "scale_dtype": "torch.float8_e4m3fn",
+        "observer": "static_minmax",
+    }
+
+
+def _ct_activations(key: tuple[Any, ...]) -> dict[str, Any] | None:
+    """A config group's ``input_activations``, from its scheme key (``_ct_payload``'s)."""
+    if key[0] == "fp8":
+        return ct_input_activations(key[3])
+    if key[0] == "nvfp4" and key[1]:
+        return _ct_nvfp4_activations()
+    return None
+
+
 def _ct_payload(modules: _Modules, facts: Mapping[str, _GptqFacts] | None = None) -> dict[str, Any]:
     """compressed-tensors' payload: one config group per distinct scheme (numbered in module
-    order), weight-only."""
+    order); FP8 modules' dynamic activations and W4A4 NVFP4 modules' activations declared."""
     schemes: dict[Any, tuple[str, dict[str, Any], list[str]]] = {}
     gptq = {name for name, _ in modules.gptq}
     for name, module in modules.quantized:
@@ -436,7 +498,7 @@ def _ct_payload(modules: _Modules, facts: Mapping[str, _GptqFacts] | None = None
             if key not in schemes:
                 schemes[key] = (_CT_FLOAT_FORMAT, _ct_fp8_weights(method, block), [])
         else:
-            key = ("nvfp4",)
+            key = ("nvfp4", getattr(module, "input_scale", None) is not None)
             if key not in schemes:
                 schemes[key] = (_CT_NVFP4_FORMAT, _ct_nvfp4_weights(), [])
         schemes[key][2].append(name)
@@ -445,7 +507,7 @@ def _ct_payload(modules: _Modules, facts: Mapping[str, _GptqFacts] | None = None
         f"group_{i}": {
             "targets": ["Linear"] if one else names,
             "weights": weights,
-            "input_activations": ct_input_activations(key[3] if key[0] == "fp8" else None),
+            "input_activations": _ct_activations(key),
             "output_activations": None,
             "format": fmt,
         }
@@ -538,6 +600,8 @@ def _export(model: nn.Module, modules: _Modules, quantize_config: Any, name: str
         return LayoutExport(dict(model.state_dict()), config, payload)
     _require_quantized(name, modules)
     _check_no_activation_policy(name, quantize_config)
+    if name == "modelopt":
+        return _modelopt_export(model, modules)
     if name == "hf":
         _check_no_gptq(name, modules, "transformers' fine-grained FP8 holds FP8 weights only")
         _check_no_nvfp4(name, modules, "transformers' fine-grained FP8 holds FP8 weights only")
@@ -556,6 +620,37 @@ def _export(model: nn.Module, modules: _Modules, quantize_config: Any, name: str
     facts = {module_name: _gptq_facts(module, module_name) for module_name, module in modules.gptq}
     state = _converted_state(model, modules, name, facts)
     return LayoutExport(state, _ct_payload(modules, facts), None)
+
+
+def _modelopt_export(model: nn.Module, modules: _Modules) -> LayoutExport:
+    """ModelOpt's NVFP4 files: the modules' buffers, ``hf_quant_config.json`` and the embedded
+    ``quantization_config`` (:mod:`floatxq.interop.export_modelopt`)."""
+    why = "floatxq writes ModelOpt's NVFP4 layout, which holds NVFP4 modules only"
+    _check_no_gptq("modelopt", modules, why)
+    for module_name, module in modules.fp8:
+        raise _refuse(
+            "modelopt",
+            module_name,
+            _describe_fp8(module),
+            why + " (ModelOpt's FP8 is static W8A8, whose readers need an input_scale)",
+            _fp8_layouts(module),
+        )
+    algos = {module_name: modelopt_nvfp4_algo(module) for module_name, module in modules.nvfp4}
+    if len(set(algos.values())) > 1:  # floatxq.load reads ModelOpt's W4A4 as quant_algo NVFP4
+        weight_only = next(n for n, algo in algos.items() if algo == W4A16_ALGO)
+        w4a4 = next(n for n, algo in algos.items() if algo != W4A16_ALGO)
+        raise _refuse(
+            "modelopt",
+            weight_only,
+            "NVFP4 weights, weight-only",
+            f"the model mixes it with W4A4 modules (e.g. {w4a4!r}), which ModelOpt declares as "
+            f"MIXED_PRECISION, and floatxq.load runs ModelOpt W4A4 only as quant_algo NVFP4 on "
+            f"every NVFP4 module; compressed-tensors holds both in separate config groups",
+            ["compressed-tensors"],
+        )
+    sidecar, embedded = modelopt_payloads(algos, modules.dense)
+    state = _converted_state(model, modules, "modelopt")
+    return LayoutExport(state, embedded, None, {SIDECAR_FILE: sidecar})
 
 
 # --------------------------------------------------------------------------------------------
@@ -605,6 +700,15 @@ def _check_loadable(
     """
     decision = _read_decision(exported, layout, config)
     refuse_activation_scales(decision, list(exported.state), Path(_SAVED))
+    if decision.layout == "modelopt":  # the metadata check load runs before the modules
+        declared = {**(exported.json_files or {}).get(SIDECAR_FILE, {})}
+        declared.update(exported.quantization_config)
+        mode = modelopt_activation_quantization(declared, list(exported.state))
+        if mode is not None and not modelopt_nvfp4_w4a4(declared, exported.state, _SAVED):
+            raise CheckpointError(
+                f"export: layout 'modelopt' is not written: {_SAVED}: "
+                + MODELOPT_ACTIVATION_REFUSAL.format(mode=mode)
+            )
     weights: dict[str, Tensor] = {}
     for key, tensor in exported.state.items():
         prefix, _, leaf = key.rpartition(".")
@@ -652,3 +756,11 @@ def _check_loadable(
                 f"layout {layout!r} is not written: {exc}{_reader_hint(module, decision.layout)}"
             ) from None
         refuse_dropped_activations(layout, source.name, module, read)
+        if (
+            getattr(module, "input_scale", None) is not None
+            and getattr(read, "input_scale", None) is None
+        ):
+            raise CheckpointError(
+                f"export: module {source.name!r} is W4A4 (an input_scale), and layout "
+                f"{layout!r}'s files would load it as weight-only; not written"
+            )

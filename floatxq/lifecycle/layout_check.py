@@ -13,6 +13,7 @@ work, every method × layout × module combination a layout cannot hold (``docs/
   convolutions), NVFP4, GPTQ without ``desc_act`` group reordering; no W4A activation policy.
 * ``gptq``: GPTQ modules only, from a ``GPTQConfig`` (a W4A policy is carried).
 * ``gptqmodel``: the ``gptq`` files for a GPTQ model; every FP8 module for an FP8 model; no NVFP4.
+* ``modelopt``: NVFP4 modules only (weight-only and W4A4); no FP8, no GPTQ, no W4A policy.
 
 What depends on the solved numbers (a v1 zero point of 0, scales float16 cannot hold, tensors
 ``load`` would refuse) is still checked by the save itself.
@@ -32,6 +33,7 @@ from floatxq.interop.export import (
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
 _E4M3 = "float8_e4m3fn"
+_NVFP4_HELD = ("compressed-tensors", "modelopt")
 
 
 class _Planned(NamedTuple):
@@ -45,7 +47,8 @@ class _Planned(NamedTuple):
     held: tuple[str, ...]
     """The layouts that hold it."""
     scheme: Any = None
-    """FP8: ``(scale method, block size)`` (``hf`` writes one for the whole model)."""
+    """FP8: ``(scale method, block size)`` (``hf`` writes one for the whole model); NVFP4:
+    whether it is W4A4 (``modelopt`` holds W4A4 or weight-only NVFP4 modules, not both)."""
 
 
 def _fp8(name: str, fmt: str, method: str, block: Any, conv: bool) -> _Planned:
@@ -79,7 +82,9 @@ def _existing(model: nn.Module) -> dict[str, _Planned]:
             block = module.weight_block_size if method == "block" else None
             found[name] = _fp8(name, module.format, method, block, module.conv is not None)
         elif isinstance(module, TorchFP4Linear):
-            found[name] = _Planned(name, "nvfp4", "NVFP4 weights", ("compressed-tensors",))
+            w4a4 = getattr(module, "input_scale", None) is not None
+            what = "NVFP4 weights and activations (W4A4)" if w4a4 else "NVFP4 weights"
+            found[name] = _Planned(name, "nvfp4", what, _NVFP4_HELD, w4a4)
         elif isinstance(module, GPTQLinear):
             from floatxq.interop.export_gptq import _gptq_facts
 
@@ -107,8 +112,7 @@ def _planned(model: nn.Module, config: Any) -> dict[str, _Planned]:
 
         for plan in plan_nvfp4(model, config):
             if plan.config is not None:
-                found[plan.name] = _Planned(plan.name, "nvfp4", "NVFP4 weights",
-                                            ("compressed-tensors",))  # fmt: skip
+                found[plan.name] = _Planned(plan.name, "nvfp4", "NVFP4 weights", _NVFP4_HELD)
     elif isinstance(config, GPTQConfig):
         from floatxq.lifecycle.decoder import features
         from floatxq.lifecycle.gptq import plan_gptq
@@ -147,15 +151,18 @@ def _check_gptq_layout(where: str, layout: str, found: list[_Planned], config: A
         )
 
 
+_MODELOPT_WHY = "floatxq writes ModelOpt's NVFP4 layout, which holds NVFP4 modules only"
+
+
 def _check_flat_layout(where: str, layout: str, found: list[_Planned], config: Any) -> None:
-    """``hf`` and ``compressed-tensors``."""
+    """``hf``, ``compressed-tensors`` and ``modelopt``."""
     if not found:
         raise ValueError(
             f"{where}: layout {layout!r} describes quantized modules, and with this "
             f"quantize_config no module would be quantized (every linear is excluded)"
         )
     activation = getattr(config, "activation", None)
-    if isinstance(config, GPTQConfig) and activation is not None:
+    if isinstance(config, GPTQConfig) and activation is not None and layout != "modelopt":
         raise ValueError(
             f"{where}: layout {layout!r} holds weight-only GPTQ; this config has a W4A "
             f"activation policy (mode {activation.mode!r}) that it would drop; save with layout "
@@ -170,10 +177,22 @@ def _check_flat_layout(where: str, layout: str, found: list[_Planned], config: A
         "float8_e4m3fn linear weights",
         ("compressed-tensors", "gptq"): "desc_act reorders the groups (g_idx), and "
         "compressed-tensors stores no g_idx",
+        ("modelopt", "gptq"): _MODELOPT_WHY,
+        ("modelopt", "fp8"): _MODELOPT_WHY + " (ModelOpt's FP8 is static W8A8, whose readers "
+        "need an input_scale)",
     }
     for module in found:
         if layout not in module.held:
             raise _refuse(where, layout, module, why.get((layout, module.kind), "unsupported"))
+    w4a4 = [m.name for m in found if m.kind == "nvfp4" and m.scheme is True]
+    weight_only = [m.name for m in found if m.kind == "nvfp4" and m.scheme is not True]
+    if layout == "modelopt" and w4a4 and weight_only:
+        raise ValueError(
+            f"{where}: layout 'modelopt' cannot hold module {weight_only[0]!r} (NVFP4 weights, "
+            f"weight-only): the model mixes it with W4A4 modules (e.g. {w4a4[0]!r}), and "
+            f"floatxq.load runs ModelOpt W4A4 only as quant_algo NVFP4 on every NVFP4 module; "
+            f"layouts that hold it: 'compressed-tensors'"
+        )
     if layout == "hf":
         first = found[0]
         for module in found[1:]:

@@ -480,8 +480,9 @@ class QuantizedModel:
           path: the directory to create.
           layout: None (the layout given to ``quantize(layout=...)``, else ``"gptq"`` for a
             model with a W4A activation policy, else
-            ``"compressed-tensors"``), ``"compressed-tensors"``, ``"hf"``, ``"gptqmodel"`` or
-            ``"gptq"``; ``docs/interop.md`` has the table of what each writes and who reads it.
+            ``"compressed-tensors"``), ``"compressed-tensors"``, ``"hf"``, ``"gptqmodel"``,
+            ``"gptq"`` or ``"modelopt"`` (NVFP4 models); ``docs/interop.md`` has the table of what
+            each writes and who reads it.
           max_shard_size: bytes per safetensors shard (an int or like ``"4GB"``).
           overwrite: replace an existing directory (only once the new one is complete).
 
@@ -539,6 +540,7 @@ class QuantizedModel:
             extra_files=extra,
             max_shard_bytes=_parse_size(max_shard_size),
             overwrite=overwrite,
+            json_files=exported.json_files,
         )
 
 
