@@ -271,6 +271,17 @@ def quantize(
     global_scale: str = typer.Option(
         "module", help="NVFP4: each module's own global scale, or 'fused' (q/k/v, gate/up share)."
     ),
+    activations: str | None = typer.Option(
+        None,
+        help="NVFP4: 'nvfp4' quantizes each linear's input too (W4A4, a calibrated static "
+        "global scale per module; needs --calibration). Default: weight-only (NVFP4A16).",
+    ),
+    nvfp4_gptq: bool = typer.Option(
+        False,
+        "--gptq",
+        help="NVFP4: GPTQ's column solve onto the NVFP4 grid with the recipe's block scales "
+        "instead of round to nearest (needs --calibration).",
+    ),
     bits: int = typer.Option(4, help="GPTQ: bits per weight (2, 4 or 8)."),
     group_size: int = typer.Option(128, help="GPTQ: input columns per scale (-1: whole row)."),
     sym: bool = typer.Option(True, help="GPTQ: symmetric (fixed zero point)."),
@@ -321,11 +332,15 @@ def quantize(
     policy = _activation_policy(activation) if activation is not None else None
     if policy is not None and chosen != "gptq":
         raise _fail("--activation applies to --method gptq only (W4A runs GPTQ weights)")
-    if chosen == "gptq":
+    if chosen != "nvfp4" and (activations is not None or nvfp4_gptq):
+        raise _fail("--activations and --gptq apply to --method nvfp4 only")
+    calibrated = chosen == "gptq" or (chosen == "nvfp4" and (nvfp4_gptq or activations is not None))
+    if calibrated:
         if calibration is None:
+            what = "gptq" if chosen == "gptq" else "nvfp4 with --gptq or --activations"
             raise _fail(
-                "--method gptq needs --calibration (tiny, or a .txt, .jsonl, .json or .parquet "
-                "file)"
+                f"--method {what} needs --calibration (tiny, or a .txt, .jsonl, .json or "
+                f".parquet file)"
             )
         _check_at_least("--samples", samples, 1)
         if seq_len is not None:
@@ -351,8 +366,9 @@ def quantize(
             )
         elif chosen == "nvfp4":
             config = floatxq.NVFP4Config(
-                recipe=recipe, global_scale=global_scale, lm_head=lm_head, dynamic=dynamic
-            )
+                recipe=recipe, method="gptq" if nvfp4_gptq else "rtn", activations=activations,
+                global_scale=global_scale, lm_head=lm_head, dynamic=dynamic,
+            )  # fmt: skip
         else:
             config = floatxq.FP8Config(
                 format=format,
@@ -361,12 +377,12 @@ def quantize(
                 lm_head=lm_head,
                 dynamic=dynamic,
             )
-        # GPTQ's config goes to load: the model then stays on CPU (one layer at a time on
+        # A calibrated config goes to load: the model then stays on CPU (one layer at a time on
         # --device) and a native FP8/NVFP4 source is requantized instead of refused.
-        gptq = chosen == "gptq"
         source = _source_model(
-            model, device=device, quantize_config=config if gptq else None, revision=revision
-        )
+            model, device=device, quantize_config=config if calibrated else None,
+            revision=revision,
+        )  # fmt: skip
     if source.quantized:
         raise _fail(f"quantize: {model} is already quantized; pass the unquantized model")
     from floatxq.lifecycle.layout_check import check_layout
@@ -374,7 +390,7 @@ def quantize(
     with _reported(DEVICE_ERRORS):  # method x layout x modules, before calibration and solve
         check_layout(source, config, layout, where="quantize")
     options: dict[str, Any] = {}
-    if gptq:
+    if calibrated:
         assert calibration is not None  # checked above
         positions = getattr(getattr(source.model, "config", None), "max_position_embeddings", None)
         positions = positions if isinstance(positions, int) and positions > 0 else None
@@ -395,7 +411,8 @@ def quantize(
     if isinstance(config, floatxq.GPTQConfig):
         what = f"gptq {config.bits}-bit, group {config.group_size}"
     elif isinstance(config, floatxq.NVFP4Config):
-        what = f"nvfp4 {config.recipe}, {config.global_scale} global scales"
+        what = f"nvfp4 {config.recipe} {config.method}, {config.global_scale} global scales"
+        what += ", W4A4" if config.activations else ""
     else:
         what = f"{config.format}, {config.weight_scale_method}"
     if policy is not None:

@@ -6,6 +6,7 @@ import re
 import pytest
 from typer.testing import CliRunner
 
+import floatxq
 from floatxq.cli import app
 
 runner = CliRunner()
@@ -148,7 +149,7 @@ def test_quantize_tiny_to_nvfp4_and_inspect(tmp_path):
         "quantize", "tiny", "--out", str(out), "--method", "nvfp4", "--global-scale", "fused"
     )
     assert code == 0, output
-    assert "quantized 56 modules (nvfp4 nvidia, fused global scales)" in output
+    assert "quantized 56 modules (nvfp4 nvidia rtn, fused global scales)" in output
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "nvfp4-pack-quantized"
     code, output = _run("inspect", str(out))
@@ -160,3 +161,29 @@ def test_quantize_tiny_to_nvfp4_and_inspect(tmp_path):
     code, output = _run("quantize", "tiny", "--out", str(tmp_path / "y"), "--method", "nvfp4",
                         "--global-scale", "layer")  # fmt: skip
     assert code == 2 and "global_scale: expected one of ['module', 'fused']" in output
+
+
+def test_quantize_tiny_to_nvfp4_w4a4_with_gptq_and_inspect(tmp_path):
+    out = tmp_path / "w4a4"
+    base = ("quantize", "tiny", "--method", "nvfp4", "--activations", "nvfp4", "--gptq")
+    code, output = _run(*base, "--out", str(out))
+    assert code == 2 and "needs --calibration" in output and not out.exists()
+    code, output = _run(*base, "--out", str(out), "--calibration", "tiny", "--samples", "4",
+                        "--seq-len", "64", "--json")  # fmt: skip
+    assert code == 0, output
+    record = json.loads(output.strip().splitlines()[-1])
+    assert record["scheme"] == "nvfp4 nvidia gptq, module global scales, W4A4"
+    assert len(record["modules"]) == 56
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "nvfp4-pack-quantized"
+    group = next(iter(qc["config_groups"].values()))
+    assert group["input_activations"]["num_bits"] == 4
+    code, output = _run("inspect", str(out))
+    assert code == 0 and "W4A4" in output, output
+    loaded = floatxq.load(out)
+    scales = [
+        m.input_scale for m in loaded.model.modules() if getattr(m, "input_scale", None) is not None
+    ]
+    assert len(scales) == 56
+    code, output = _run("quantize", "tiny", "--out", str(tmp_path / "z"), "--activations", "nvfp4")
+    assert code == 2 and "--activations and --gptq apply to --method nvfp4 only" in output
