@@ -14,11 +14,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from floatxq.config import FP8Config, GPTQConfig
+from floatxq.config import FP8Config, GPTQConfig, NVFP4Config
 from floatxq.gptq.solve import GPTQSolveOptions, rtn_quantize
 from floatxq.lifecycle.evaluate import EvalReport, evaluate_lm, reference_logprobs
 from floatxq.lifecycle.loading import load
-from floatxq.nvfp4.quantize import nvfp4_block_qdq
 
 FP8_PATHS: tuple[tuple[str, FP8Config], ...] = (
     ("fp8 e4m3 tensor", FP8Config(format="float8_e4m3fn", weight_scale_method="tensor")),
@@ -115,17 +114,6 @@ def _row(name: str, model: nn.Module, refs, windows, seconds, size, *, simulated
     )
 
 
-def _nvfp4_weights(model: nn.Module, recipe: str) -> nn.Module:
-    """A copy whose linear weights (not lm_head) went through NVFP4 QDQ along in-features."""
-    out = copy.deepcopy(model)
-    head = out.get_output_embeddings() if hasattr(out, "get_output_embeddings") else None
-    with torch.no_grad():
-        for module in out.modules():
-            if isinstance(module, nn.Linear) and module is not head:
-                module.weight.copy_(nvfp4_block_qdq(module.weight, None, recipe))
-    return out
-
-
 def _linear_targets(model: nn.Module) -> dict[str, nn.Linear]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
@@ -160,8 +148,9 @@ def run_demo(
         the row).
       on_path: called with each path's name before it runs (progress).
 
-    Numerics: FP8 paths through the real ``TorchFP8Linear`` modules; NVFP4 rows are weight QDQ
-    (``nvfp4_block_qdq`` per recipe, dynamic global scale) and the INT4 RTN row the dequantized
+    Numerics: FP8 paths through the real ``TorchFP8Linear`` modules; NVFP4 rows through the NVFP4
+    lifecycle (``NVFP4Config``: round to nearest per recipe, GPTQ onto the grid and W4A4 on the
+    calibration windows) and its ``TorchFP4Linear`` modules; the INT4 RTN row the dequantized
     round-to-nearest weights, marked ``simulated`` (numerics without a packed runtime); the GPTQ
     rows are the real lifecycle: ``calibration_windows`` windows, layer by layer, ``GPTQLinear``
     modules (W4A16) evaluated as they run, and the W4A rows (:data:`W4A_PATHS`) GPTQ solved
@@ -195,16 +184,25 @@ def run_demo(
         rows.append(
             _row(name, qmodel.model, refs, windows, seconds, _size(qmodel.model), simulated=False)
         )
-    for recipe in NVFP4_RECIPES:
-        name = f"nvfp4 {recipe} (weights, simulated)"
+    from floatxq.tiny import calibration_samples
+
+    samples = calibration_samples(num_samples=calibration_windows, seq_len=256)
+    nvfp4_paths = [(f"nvfp4 {r} (TorchFP4Linear, NVFP4A16)", NVFP4Config(recipe=r))
+                   for r in NVFP4_RECIPES]  # fmt: skip
+    nvfp4_paths += [
+        ("nvfp4 nvidia gptq (TorchFP4Linear, NVFP4A16)", NVFP4Config(method="gptq")),
+        ("nvfp4 nvidia W4A4 (TorchFP4Linear, NVFP4 activations)",
+         NVFP4Config(activations="nvfp4")),
+    ]  # fmt: skip
+    for name, config in nvfp4_paths:
         if on_path is not None:
             on_path(name)
         start = time.perf_counter()
-        simulated = _nvfp4_weights(reference, recipe)
+        nvfp4 = load(copy.deepcopy(reference), quantize_config=config, device="cpu")
+        nvfp4.quantize(samples if config.needs_calibration else None, batch_size=8, progress=False)
         seconds = time.perf_counter() - start
-        # 4 bits per value + one E4M3 scale per 16 values (+ a negligible FP32 global scale)
-        size = _size(simulated, packed_linear_bits=4.5)
-        rows.append(_row(name, simulated, refs, windows, seconds, size, simulated=True))
+        size = _size(nvfp4.model)  # the modules as stored: codes, E4M3 and FP32 scales
+        rows.append(_row(name, nvfp4.model, refs, windows, seconds, size, simulated=False))
     gptq = GPTQSolveOptions(bits=4, group_size=128, sym=True)
     # 4 bits per value + an fp16 scale per 128 values (zeros are implied by sym)
     int4_bits = 4 + 16 / 128
@@ -219,9 +217,6 @@ def run_demo(
             "int4 rtn g128 (weights, simulated)", rtn, refs, windows, seconds, size, simulated=True
         )
     )
-    from floatxq.tiny import calibration_samples
-
-    samples = calibration_samples(num_samples=calibration_windows, seq_len=256)
     gptq_paths = (("int4 gptq g128 (GPTQLinear, W4A16)", None, 1), *W4A_PATHS)
     for name, activation, divisor in gptq_paths:
         used = samples[: max(1, len(samples) // divisor)]
