@@ -35,8 +35,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from floatxq import dispatch
 from floatxq.config import NVFP4Config
 from floatxq.gptq.nvfp4_grid import nvfp4_gptq_solve
+from floatxq.kernels.nvfp4_qdq import nvfp4_activation_qdq
 from floatxq.lifecycle.calibration import CalibrationSet
 from floatxq.lifecycle.decoder import (
     call_layer,
@@ -53,7 +55,7 @@ from floatxq.lifecycle.gptq import _dense_weight, _finalized, _fold_group, _grou
 from floatxq.lifecycle.nvfp4 import _own_amax, fused_amax, plan_nvfp4, round_trip_scale
 from floatxq.nn.fp4_linear import TorchFP4Linear
 from floatxq.nvfp4.layouts import NVFP4Weight
-from floatxq.nvfp4.quantize import nvfp4_block_qdq, nvfp4_global_scale, nvfp4_quantize
+from floatxq.nvfp4.quantize import nvfp4_global_scale, nvfp4_quantize
 from floatxq.stats import HESSIAN, RUNNING_AMAX, Statistic, fold_all
 
 __all__ = ["NVFP4ModuleReport", "NVFP4RunReport", "quantize_nvfp4_calibrated"]
@@ -89,9 +91,11 @@ class NVFP4RunReport(NamedTuple):
 
 class _StandIn(nn.Module):
     """A quantized module's stand-in while its layer is still being run: the same forward as the
-    :class:`~floatxq.nn.fp4_linear.TorchFP4Linear` it wraps (the pure reference: activations
-    through :func:`floatxq.nvfp4_block_qdq` at the input scale for W4A4, the weight decoded in
-    ``x``'s dtype, then ``F.linear``), the weight decoded once per dtype instead of per batch."""
+    :class:`~floatxq.nn.fp4_linear.TorchFP4Linear` it wraps (for W4A4 the activations through
+    :func:`~floatxq.kernels.nvfp4_qdq.nvfp4_activation_qdq` at the input scale, on the route
+    :func:`floatxq.dispatch.fp4_w4a4_route` gives: the same bytes as
+    :func:`floatxq.nvfp4_block_qdq`; the weight decoded in ``x``'s dtype, then ``F.linear``),
+    the weight decoded once per dtype instead of per batch."""
 
     def __init__(self, packed: TorchFP4Linear) -> None:
         super().__init__()
@@ -103,7 +107,8 @@ class _StandIn(nn.Module):
             self.decoded[x.dtype] = self.packed.dequantize_weight(x.dtype)
         scale = getattr(self.packed, "input_scale", None)
         if scale is not None:
-            x = nvfp4_block_qdq(x, scale, ACTIVATION_RECIPE)
+            route, _ = dispatch.fp4_w4a4_route(x.device, x.dtype, x.shape[-1])
+            x = nvfp4_activation_qdq(x, scale, triton=route == "w4a4_triton")
         bias = self.packed.bias
         return nn.functional.linear(
             x, self.decoded[x.dtype], None if bias is None else bias.to(x.dtype)
