@@ -8,12 +8,14 @@ The kernel is :func:`floatxq.gptq.nvfp4_grid._solve_block` with the rows split o
 within one block, each weight row's columns depend only on that row (the columns of ``h`` are
 shared), so a program takes ``BLOCK_R`` rows and runs the block's whole column loop on them,
 the ``(BLOCK_R, BW)`` FP64 tile held in registers. Every operation is the reference's, in its
-order and precision: FP32 ``fp32(w) / step`` (IEEE division, ``div_rn``), E2M1 nearest-even
-with the sign of the quotient, the FP32 product ``v · step`` widened to FP64, the FP64
-difference and the FP64 (IEEE) division by ``h[i, i]``, then ``w[j] - h[i, j] · err`` as a
-product and a difference rounded apart. It is launched with ``enable_fp_fusion=False`` (no
-multiply-add contraction: a fused ``w - h·err`` rounds once and the bytes would differ) and
-``enable_reflect_ftz=False`` (FP32 subnormals kept, as torch keeps them).
+order and precision: FP32 ``fp32(w) / step`` (IEEE division: ``div_rn``, since Triton's FP32
+``/`` is the approximate ``div.full.f32``), E2M1 nearest-even with the sign of the quotient,
+the FP32 product ``v · step`` widened to FP64, the FP64 difference and the FP64 division by
+``h[i, i]`` (Triton's FP64 ``/`` is the IEEE ``div.rn.f64``, as torch's), then
+``w[j] - h[i, j] · err`` as a product and a difference rounded apart. It is launched with
+``enable_fp_fusion=False`` (no multiply-add contraction: a fused ``w - h·err`` rounds once and
+the bytes would differ) and ``enable_reflect_ftz=False`` (FP32 subnormals kept, as torch keeps
+them).
 """
 
 from typing import no_type_check
