@@ -3,7 +3,8 @@
 Run (one H200): python benchmarks/gptq_scale.py --out /tmp/gptq-8b.json
 NVFP4 (``--method``): ``nvfp4`` (round to nearest, weight-only: no calibration, each weight
 quantized on the GPU and put back on the CPU), ``nvfp4-gptq`` (GPTQ onto the NVFP4 grid,
-calibrated as INT4 GPTQ is), ``nvfp4-w4a4`` (round to nearest plus calibrated input scales);
+calibrated as INT4 GPTQ is; the lifecycle solves through ``floatxq.dispatch.nvfp4_gptq_solve_auto``,
+the Triton block kernel on CUDA), ``nvfp4-w4a4`` (round to nearest plus calibrated input scales);
 ``--recipe`` picks the NVFP4 recipe (default ``nvidia``).
 CPU smoke run: python benchmarks/gptq_scale.py --device cpu --layers 2 --hidden 256 \
     --intermediate 512 --heads 4 --kv-heads 2 --vocab 1024 --samples 4 --seq-len 64

@@ -173,7 +173,7 @@ def test_a_failing_run_puts_every_original_module_back(monkeypatch):
             raise KeyboardInterrupt
         return nvfp4_gptq_solve(*args, **kwargs)
 
-    monkeypatch.setattr(calibrated, "nvfp4_gptq_solve", failing)
+    monkeypatch.setattr(calibrated, "nvfp4_gptq_solve_auto", failing)
     q = fq.load(model, quantize_config=fq.NVFP4Config(method="gptq"))
     with pytest.raises(KeyboardInterrupt):
         q.quantize(_samples(), progress=False)

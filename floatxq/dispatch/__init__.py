@@ -10,7 +10,8 @@ preferences are one frozen :class:`RoutePreference` record (no per-module route 
 By concept: :mod:`~floatxq.dispatch.fp8` (FP8 linear routes; the FP8 weight encoder: Triton,
 MLX or torch), :mod:`~floatxq.dispatch.decode` (``TorchFP4Linear`` and ``GPTQLinear`` decodes),
 :mod:`~floatxq.dispatch.w4a` (W4A GEMMs, the activation packers), :mod:`~floatxq.dispatch.mlx`
-(MLX's Metal kernel choices), :mod:`~floatxq.dispatch.preference` (the preference record).
+(MLX's Metal kernel choices), :mod:`~floatxq.dispatch.nvfp4_gptq` (the NVFP4-grid GPTQ solve:
+Triton block kernel or torch), :mod:`~floatxq.dispatch.preference` (the preference record).
 A test that replaces a fact a choice reads patches the submodule that reads it.
 """
 
@@ -43,6 +44,11 @@ from floatxq.dispatch.mlx import (
     mlx_fp8_encode_route,
     mlx_packed_route,
 )
+from floatxq.dispatch.nvfp4_gptq import (
+    NVFP4_GPTQ_ROUTES,
+    nvfp4_gptq_route,
+    nvfp4_gptq_solve_auto,
+)
 from floatxq.dispatch.preference import W4A_FP8_ROUTES, W4A_NVFP4_ROUTES, RoutePreference
 from floatxq.dispatch.w4a import (
     ROWS_BUCKET_EXACT,
@@ -69,6 +75,7 @@ __all__ = [
     "FP8_ENCODE_MIN_ELEMENTS",
     "GPTQ_DECODE_ROUTE",
     "MLX_ENCODER_MIN_ELEMENTS",
+    "NVFP4_GPTQ_ROUTES",
     "PREFILL_MAX_IN",
     "PREFILL_MIN_OUT",
     "ROUTES",
@@ -89,6 +96,8 @@ __all__ = [
     "mlx_fp8_encode_route",
     "mlx_packed_route",
     "nvfp4_accumulator",
+    "nvfp4_gptq_route",
+    "nvfp4_gptq_solve_auto",
     "nvfp4_operand",
     "nvfp4_pack_reason",
     "pack_activation",

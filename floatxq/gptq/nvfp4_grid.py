@@ -12,7 +12,10 @@ has the lower loss (then it returns round to nearest and says so).
 Speed: the columns of each 128-wide block are solved by one pure-torch function on fixed
 buffers (:func:`_solve_block`); on CUDA a full block is captured once as a CUDA graph and
 replayed for the others (the same kernels on the same bytes, no launch or Python dispatch per
-column). The trailing update of the columns after a block is one GEMM.
+column). The trailing update of the columns after a block is one GEMM. What comes before the
+column loop (checks, scales, the factor, the working weight: :func:`_prepare`) and after it
+(losses, the comparison with round to nearest, packing: :func:`_finish`) is shared with the
+Triton twin of the block loop (:mod:`floatxq.kernels.nvfp4_gptq`), which must give these bytes.
 """
 
 import warnings
@@ -24,7 +27,7 @@ from floatxq._checks import require_floating
 from floatxq._typing import Float, Float8e4m3fn, Float32, Tensor, UInt8
 from floatxq.formats import NVFP4_BLOCK, NVFP4RecipeName, normalize_nvfp4_recipe
 from floatxq.nvfp4.e2m1 import _e2m1_value, e2m1_decode, e2m1_encode, pack_e2m1
-from floatxq.nvfp4.quantize import nvfp4_block_scales
+from floatxq.nvfp4.quantize import NVFP4Blocks, nvfp4_block_scales
 
 __all__ = ["NVFP4GPTQSolution", "nvfp4_gptq_solve"]
 
@@ -45,8 +48,7 @@ class NVFP4GPTQSolution(NamedTuple):
     """True when the GPTQ codes were kept (their loss at most ``rtn_loss``)."""
 
 
-def _checked(weight: Tensor, hessian: Tensor, global_scale: Tensor | float) -> Tensor:
-    where = "nvfp4_gptq_solve"
+def _checked(weight: Tensor, hessian: Tensor, global_scale: Tensor | float, where: str) -> Tensor:
     require_floating(weight, name="weight", where=where)
     require_floating(hessian, name="hessian", where=where)
     if weight.ndim != 2 or weight.shape[1] % NVFP4_BLOCK:
@@ -67,7 +69,7 @@ def _checked(weight: Tensor, hessian: Tensor, global_scale: Tensor | float) -> T
     return g
 
 
-def _upper_inverse_factor(hessian: Tensor, damp_percent: float) -> Tensor:
+def _upper_inverse_factor(hessian: Tensor, damp_percent: float, where: str) -> Tensor:
     """The upper Cholesky factor of the damped Hessian's inverse (dead inputs: diagonal 1)."""
     h = hessian.to(torch.float64).clone()
     dead = torch.diagonal(h) == 0
@@ -77,7 +79,7 @@ def _upper_inverse_factor(hessian: Tensor, damp_percent: float) -> Tensor:
     factor, info = torch.linalg.cholesky_ex(h)
     if int(info) != 0:
         raise ValueError(
-            "nvfp4_gptq_solve: the damped hessian is not positive definite; raise damp_percent"
+            f"{where}: the damped hessian is not positive definite; raise damp_percent"
         )
     return torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True)
 
@@ -204,39 +206,80 @@ def nvfp4_gptq_solve(
       >>> bool(s.loss <= s.rtn_loss), s.packed.shape, s.block_scales.shape
       (True, torch.Size([8, 16]), torch.Size([8, 2]))
     """
-    g = _checked(weight, hessian, global_scale)
-    recipe = normalize_nvfp4_recipe(recipe)
-    if not damp_percent >= 0:
-        raise ValueError(f"nvfp4_gptq_solve: damp_percent must be >= 0, got {damp_percent}")
-    if blocksize < 1:
-        raise ValueError(f"nvfp4_gptq_solve: blocksize must be >= 1, got {blocksize}")
-    w32 = weight.to(torch.float32)
-    rtn = nvfp4_block_scales(w32, g, recipe)
-    step = (rtn.block_scales.to(torch.float32) * g).repeat_interleave(NVFP4_BLOCK, dim=1)
-    rtn_values = e2m1_decode(rtn.codes)
-    k = w32.shape[1]
-    upper = _upper_inverse_factor(hessian, damp_percent)
-    work = w32.to(torch.float64).clone()
-    work[:, torch.diagonal(hessian) == 0] = 0.0
-    values = torch.empty_like(w32)
+    prep = _prepare(
+        weight, hessian, global_scale, recipe=recipe, damp_percent=damp_percent,
+        blocksize=blocksize, where="nvfp4_gptq_solve",
+    )  # fmt: skip
+    rows, k = prep.w32.shape
+    values = torch.empty_like(prep.w32)
     full = blocksize if cuda_graph and k > blocksize else 0
-    runner = _BlockRunner(w32.shape[0], w32.device, full=full)
+    runner = _BlockRunner(rows, prep.w32.device, full=full)
     for i1 in range(0, k, blocksize):
         i2 = min(i1 + blocksize, k)
         buf = runner.buffers(i2 - i1)
-        buf.w.copy_(work[:, i1:i2].T)
-        buf.step.copy_(step[:, i1:i2].T)
-        buf.h.copy_(upper[i1:i2, i1:i2])
+        buf.w.copy_(prep.work[:, i1:i2].T)
+        buf.step.copy_(prep.step[:, i1:i2].T)
+        buf.h.copy_(prep.upper[i1:i2, i1:i2])
         runner.run(i2 - i1)
         values[:, i1:i2] = buf.value.T
-        work[:, i2:] -= buf.err.T.contiguous() @ upper[i1:i2, i2:]
+        prep.work[:, i2:] -= buf.err.T.contiguous() @ prep.upper[i1:i2, i2:]
+    return _finish(prep, values, hessian)
+
+
+class _Prepared(NamedTuple):
+    """What the column loop reads, built by :func:`_prepare` (shared with the Triton twin)."""
+
+    g: Tensor
+    """The FP32 global scale (0-d)."""
+    w32: Tensor
+    """The weight in FP32, ``(n, k)``."""
+    rtn: NVFP4Blocks
+    """Round to nearest at the recipe's block scales (its codes are the fallback)."""
+    step: Tensor
+    """``float(block_scale) · g`` per input, FP32 ``(n, k)``."""
+    upper: Tensor
+    """The upper Cholesky factor of the damped inverse Hessian, FP64 ``(k, k)``."""
+    work: Tensor
+    """The error-updated weight, FP64 ``(n, k)`` (dead inputs zeroed); the loop updates it."""
+
+
+def _prepare(
+    weight: Tensor,
+    hessian: Tensor,
+    global_scale: Tensor | float,
+    *,
+    recipe: NVFP4RecipeName,
+    damp_percent: float,
+    blocksize: int,
+    where: str,
+) -> _Prepared:
+    """Checks (errors name ``where``), the recipe's scales, the factor and the working weight."""
+    g = _checked(weight, hessian, global_scale, where)
+    recipe = normalize_nvfp4_recipe(recipe)
+    if not damp_percent >= 0:
+        raise ValueError(f"{where}: damp_percent must be >= 0, got {damp_percent}")
+    if blocksize < 1:
+        raise ValueError(f"{where}: blocksize must be >= 1, got {blocksize}")
+    w32 = weight.to(torch.float32)
+    rtn = nvfp4_block_scales(w32, g, recipe)
+    step = (rtn.block_scales.to(torch.float32) * g).repeat_interleave(NVFP4_BLOCK, dim=1)
+    upper = _upper_inverse_factor(hessian, damp_percent, where)
+    work = w32.to(torch.float64).clone()
+    work[:, torch.diagonal(hessian) == 0] = 0.0
+    return _Prepared(g, w32, rtn, step, upper, work)
+
+
+def _finish(prep: _Prepared, values: Tensor, hessian: Tensor) -> NVFP4GPTQSolution:
+    """Both losses, the choice between GPTQ's ``values`` (FP32 E2M1 values) and round to
+    nearest, and the packed codes."""
+    step, w32 = prep.step, prep.w32
     gptq_loss = _loss(w32 - values * step, hessian)
-    rtn_loss = _loss(w32 - rtn_values * step, hessian)
+    rtn_loss = _loss(w32 - e2m1_decode(prep.rtn.codes) * step, hessian)
     solved = bool(gptq_loss <= rtn_loss)
     return NVFP4GPTQSolution(
-        packed=pack_e2m1(e2m1_encode(values) if solved else rtn.codes),
-        block_scales=rtn.block_scales,
-        global_scale=g,
+        packed=pack_e2m1(e2m1_encode(values) if solved else prep.rtn.codes),
+        block_scales=prep.rtn.block_scales,
+        global_scale=prep.g,
         loss=gptq_loss if solved else rtn_loss,
         rtn_loss=rtn_loss,
         solved=solved,

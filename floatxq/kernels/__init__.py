@@ -38,6 +38,7 @@ from floatxq.kernels.nvfp4_decoding import (
     nvfp4_decode,
     nvfp4_dequantize_kernel,
 )
+from floatxq.kernels.nvfp4_gptq import NVFP4GPTQTuning, nvfp4_gptq_solve_fast
 from floatxq.kernels.w4a16 import (
     W4A16Tuning,
     dequantize_gptq_kernel,
@@ -57,6 +58,7 @@ __all__ = [
     "FP8SmallMTuning",
     "FP8WeightTuning",
     "NVFP4DecodeTuning",
+    "NVFP4GPTQTuning",
     "NVFP4Tuning",
     "W4A16Tuning",
     "W4AFP8Tuning",
@@ -69,6 +71,7 @@ __all__ = [
     "nvfp4_accumulate_group",
     "nvfp4_decode",
     "nvfp4_dequantize_kernel",
+    "nvfp4_gptq_solve_fast",
     "nvfp4_linear",
     "nvfp4_linear_prepacked",
     "nvfp4_pack_and_swizzle",

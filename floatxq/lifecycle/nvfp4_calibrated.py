@@ -15,11 +15,13 @@ GPTQ lifecycle's (:mod:`floatxq.lifecycle.gptq`), one decoder layer on the work 
    :data:`floatxq.stats.HESSIAN` (when a module of the group uses ``gptq``) and
    :data:`floatxq.stats.RUNNING_AMAX` (when one quantizes its activations);
 4. each module becomes a :class:`~floatxq.nn.fp4_linear.TorchFP4Linear`: codes from
-   :func:`floatxq.nvfp4_gptq_solve` (``gptq``; the recipe's block scales, never a higher Hessian
-   loss than round to nearest at those scales) or :func:`floatxq.nvfp4_quantize` (``rtn``), and
-   for W4A4 the input scale ``round_trip_scale(nvfp4_global_scale(amax, recipe="nvidia"))`` of the
-   group's input. It replaces the original at once, so later groups and layers see the
-   quantized outputs (activation quantization included);
+   :func:`floatxq.nvfp4_gptq_solve` (``gptq``, through
+   :func:`floatxq.dispatch.nvfp4_gptq_solve_auto`: the Triton block kernel on CUDA, the same
+   bytes; the recipe's block scales, never a higher Hessian loss than round to nearest at those
+   scales) or :func:`floatxq.nvfp4_quantize` (``rtn``), and for W4A4 the input scale
+   ``round_trip_scale(nvfp4_global_scale(amax, recipe="nvidia"))`` of the group's input. It
+   replaces the original at once, so later groups and layers see the quantized outputs
+   (activation quantization included);
 5. the layer runs again to give the next layer's inputs; with ``lm_head=True`` the output
    embedding is done last, on the final norm's outputs.
 
@@ -37,7 +39,7 @@ from torch import nn
 
 from floatxq import dispatch
 from floatxq.config import NVFP4Config
-from floatxq.gptq.nvfp4_grid import nvfp4_gptq_solve
+from floatxq.dispatch.nvfp4_gptq import nvfp4_gptq_solve_auto
 from floatxq.kernels.nvfp4_qdq import nvfp4_activation_qdq
 from floatxq.lifecycle.calibration import CalibrationSet
 from floatxq.lifecycle.decoder import (
@@ -149,7 +151,7 @@ def _build(
     g = weight_scale.to(device)
     loss = rtn_loss = None
     if config.method == "gptq":
-        solution = nvfp4_gptq_solve(
+        solution = nvfp4_gptq_solve_auto(  # the Triton block solve on CUDA, same bytes
             weight, folded["hessian"], g, recipe=config.recipe, damp_percent=config.damp_percent
         )
         packed = NVFP4Weight(solution.packed, solution.block_scales, solution.global_scale)
