@@ -18,10 +18,11 @@ llm-compressor's preset (compressed-tensors ``PRESET_SCHEMES``):
   ``attention_mask`` (byte ids, so no tokenizer), in order, every sample whole.
 
 Timed: the ``oneshot`` call (wall clock and process CPU time; it includes llm-compressor's
-tracing and, for W4A4, its sequential calibration pipeline). Each quantized model is then saved
-(``nvfp4-pack-quantized``) and reloaded by transformers (compressed-tensors: the weights
-decompressed on each forward, the activations fake-quantized at the saved
-``input_global_scale``), and both the in-memory model and the reloaded one are scored with
+tracing and, for W4A4, its sequential calibration pipeline; the E2M1 packing itself happens
+later, in ``save_pretrained``, timed as ``save_seconds``). Each quantized model is then saved
+(``nvfp4-pack-quantized``) and reloaded by transformers (compressed-tensors decodes the packed
+weights and, for W4A4, fake-quantizes the activations at the saved ``input_global_scale``), and
+both the in-memory model and the reloaded one are scored with
 ``floatxq.lifecycle.evaluate.evaluate_lm`` against the unquantized bf16 model on
 ``floatxq.tiny.token_windows("evaluation", seq_len=256)``: perplexity, mean KL(reference ‖
 model) and top-1 agreement. The JSON (``--out``) carries the settings, versions, timings and
