@@ -3,7 +3,8 @@
 The buffers are the checkpoint format: ``weight`` (FP8 codes ``(out, in)``, a convolution's
 weight flattened), ``weight_scale_inv`` (FP32 inverse scales: ``()``, ``(out,)`` or a block
 grid) and ``bias`` (FP16 ``(out,)`` or ``None``). They move with ``.to()`` as bytes, never cast
-(the bias is cast to the output dtype per call); every other state is a per-device cache,
+(the bias is cast to the output dtype per call) and, for static FP8 activations, ``input_scale``
+(FP32 ``()``, the activation's decode multiplier); every other state is a per-device cache,
 dropped whenever the buffers move or are loaded.
 
 A call flattens ``x`` ``(*, in_features)`` to rows, asks :func:`floatxq.dispatch.select_fp8_route`
@@ -12,10 +13,10 @@ and runs that route's runner (:mod:`floatxq.kernels.fp8_routes`, built once per 
 ``last_route`` names the route taken (:data:`floatxq.ROUTES`) and ``last_fallback_reason`` why
 the fastest candidate was not (``None`` when it was). A route that raises is switched off for
 this module and that input dtype (warned once) and the call takes the next route the policy
-gives. Declared dynamic FP8 activations (``input_quant``: :mod:`floatxq.fp8_activation`) are
-applied on every route; ``last_activations`` says how. Convolutions decode the weight and
-convolve (``conv_dequant``, :mod:`floatxq.nn.conv`); the LoRA hook ``adapter`` runs last. What
-each route computes: ``docs/numerics.md``.
+gives. Declared FP8 activations (``input_quant``: :mod:`floatxq.fp8_activation`, dynamic or
+static at ``input_scale``) are applied on every route; ``last_activations`` says how.
+Convolutions decode the weight and convolve (``conv_dequant``, :mod:`floatxq.nn.conv`); the
+LoRA hook ``adapter`` runs last. What each route computes: ``docs/numerics.md``.
 """
 
 import dataclasses
@@ -29,7 +30,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from floatxq._checks import fp8_scale_shape, fp8_state_problems, fp16_bias, scale_fits_layout
+from floatxq._checks import (
+    fp8_scale_shape,
+    fp8_state_problems,
+    fp16_bias,
+    positive_scale,
+    scale_fits_layout,
+)
 from floatxq._typing import Float, FP8Dtype, Tensor
 from floatxq.dispatch import (
     SCALED_MM_ROUTE,
@@ -55,6 +62,7 @@ from floatxq.fp8_activation import (
     checked_input_quant,
     describe_x,
     input_qdq,
+    normalize_input_quant,
 )
 from floatxq.kernels import fp8_routes, triton_unavailable_reason
 from floatxq.nn._bytes import ByteBuffers
@@ -111,8 +119,9 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
       weight_scale_method: ``"tensor"``, ``"row"`` or ``"block"`` (``None``: by block size).
       weight_block_size: ``[block_rows, block_cols]`` for ``"block"``; must divide the shape.
       device: where the buffers live.
-      input_quant: declared dynamic E4M3 activations (``"token"``, ``"tensor"``,
-        ``"group:<size>"``, an :class:`FP8InputQuant`) or ``None`` (weight-only).
+      input_quant: declared E4M3 activations (``"token"``, ``"tensor"``, ``"group:<size>"``,
+        ``"static"``, an :class:`FP8InputQuant`) or ``None`` (weight-only). ``"static"``
+        allocates the ``input_scale`` buffer (1.0 until loaded).
 
     Raises:
       ValueError: bad names, negative sizes, a block size (or an ``input_quant`` group) that does
@@ -121,6 +130,9 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
     Numerics: decode is ``float32(code) / scale_inv`` rounded once to ``x.dtype``; the
     ``scaled_mm`` and ``fp8_small_m`` routes also round ``x`` to FP8 (weight formula) and
     accumulate in FP32; ``docs/numerics.md`` bounds each route against the decoded reference.
+    Static activations: ``x`` becomes :func:`floatxq.fp8_activation.static_input_qdq` at
+    ``input_scale`` before the decoded weight (every device: no ``scaled_mm`` route takes a
+    stored activation scale yet).
 
     Example:
       >>> layer = TorchFP8Linear.from_linear(nn.Linear(64, 32))
@@ -134,6 +146,8 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
     weight: Tensor
     weight_scale_inv: Tensor
     bias: Tensor | None
+    input_scale: Tensor | None
+    """The static activation scale (FP32 ``()``, multiplies to decode), or ``None``."""
     adapter: Callable[[Tensor, Tensor], Tensor] | None
     """LoRA hook: ``out = adapter(x_flat, out)`` after the bias (``None``: no adapter)."""
 
@@ -169,7 +183,6 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         self._recipe = self._scaled_route.removeprefix("scaled_mm_")
         self.conv: ConvGeometry | None = None
         self._input_quant: FP8InputQuant | None = None
-        self.input_quant = input_quant  # type: ignore[assignment]
         codes = torch.zeros((out_features, in_features), dtype=torch.uint8, device=device)
         self.register_buffer("weight", codes.view(fp8_dtype(name)))
         self.register_buffer(
@@ -177,6 +190,11 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         )
         fp16 = torch.zeros(out_features, dtype=torch.float16, device=device) if bias else None
         self.register_buffer("bias", fp16)
+        quant = checked_input_quant(input_quant, in_features=in_features, conv=False)
+        static = quant is not None and quant.strategy == "static"
+        one = torch.ones((), dtype=torch.float32, device=device) if static else None
+        self.register_buffer("input_scale", one)
+        self.input_quant = quant  # type: ignore[assignment]
         self.adapter = None
         self._set_last("none", None)
         self._compile_requested = False
@@ -193,6 +211,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         weight_scale_method: str | None = "row",
         weight_block_size: Sequence[int] | None = None,
         input_quant: FP8InputQuant | str | None = None,
+        input_scale: Float[Tensor, ""] | float | None = None,
     ) -> "TorchFP8Linear":
         """Quantize an ``nn.Linear``, a Hugging Face ``Conv1D`` or an ``nn.Conv1d/2d/3d``.
 
@@ -201,9 +220,13 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         its own device (the Triton kernel on CUDA, else :func:`floatxq.quantize_fp8_weight`: the
         same bytes); the bias becomes FP16.
 
+        ``input_quant`` / ``input_scale``: as :meth:`from_quantized` (``"static"`` needs the
+        calibrated scale, e.g. ``amax / 448`` of the inputs).
+
         Raises:
           TypeError: another module type (transposed convolutions included).
-          ValueError: as ``quantize_fp8_weight``, or a bias outside FP16's range.
+          ValueError: as ``quantize_fp8_weight``, or a bias outside FP16's range; an
+            ``input_scale`` as :meth:`from_quantized` refuses it.
 
         Numerics: codes and scales bit-identical to ``quantize_fp8_weight(weight_matrix, ...)``.
         """
@@ -224,6 +247,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             weight_scale_method=method,
             weight_block_size=block,
             input_quant=input_quant,
+            input_scale=input_scale,
         )
         layer.conv = conv
         return layer
@@ -267,6 +291,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         weight_scale_method: str | None = None,
         weight_block_size: Sequence[int] | None = None,
         input_quant: FP8InputQuant | str | None = None,
+        input_scale: Float[Tensor, ""] | float | None = None,
     ) -> "TorchFP8Linear":
         """Wrap existing FP8 codes and FP32 inverse scales (no copy of the codes when contiguous).
 
@@ -277,13 +302,17 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             fit), else :func:`floatxq.infer_scale_layout`'s.
           bias: ``(out,)`` floating, stored FP16 (finite, within ±65504), or ``None``.
           input_quant: the declared activations, as the constructor takes them.
+          input_scale: the static activation scale (one value, shape ``()`` or ``(1,)``, that
+            multiplies to decode), given exactly for ``input_quant="static"``.
 
         Raises:
           TypeError: non-FP8 codes, non-floating scales or bias.
           ValueError: shapes that fit no layout, non-finite or non-positive scales, a bias
-            outside FP16's range.
+            outside FP16's range; ``input_scale`` missing for (or given without) ``"static"``,
+            or not one finite value > 0.
 
-        Numerics: scales widened to FP32 exactly; codes untouched.
+        Numerics: scales widened to FP32 exactly (``input_scale`` too, stored ``()``); codes
+        untouched.
         """
         where = "TorchFP8Linear.from_quantized"
         if not isinstance(qweight, torch.Tensor) or qweight.dtype not in FP8_DTYPES:
@@ -318,6 +347,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         stored_bias = None
         if bias is not None:
             stored_bias = fp16_bias(bias, out_features, qweight.device, where=where)
+        static = _static_scale(input_quant, input_scale, qweight.device, where=where)
         layer = cls(
             in_features,
             out_features,
@@ -332,10 +362,31 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         layer.weight_scale_inv = scale
         if stored_bias is not None:
             layer.bias = stored_bias
+        if static is not None:
+            layer.input_scale = static
         return layer
 
+    def use_static_input(self, input_scale: Float[Tensor, ""] | float) -> "TorchFP8Linear":
+        """Switch to static per-tensor FP8 activations at ``input_scale`` (the decode multiplier,
+        e.g. ``amax / 448`` of calibration inputs); returns ``self``.
+
+        Raises:
+          ValueError: not one finite value > 0; a convolution (its activations are not
+            quantized).
+
+        Numerics: the scale widened to FP32 exactly.
+        """
+        where = "TorchFP8Linear.use_static_input"
+        if self.conv is not None:
+            raise ValueError(f"{where}: a convolution's activations are not quantized (conv)")
+        device = self.weight.device
+        scale = positive_scale(input_scale, name="input_scale", where=where, device=device)
+        self.input_scale = scale
+        self.input_quant = "static"  # type: ignore[assignment]
+        return self
+
     def _byte_buffer_names(self) -> tuple[str, ...]:
-        return ("weight", "weight_scale_inv", "bias")
+        return ("weight", "weight_scale_inv", "bias", "input_scale")
 
     def _applied(self, fn: Callable[[Tensor], Tensor]) -> None:
         self._runtime = _Runtime()
@@ -350,8 +401,28 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         problems = fp8_state_problems(
             state_dict, prefix, self.weight.dtype, self.out_features, bias=self.bias is not None
         )
+        replaced: dict[str, Any] = {}
+        key = prefix + "input_scale"
+        incoming = state_dict.get(key)
+        if self.input_scale is not None and isinstance(incoming, torch.Tensor):
+            if incoming.is_meta:
+                pass
+            elif incoming.numel() != 1 or not incoming.is_floating_point():
+                problems.append((key, (
+                    f"{key}: the static activation scale is one floating value, got "
+                    f"{incoming.dtype} {tuple(incoming.shape)}"
+                )))  # fmt: skip
+            else:
+                g = incoming.detach().float().reshape(())
+                if bool(torch.isfinite(g)) and bool(g > 0):
+                    replaced[key] = g
+                else:
+                    problems.append((key, (
+                        f"{key}: the static activation scale must be finite and > 0, got "
+                        f"{g.item()!r}"
+                    )))  # fmt: skip
         error_msgs.extend(message for _, message in problems)
-        return {}, [key for key, _ in problems]
+        return replaced, [key for key, _ in problems]
 
     def _loaded(self, prefix: str, missing_keys: list[str]) -> None:
         # load_state_dict(assign=True) puts the incoming tensors in place: restore the format.
@@ -359,6 +430,9 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             self._buffers["bias"] = self.bias.to(torch.float16)
         if self.weight_scale_inv.dtype != torch.float32:
             self._buffers["weight_scale_inv"] = self.weight_scale_inv.to(torch.float32)
+        held = self._buffers.get("input_scale")
+        if held is not None and held.dtype != torch.float32:
+            self._buffers["input_scale"] = held.to(torch.float32)
         self._runtime = _Runtime()
 
     def dequantize_weight(self, *, dtype: torch.dtype = torch.float32) -> Float[Tensor, "out in"]:
@@ -401,14 +475,23 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
 
     @property
     def input_quant(self) -> FP8InputQuant | None:
-        """The declared dynamic E4M3 activations every route applies to ``x`` (``None``:
-        weight-only). Set it with an :class:`FP8InputQuant`, ``"token"``, ``"tensor"``,
-        ``"group:<size>"`` or ``None``; the cached routes are dropped."""
+        """The declared E4M3 activations every route applies to ``x`` (``None``: weight-only).
+        Set it with an :class:`FP8InputQuant`, ``"token"``, ``"tensor"``, ``"group:<size>"``,
+        ``"static"`` (only while an ``input_scale`` is held: :meth:`use_static_input` sets both)
+        or ``None``; leaving ``"static"`` drops ``input_scale``; the cached routes are dropped."""
         return self._input_quant
 
     @input_quant.setter
     def input_quant(self, value: FP8InputQuant | str | None) -> None:
         quant = checked_input_quant(value, in_features=self.in_features, conv=bool(self.conv))
+        static = quant is not None and quant.strategy == "static"
+        if static and self._buffers.get("input_scale") is None:
+            raise ValueError(
+                "TorchFP8Linear: input_quant 'static' needs a stored input_scale; call "
+                "use_static_input(input_scale) (or from_quantized(..., input_scale=...))"
+            )
+        if not static:
+            self._buffers["input_scale"] = None
         self._input_quant = quant
         route, _ = fp8_scaled_route(
             self.weight_scale_method,
@@ -567,15 +650,16 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         """The route's runner for ``dtype`` inputs, its weight-side operands bound once."""
         buffers = self._buffers
         weight, scale, bias = buffers["weight"], buffers["weight_scale_inv"], buffers.get("bias")
+        held = buffers.get("input_scale")
         runtime = self._runtime
         entry = runtime.runners.get((route, dtype))
         if entry is not None:
             bound = entry[1]
-            if bound[0] is weight and bound[1] is scale and bound[2] is bias:
+            if bound[0] is weight and bound[1] is scale and bound[2] is bias and bound[3] is held:
                 return entry[0]
             runtime.prepared.clear()  # a buffer was replaced: the cached operands are stale
         runner = self._build(route, dtype)
-        runtime.runners[(route, dtype)] = (runner, (weight, scale, bias))
+        runtime.runners[(route, dtype)] = (runner, (weight, scale, bias, held))
         return runner
 
     def _build(self, route: str, dtype: torch.dtype) -> fp8_routes.Runner:
@@ -612,10 +696,10 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             )
         else:
             runner = fp8_routes.dequant_runner(weight, self.weight_scale_inv, bias)
-        quant = self._input_quant
+        quant, input_scale = self._input_quant, self.input_scale
         if quant is None:
             return runner
-        return lambda x: runner(input_qdq(x, quant))
+        return lambda x: runner(input_qdq(x, quant, input_scale))
 
     def _row_broadcast(self, direct: Tensor) -> Tensor:
         """A tensor weight scale as one scale per row, where the route is rowwise (per-token
@@ -655,6 +739,22 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         if self.adapter is not None:
             out = self.adapter(x, out)
         return out
+
+
+def _static_scale(
+    input_quant: object, input_scale: object, device: torch.device, *, where: str
+) -> Tensor | None:
+    """``input_scale`` as the stored 0-d FP32 buffer, given exactly for static activations."""
+    quant = normalize_input_quant(input_quant)
+    static = quant is not None and quant.strategy == "static"
+    if static != (input_scale is not None):
+        raise ValueError(
+            f"{where}: input_scale is given exactly for input_quant 'static' (got input_quant="
+            f"{quant}, input_scale {'given' if input_scale is not None else 'missing'})"
+        )
+    if input_scale is None:
+        return None
+    return positive_scale(input_scale, name="input_scale", where=where, device=device)
 
 
 def _source_matrix(module: nn.Module, *, where: str) -> tuple[Tensor, ConvGeometry | None]:
