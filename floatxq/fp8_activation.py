@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 
+from floatxq._checks import positive_scale
 from floatxq._typing import Float, Float8e4m3fn, Tensor
 from floatxq.formats import FP8_E4M3_MAX
 from floatxq.fp8 import _saturating_cast, _token_scale
@@ -193,6 +194,28 @@ def input_qdq(
     scale = _token_scale(x32)
     codes = _saturating_cast(x32 / scale, torch.float8_e4m3fn, FP8_E4M3_MAX)
     return (codes.to(torch.float32) * scale).reshape(x.shape).to(x.dtype)
+
+
+def checked_static_scale(
+    input_quant: object, input_scale: object, device: torch.device, *, where: str
+) -> Float[Tensor, ""] | None:
+    """``input_scale`` as a module stores it (0-d FP32 on ``device``), given exactly when
+    ``input_quant`` is ``"static"`` (``None`` otherwise).
+
+    Raises:
+      ValueError: a scale missing for (or given without) ``"static"``; not one finite value > 0.
+      TypeError: not a real number or a floating tensor.
+    """
+    quant = normalize_input_quant(input_quant)
+    static = quant is not None and quant.strategy == "static"
+    if static != (input_scale is not None):
+        raise ValueError(
+            f"{where}: input_scale is given exactly for input_quant 'static' (got input_quant="
+            f"{quant}, input_scale {'given' if input_scale is not None else 'missing'})"
+        )
+    if input_scale is None:
+        return None
+    return positive_scale(input_scale, name="input_scale", where=where, device=device)
 
 
 def checked_input_quant(

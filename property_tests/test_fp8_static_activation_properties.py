@@ -63,7 +63,7 @@ def test_static_at_the_calibrated_amax_equals_dynamic_per_tensor(x):
 def test_beyond_the_range_saturates_and_codes_are_finite(x, scale, extra):
     """Whatever lies at or beyond ``448 · input_scale`` becomes ±448 (infinities too); every
     code is finite; signs and zeros are kept."""
-    x = torch.cat([x, torch.full((x.shape[0], 1), extra, dtype=x.dtype)], dim=1)
+    x = torch.cat([x, torch.full((x.shape[0], 1), extra).to(x.dtype)], dim=1)
     codes = fp8_static_input_quantize(x, scale).float()
     assert bool(torch.isfinite(codes).all())
     assert bool((codes.abs() <= 448.0).all())

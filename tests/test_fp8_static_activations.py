@@ -90,7 +90,7 @@ def test_bad_scales_are_refused(bad):
         _static(scale=bad)
     layer = _static()
     state = {**layer.state_dict(), "input_scale": torch.tensor(bad)}
-    with pytest.raises(RuntimeError, match="static activation scale must be finite"):
+    with pytest.raises(RuntimeError, match="static input scale must be finite"):
         layer.load_state_dict(state)
 
 
