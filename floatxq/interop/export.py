@@ -67,6 +67,7 @@ from floatxq.interop.export_modelopt import (
     modelopt_nvfp4_algo,
     modelopt_payloads,
 )
+from floatxq.interop.fp8_static import modelopt_fp8_static
 from floatxq.interop.layouts import LayoutDecision
 from floatxq.interop.nvfp4_w4a4 import modelopt_nvfp4_w4a4
 from floatxq.interop.payload import fp8_config_to_payload, gptq_config_to_payload
@@ -704,7 +705,11 @@ def _check_loadable(
         declared = {**(exported.json_files or {}).get(SIDECAR_FILE, {})}
         declared.update(exported.quantization_config)
         mode = modelopt_activation_quantization(declared, list(exported.state))
-        if mode is not None and not modelopt_nvfp4_w4a4(declared, exported.state, _SAVED):
+        if (
+            mode is not None
+            and not modelopt_nvfp4_w4a4(declared, exported.state, _SAVED)
+            and not modelopt_fp8_static(declared, exported.state, _SAVED)
+        ):
             raise CheckpointError(
                 f"export: layout 'modelopt' is not written: {_SAVED}: "
                 + MODELOPT_ACTIVATION_REFUSAL.format(mode=mode)

@@ -13,7 +13,6 @@ weights, one module at a time. Which layout a directory holds is decided first, 
 
 import functools
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -23,20 +22,12 @@ from floatxq._checks import to_float32
 from floatxq.config import GPTQConfig
 from floatxq.config.rules import RulePattern, _check_rule_pattern
 from floatxq.formats import FP8_WEIGHT_DTYPES
-from floatxq.interop.activations import with_declared_activations
+from floatxq.interop.activations import refuse_activation_scales, with_declared_activations
 from floatxq.interop.checkpoint import CheckpointError
+from floatxq.interop.fp8_static import static_scale_key
 from floatxq.interop.layouts import LayoutDecision, _lower
-from floatxq.interop.nvfp4_w4a4 import check_ct_nvfp4_inputs, nvfp4_w4a4_scale_names
+from floatxq.interop.nvfp4_w4a4 import check_ct_nvfp4_inputs
 from floatxq.interop.shards import bounded_json
-
-_ACTIVATION_SUFFIXES = (
-    ".input_scale",
-    ".input_global_scale",
-    ".k_scale",
-    ".v_scale",
-    ".input_zero_point",
-    ".output_scale",
-)
 
 
 class ModuleSource(NamedTuple):
@@ -44,27 +35,6 @@ class ModuleSource(NamedTuple):
 
     name: str
     tensors: dict[str, torch.Tensor]
-
-
-def refuse_activation_scales(decision: LayoutDecision, names: Sequence[str], root: Path) -> None:
-    """Refuse checkpoints whose tensors carry activation-quantization scales.
-
-    floatxq runs weight-only sources (FP8 activations dynamically, per call) and NVFP4 W4A4
-    (:mod:`floatxq.interop.nvfp4_w4a4`); any other static activation scale is part of the
-    producer's numerics that floatxq would drop, so it is refused rather than run differently.
-
-    Raises:
-      CheckpointError: naming the first such tensor and the layout.
-    """
-    w4a4 = nvfp4_w4a4_scale_names(decision.layout, names)
-    found = [n for n in names if n.endswith(_ACTIVATION_SUFFIXES) and n not in w4a4]
-    if not found:
-        return
-    raise CheckpointError(
-        f"load: {root} ({decision.layout}) carries activation-quantization scales, e.g. "
-        f"{found[0]!r} ({len(found)} tensors); floatxq loads weight-only checkpoints (W8A16 FP8, "
-        f"W4A16 NVFP4, dynamic FP8 activations) and does not run static activation quantization"
-    )
 
 
 def _fp8_module(
@@ -254,10 +224,10 @@ def read_module(
             return None
         _require(source, ("weight", "weight_scale_inv"), where)
         _extra(source, ("weight", "weight_scale_inv", "bias", "activation_scale"), where)
-        if "activation_scale" in keys:
+        if "activation_scale" in keys and layout == "gptqmodel":
             raise CheckpointError(
-                f"load: {where} carries a static activation_scale; floatxq loads weight-only and "
-                f"dynamic-activation FP8 checkpoints"
+                f"load: {where} carries a static activation_scale; GPT-QModel's FP8 payload "
+                f"declares no activation scheme to run it with"
             )
         if layout == "gptqmodel":
             block = _declared_block(source, declared, file)
@@ -266,7 +236,10 @@ def read_module(
         module = _fp8_module(
             source, "weight_scale_inv", multiply=layout == "hf", block=block, dtype=dtype, file=file
         )
-        return with_declared_activations(module, decision, qconfig, source.name, original, file)
+        tensors = source.tensors
+        return with_declared_activations(
+            module, decision, qconfig, source.name, original, file, tensors
+        )
     if layout == "mimo":
         raise CheckpointError(
             f"load: {where}: MiMo mixed sources need the mimo_v2 architecture, which transformers "
@@ -307,7 +280,8 @@ def read_module(
         allowed = ("weight", "weight_scale", "weight_scale_2", "bias")
         _extra(source, (*allowed, "input_scale") if layout == "modelopt" else allowed, where)
         return _fp4_module(source, "modelopt", original, dtype, file)
-    _extra(source, ("weight", "weight_scale", "weight_zero_point", "bias"), where)
+    static = (static_scale_key(layout),) if layout in ("compressed-tensors", "modelopt") else ()
+    _extra(source, ("weight", "weight_scale", "weight_zero_point", "bias", *static), where)
     _check_zero_point(source, where)
     if scale.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)):
         assert weight is not None
@@ -329,7 +303,10 @@ def read_module(
     elif scale.ndim == 2 and scale.numel() > 1 and scale.shape[1] != 1:
         block = _inferred_block(weight, scale)
     module = _fp8_module(source, "weight_scale", multiply=True, block=block, dtype=dtype, file=file)
-    return with_declared_activations(module, decision, qconfig, source.name, original, file)
+    tensors = source.tensors
+    return with_declared_activations(
+        module, decision, qconfig, source.name, original, file, tensors
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from floatxq.interop.checkpoint import (
     CheckpointError,
 )
 from floatxq.interop.export_gptq import _gptq_facts, output_embedding_names
+from floatxq.interop.fp8_static import modelopt_fp8_static
 from floatxq.interop.layouts import (
     _torchao_metadata,
     decide_layout,
@@ -375,7 +376,11 @@ def _load_quantized(
         declared.update(qpayload)
         declared.setdefault("quant_method", "modelopt")
         mode = modelopt_activation_quantization(declared, names)
-        if mode is not None and not modelopt_nvfp4_w4a4(declared, names, path):
+        if (
+            mode is not None
+            and not modelopt_nvfp4_w4a4(declared, names, path)
+            and not modelopt_fp8_static(declared, names, path)
+        ):
             raise CheckpointError(f"load: {path}: " + MODELOPT_ACTIVATION_REFUSAL.format(mode=mode))
     refuse_activation_scales(decision, names, path)
     qconfig: FP8Config | GPTQConfig | None = None
