@@ -43,6 +43,7 @@ from floatxq.interop.nvfp4_w4a4 import nvfp4_w4a4_scale_names
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
 __all__ = [
+    "ACTIVATION_SCALE_SUFFIXES",
     "WEIGHT_ONLY",
     "ct_input_activations",
     "declared_input_quant",
@@ -52,14 +53,16 @@ __all__ = [
     "with_declared_activations",
 ]
 
-_ACTIVATION_SUFFIXES = (
+ACTIVATION_SCALE_SUFFIXES = (
     ".input_scale",
     ".input_global_scale",
     ".k_scale",
     ".v_scale",
     ".input_zero_point",
     ".output_scale",
+    ".activation_scale",
 )
+"""Tensor-name endings of activation-quantization scales (each producer's), run or refused."""
 
 WEIGHT_ONLY = "none (weight-only)"
 """How :func:`describe_declared_activations` names a checkpoint that quantizes no activations."""
@@ -202,16 +205,18 @@ def with_declared_activations(
     original: nn.Module,
     file: str,
     tensors: Mapping[str, torch.Tensor] | None = None,
+    weight_only: bool = False,
 ) -> nn.Module:
     """``module`` (a just-read FP8 module) with the activations its checkpoint declares; a
     static declaration takes the module's scale from ``tensors`` (its stored tensors).
+    ``weight_only`` (a requantization source): ``module`` as read, weight-only.
 
     Raises:
       CheckpointError: as :func:`declared_input_quant`; a group size that does not divide the
         module's ``in_features``; static activations declared without the scale tensor, a scale
         tensor without them, or a scale that is not one finite value > 0.
     """
-    if not isinstance(module, TorchFP8Linear):
+    if weight_only or not isinstance(module, TorchFP8Linear):
         return module
     scale = static_input_scale(tensors or {}, decision.layout)
     quant = declared_input_quant(decision, qconfig, name, original, file, scaled=scale is not None)
@@ -288,8 +293,7 @@ def refuse_activation_scales(decision: LayoutDecision, names: Sequence[str], roo
     """
     runs = nvfp4_w4a4_scale_names(decision.layout, names)
     runs |= fp8_static_scale_names(decision.layout, names)
-    suffixes = (*_ACTIVATION_SUFFIXES, ".activation_scale")
-    found = [n for n in names if n.endswith(suffixes) and n not in runs]
+    found = [n for n in names if n.endswith(ACTIVATION_SCALE_SUFFIXES) and n not in runs]
     if not found:
         return
     raise CheckpointError(

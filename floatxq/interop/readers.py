@@ -22,7 +22,11 @@ from floatxq._checks import to_float32
 from floatxq.config import GPTQConfig
 from floatxq.config.rules import RulePattern, _check_rule_pattern
 from floatxq.formats import FP8_WEIGHT_DTYPES
-from floatxq.interop.activations import refuse_activation_scales, with_declared_activations
+from floatxq.interop.activations import (
+    ACTIVATION_SCALE_SUFFIXES,
+    refuse_activation_scales,
+    with_declared_activations,
+)
 from floatxq.interop.checkpoint import CheckpointError
 from floatxq.interop.fp8_static import static_scale_key
 from floatxq.interop.layouts import LayoutDecision, _lower
@@ -192,6 +196,7 @@ def read_module(
     metadata: Mapping[str, Any] | None = None,
     declared: tuple[str, tuple[int, int] | None] | None = None,
     gptq: GPTQConfig | None = None,
+    weight_only: bool = False,
 ) -> nn.Module | None:
     """The module that runs one quantized module's tensors under ``decision``'s convention.
 
@@ -201,10 +206,16 @@ def read_module(
     happens to tile the weight another way (a ``1x256`` grid read as ``256x3`` blocks) is refused.
     ``gptq`` is the module's resolved GPTQConfig (``gptq`` layout; None when the config excludes
     the module): its bits, group size, ``sym`` and ``desc_act`` must be what the tensors hold.
+    ``weight_only`` (a requantization source): activation scales and declared activations are
+    ignored, the module multiplies ``x`` as given.
 
     Raises:
       CheckpointError: missing, unknown or mis-shaped tensors (named with their file).
     """
+    if weight_only:
+        kept = {k for k in source.tensors if f".{k}" not in ACTIVATION_SCALE_SUFFIXES}
+        tensors = {k: v for k, v in source.tensors.items() if k in kept}
+        source = ModuleSource(source.name, tensors)
     where = f"{source.name} in {file}"
     keys = set(source.tensors)
     weight = source.tensors.get("weight")
@@ -236,9 +247,8 @@ def read_module(
         module = _fp8_module(
             source, "weight_scale_inv", multiply=layout == "hf", block=block, dtype=dtype, file=file
         )
-        tensors = source.tensors
         return with_declared_activations(
-            module, decision, qconfig, source.name, original, file, tensors
+            module, decision, qconfig, source.name, original, file, source.tensors, weight_only
         )
     if layout == "mimo":
         raise CheckpointError(
@@ -263,7 +273,8 @@ def read_module(
         if "weight_global_scale" in keys:
             allowed = ("weight_packed", "weight_scale", "weight_global_scale", "bias")
             _extra(source, (*allowed, "input_global_scale"), where)
-            check_ct_nvfp4_inputs(source.name, source.tensors, qconfig, original, file)
+            if not weight_only:
+                check_ct_nvfp4_inputs(source.name, source.tensors, qconfig, original, file)
             return _fp4_module(source, "compressed-tensors", original, dtype, file)
         _require(source, ("weight_packed", "weight_scale"), where)
         _extra(source, ("weight_packed", "weight_scale", "weight_shape", "bias"), where)
@@ -303,9 +314,8 @@ def read_module(
     elif scale.ndim == 2 and scale.numel() > 1 and scale.shape[1] != 1:
         block = _inferred_block(weight, scale)
     module = _fp8_module(source, "weight_scale", multiply=True, block=block, dtype=dtype, file=file)
-    tensors = source.tensors
     return with_declared_activations(
-        module, decision, qconfig, source.name, original, file, tensors
+        module, decision, qconfig, source.name, original, file, source.tensors, weight_only
     )
 
 

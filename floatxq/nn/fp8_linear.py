@@ -201,7 +201,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         weight_scale_method: str | None = "row",
         weight_block_size: Sequence[int] | None = None,
         input_quant: FP8InputQuant | str | None = None,
-        input_scale: Float[Tensor, ""] | float | None = None,
+        input_scale: Float[Tensor, "*one"] | float | None = None,
     ) -> "TorchFP8Linear":
         """Quantize an ``nn.Linear``, a Hugging Face ``Conv1D`` or an ``nn.Conv1d/2d/3d``.
 
@@ -278,7 +278,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         weight_scale_method: str | None = None,
         weight_block_size: Sequence[int] | None = None,
         input_quant: FP8InputQuant | str | None = None,
-        input_scale: Float[Tensor, ""] | float | None = None,
+        input_scale: Float[Tensor, "*one"] | float | None = None,
     ) -> "TorchFP8Linear":
         """Wrap existing FP8 codes and FP32 inverse scales (no copy of the codes when contiguous).
 
@@ -328,7 +328,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             layer.input_scale = static
         return layer
 
-    def use_static_input(self, input_scale: Float[Tensor, ""] | float) -> "TorchFP8Linear":
+    def use_static_input(self, input_scale: Float[Tensor, "*one"] | float) -> "TorchFP8Linear":
         """Static FP8 activations at ``input_scale`` (e.g. ``amax / 448``; finite, > 0)."""
         checked_input_quant("static", in_features=self.in_features, conv=bool(self.conv))
         where, device = "TorchFP8Linear.use_static_input", self.weight.device
