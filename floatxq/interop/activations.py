@@ -216,23 +216,18 @@ def with_declared_activations(
         module's ``in_features``; static activations declared without the scale tensor, a scale
         tensor without them, or a scale that is not one finite value > 0.
     """
-    if weight_only or not isinstance(module, TorchFP8Linear):
+    if weight_only:
         return module
     scale = static_input_scale(tensors or {}, decision.layout)
+    if not isinstance(module, TorchFP8Linear):
+        if scale is not None:  # (a ragged block grid is decoded to a dense nn.Linear)
+            raise CheckpointError(
+                f"load: {name} in {file} is decoded to a dense {type(module).__name__} (no FP8 "
+                f"module holds its scales), which cannot run its static activation scale"
+            )
+        return module
     quant = declared_input_quant(decision, qconfig, name, original, file, scaled=scale is not None)
-    static = quant is not None and not quant.dynamic
-    key = f"{name}.{static_scale_key(decision.layout)}"
-    if static and scale is None:
-        raise CheckpointError(
-            f"load: {name} in {file}: the quantization_config declares static FP8 activations, "
-            f"but {key} (the static scale they need) is missing"
-        )
-    if scale is not None and not static:
-        raise CheckpointError(
-            f"load: {name} in {file}: {key} is a static activation scale, but the "
-            f"quantization_config declares {quant.describe() if quant else 'weight-only'} "
-            f"activations for the module"
-        )
+    key = _check_static_scale(quant, scale is not None, decision.layout, name, file)
     try:
         if scale is not None:
             module.use_static_input(scale)
@@ -242,6 +237,27 @@ def with_declared_activations(
         where = key if scale is not None else name
         raise CheckpointError(f"load: {where} in {file}: {exc}") from None
     return module
+
+
+def _check_static_scale(
+    quant: FP8InputQuant | None, scaled: bool, layout: str, name: str, file: str
+) -> str:
+    """The name of module ``name``'s static scale tensor, once its declared activations and
+    whether it holds that tensor (``scaled``) agree; else a CheckpointError naming both."""
+    static = quant is not None and not quant.dynamic
+    key = f"{name}.{static_scale_key(layout)}"
+    if static and not scaled:
+        raise CheckpointError(
+            f"load: {name} in {file}: the quantization_config declares static FP8 activations, "
+            f"but {key} (the static scale they need) is missing"
+        )
+    if scaled and not static:
+        raise CheckpointError(
+            f"load: {name} in {file}: {key} is a static activation scale, but the "
+            f"quantization_config declares {quant.describe() if quant else 'weight-only'} "
+            f"activations for the module"
+        )
+    return key
 
 
 def describe_declared_activations(
@@ -266,6 +282,7 @@ def describe_declared_activations(
     for name in names:
         scaled = name in static
         quant = declared_input_quant(decision, qconfig, name, stand_in, file, scaled=scaled)
+        _check_static_scale(quant, scaled, decision.layout, name, file)
         label = quant.describe() if quant is not None else WEIGHT_ONLY
         counts[label] = counts.get(label, 0) + 1
     if policy is not None:
