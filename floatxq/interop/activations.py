@@ -14,7 +14,7 @@ the same declaration so its modules compute what is served:
   checked as a whole by :func:`floatxq.interop.fp8_static.modelopt_fp8_static`), else
   weight-only.
 * GPT-QModel's / floatxq's FP8 payload (``gptqmodel``), Quark: weight-only (their activation
-  scales, when present, are refused by :func:`floatxq.interop.readers.refuse_activation_scales`).
+  scales, when present, are refused by :func:`refuse_activation_scales`).
 
 Refused, for load and inspect alike (:class:`~floatxq.interop.checkpoint.CheckpointError`):
 static activation quantization other than FP8 per tensor, a static declaration without its scale

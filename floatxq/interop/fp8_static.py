@@ -27,7 +27,12 @@ import torch
 from floatxq.interop.checkpoint import CheckpointError
 from floatxq.interop.nvfp4_w4a4 import _algo, _lower, _modelopt_groups
 
-__all__ = ["fp8_static_scale_names", "modelopt_fp8_static", "static_scale_key"]
+__all__ = [
+    "fp8_static_scale_names",
+    "modelopt_fp8_static",
+    "static_input_scale",
+    "static_scale_key",
+]
 
 _SCALE_KEY = {
     "compressed-tensors": "input_scale",
