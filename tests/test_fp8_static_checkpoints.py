@@ -280,3 +280,15 @@ def test_transformers_static_activation_scheme_loads(tmp_path, method, block):
     save_file(files, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="up_proj.activation_scale .*is missing"):
         floatxq.load(path)
+
+
+def test_an_input_scale_on_a_module_that_is_not_fp8_is_refused(tmp_path):
+    """Only FP8 modules run a static input scale: one on an MXFP8 module (decoded to a dense
+    linear) is refused, not dropped."""
+    path = tmp_path / "mx"
+    shutil.copytree(FIXTURES / "llmcompressor_mxfp8a16", path)
+    files = load_file(str(path / "model.safetensors"))
+    files["model.layers.0.mlp.up_proj.input_scale"] = torch.tensor([0.01])
+    save_file(files, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"does not know .*up_proj\.input_scale"):
+        floatxq.load(path)

@@ -28,7 +28,6 @@ from floatxq.interop.activations import (
     with_declared_activations,
 )
 from floatxq.interop.checkpoint import CheckpointError
-from floatxq.interop.fp8_static import static_scale_key
 from floatxq.interop.layouts import LayoutDecision, _lower
 from floatxq.interop.nvfp4_w4a4 import check_ct_nvfp4_inputs
 from floatxq.interop.shards import bounded_json
@@ -291,10 +290,12 @@ def read_module(
         allowed = ("weight", "weight_scale", "weight_scale_2", "bias")
         _extra(source, (*allowed, "input_scale") if layout == "modelopt" else allowed, where)
         return _fp4_module(source, "modelopt", original, dtype, file)
-    static = (static_scale_key(layout),) if layout in ("compressed-tensors", "modelopt") else ()
+    mx = scale.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None))
+    w8a8 = layout in ("compressed-tensors", "modelopt") and fp8 and not mx
+    static = ("input_scale",) if w8a8 else ()  # a static FP8 module's activation scale
     _extra(source, ("weight", "weight_scale", "weight_zero_point", "bias", *static), where)
     _check_zero_point(source, where)
-    if scale.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)):
+    if mx:
         assert weight is not None
         element = "e2m1" if weight.dtype == torch.uint8 else str(weight.dtype).split(".")[-1]
         return _mx_dense(source, weight, element, dtype, where)
