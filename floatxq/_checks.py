@@ -317,6 +317,46 @@ def fp16_bias(bias: Any, out_features: int, device: torch.device, *, where: str)
     return b.to(device=device, dtype=torch.float16)
 
 
+def check_fp8_operands(qweight: Any, scale_inv: Any, *, where: str) -> None:
+    """FP8 codes and their scales as a module wraps them: ``TypeError`` for non-FP8 codes or
+    non-floating scales, ``ValueError`` for codes that are not 2-D ``(out, in)``."""
+    from floatxq.formats import FP8_DTYPES
+
+    if not isinstance(qweight, torch.Tensor) or qweight.dtype not in FP8_DTYPES:
+        got = qweight.dtype if isinstance(qweight, torch.Tensor) else type(qweight).__name__
+        raise TypeError(f"{where}: qweight must be an FP8 tensor, got {got}")
+    if qweight.ndim != 2:
+        raise ValueError(f"{where}: qweight must be 2-D (out, in), got {tuple(qweight.shape)}")
+    if not isinstance(scale_inv, torch.Tensor) or not scale_inv.is_floating_point():
+        got = scale_inv.dtype if isinstance(scale_inv, torch.Tensor) else type(scale_inv)
+        raise TypeError(f"{where}: scale_inv must be a floating tensor, got {got}")
+
+
+def stored_fp8_scale(
+    scale_inv: Tensor, qweight: Tensor, method: str, block: tuple[int, int] | None, *, where: str
+) -> Tensor:
+    """``scale_inv`` as an FP8 module stores it for ``method`` / ``block``: FP32 on the codes'
+    device, in the layout's exact shape; ``ValueError`` for a shape that does not fit the layout
+    or values that are not finite and > 0."""
+    rows, cols = qweight.shape
+    expected = fp8_scale_shape(rows, cols, method, block, where=where)
+    if not scale_fits_layout(tuple(scale_inv.shape), expected, method):
+        raise ValueError(
+            f"{where}: scale_inv shape {tuple(scale_inv.shape)} does not fit the {method} "
+            f"layout of a {tuple(qweight.shape)} weight"
+            + (f" with block {list(block)}" if block else "")
+            + f"; expected {expected}"
+        )
+    scale = scale_inv.detach().to(device=qweight.device, dtype=torch.float32)
+    scale = scale.reshape(expected).contiguous()
+    if scale.numel() and not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        raise ValueError(
+            f"{where}: scale_inv must be finite and > 0 (codes are divided by it); got "
+            f"values in [{float(scale.min()):g}, {float(scale.max()):g}]"
+        )
+    return scale
+
+
 def scale_fits_layout(shape: tuple[int, ...], expected: tuple[int, ...], method: str) -> bool:
     """Whether a stored scale tensor holds the layout's values in its order (size-1 axes aside)."""
     if shape == expected:
@@ -334,12 +374,20 @@ def scale_fits_layout(shape: tuple[int, ...], expected: tuple[int, ...], method:
 
 
 def fp8_state_problems(
-    state_dict: dict[str, Any], prefix: str, dtype: torch.dtype, out_features: int, *, bias: bool
-) -> list[tuple[str, str]]:
-    """``(key, message)`` for each incoming FP8-linear tensor a module must refuse: codes of
-    another FP8 dtype (bytes are never cast), inverse scales that are not finite and > 0, a bias
-    :func:`fp16_bias` refuses. Meta and empty tensors pass."""
-    problems = []
+    state_dict: dict[str, Any],
+    prefix: str,
+    dtype: torch.dtype,
+    out_features: int,
+    *,
+    bias: bool,
+    input_scale: bool = False,
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """``(replacements, (key, message) problems)`` of an incoming FP8-linear state dict: codes
+    of another FP8 dtype (bytes are never cast), inverse scales that are not finite and > 0, a
+    bias :func:`fp16_bias` refuses are problems; with ``input_scale``, the static activation
+    scale as :func:`scalar_scale_entries` takes it. Meta and empty tensors pass."""
+    names = ("input_scale",) if input_scale else ()
+    replaced, problems = scalar_scale_entries(state_dict, prefix, names, what="static input scale")
     key = prefix + "weight"
     incoming = state_dict.get(key)
     if isinstance(incoming, torch.Tensor) and incoming.dtype != dtype:
@@ -369,7 +417,7 @@ def fp8_state_problems(
             fp16_bias(incoming, out_features, incoming.device, where=key)
         except (TypeError, ValueError) as exc:
             problems.append((key, str(exc)))
-    return problems
+    return replaced, problems
 
 
 def check_model_dtype(dtype: Any, *, where: str) -> torch.dtype:
@@ -416,6 +464,22 @@ def fp4_state_problems(
             f"and is never converted"
         )))  # fmt: skip
     for name in scalars:
+        what = "activation global scale" if name == "input_scale" else "tensor scale"
+        more, found = scalar_scale_entries(state_dict, prefix, (name,), what=what)
+        replaced.update(more)
+        problems.extend(found)
+    return replaced, problems
+
+
+def scalar_scale_entries(
+    state_dict: dict[str, Any], prefix: str, names: tuple[str, ...], *, what: str
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """``(replacements, (key, message) problems)`` for one-value scales of an incoming state
+    dict: each named entry holding one value becomes a 0-d FP32 tensor, refused (as ``what``)
+    unless finite and > 0; meta tensors and other shapes are left to ``nn.Module``'s checks."""
+    replaced: dict[str, Any] = {}
+    problems = []
+    for name in names:
         key = prefix + name
         incoming = state_dict.get(key)
         if not isinstance(incoming, torch.Tensor) or incoming.numel() != 1 or incoming.is_meta:
@@ -424,7 +488,6 @@ def fp4_state_problems(
         if bool(torch.isfinite(g)) and bool(g > 0):
             replaced[key] = g
         else:
-            what = "activation global scale" if name == "input_scale" else "tensor scale"
             problems.append((key, f"{key}: the {what} must be finite and > 0, got {g.item()!r}"))
     return replaced, problems
 

@@ -264,8 +264,8 @@ def test_payloads_are_modelopts_for_mixed_weight_only_and_w4a4():
     assert groups["group_0"]["input_activations"]["num_bits"] == 4  # W4A4
     assert "input_activations" not in groups["group_1"]  # weight-only
     assert embedded["quant_algo"] == "MIXED_PRECISION" and embedded["quant_method"] == "modelopt"
-    with pytest.raises(ValueError, match=r"quant_algo \['NVFP4', 'W4A16_NVFP4'\]; got \['FP8'\]"):
-        modelopt_payloads({"a": "FP8"}, [])
+    with pytest.raises(ValueError, match=r"'W4A16_NVFP4', 'FP8'\]; got \['W8A8_SQ'\]"):
+        modelopt_payloads({"a": "W8A8_SQ"}, [])
     with pytest.raises(ValueError, match="got none"):
         modelopt_payloads({}, [])
 
@@ -275,7 +275,7 @@ def test_modules_modelopt_cannot_hold_are_refused_naming_them(tmp_path):
     with pytest.raises(
         ValueError,
         match=r"'modelopt' cannot hold module '0' \(float8_e4m3fn weights with tensor scales\).*"
-        r"NVFP4 modules only.*input_scale.*hold it: 'compressed-tensors', 'hf', 'gptqmodel'$",
+        r"static W8A8.*input_scale.*hold it: 'compressed-tensors', 'hf', 'gptqmodel'$",
     ):
         export_layout(fp8, None, "modelopt")
     mixed = nn.Sequential(

@@ -24,6 +24,9 @@ BUILDERS = {
     "TorchFP8Linear token activations": lambda: fq.TorchFP8Linear.from_linear(
         nn.Linear(512, 256), input_quant="token"
     ),
+    "TorchFP8Linear static activations": lambda: fq.TorchFP8Linear.from_linear(
+        nn.Linear(512, 256), weight_scale_method="tensor", input_quant="static", input_scale=0.01
+    ),
     "TorchFP4Linear": lambda: fq.TorchFP4Linear.from_linear(nn.Linear(512, 256)),
     "TorchFP4Linear W4A4": lambda: fq.TorchFP4Linear.from_linear(
         nn.Linear(512, 256), input_scale=0.0017

@@ -367,6 +367,83 @@ def test_requantization_from_an_nvfp4_source(monkeypatch):
     _requantize_and_compare(FIXTURE.parent / "llmcompressor_nvfp4a16", monkeypatch, TorchFP4Linear)
 
 
+def _activation_quantized_source(kind: str, tmp_path: Path) -> Path:
+    """A checkpoint that quantizes activations: llm-compressor's own (the committed fixtures) or
+    ModelOpt's documented layout (:mod:`floatxq.testing.foreign`); ``modelopt_kv`` adds FP8
+    KV-cache scales, which floatxq does not run (the checkpoint loads only as a source)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from floatxq.testing.foreign import write_modelopt_fp8, write_modelopt_nvfp4
+
+    if kind.startswith("llmcompressor"):
+        return FIXTURE.parent / kind
+    dense = tmp_path / "dense"
+    shutil.copytree(FIXTURE, dense)
+    writer = write_modelopt_nvfp4 if kind == "modelopt_nvfp4" else write_modelopt_fp8
+    path = writer(dense, tmp_path / kind, input_scale=True).path
+    if kind == "modelopt_kv":
+        for name in ("config.json", "hf_quant_config.json"):
+            payload = json.loads((path / name).read_text())
+            qconfig = payload.get("quantization_config", payload.get("quantization"))
+            qconfig["kv_cache_quant_algo"] = "FP8"
+            (path / name).write_text(json.dumps(payload))
+        state = load_file(path / "model.safetensors")
+        for layer in range(2):
+            for proj in ("k", "v"):
+                attn = f"model.layers.{layer}.self_attn.{proj}_proj"
+                state[f"{attn}.{proj}_scale"] = torch.tensor(0.05)
+        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(floatxq.CheckpointError, match="KV"):
+            floatxq.load(path)  # not runnable as is
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "llmcompressor_fp8_static",
+        "llmcompressor_nvfp4",
+        "modelopt_fp8",
+        "modelopt_nvfp4",
+        "modelopt_kv",
+    ],
+)
+def test_requantization_from_an_activation_quantized_source(kind, tmp_path, monkeypatch):
+    """A GPTQ run on a checkpoint whose modules quantize their inputs (static FP8 W8A8, NVFP4
+    W4A4, with or without KV-cache scales) decodes the weights and ignores the activation
+    scales: the result is the GPTQ run on a dense model of the decoded weights, bit for bit."""
+    from floatxq.nn.fp4_linear import TorchFP4Linear
+    from floatxq.nn.fp8_linear import TorchFP8Linear
+
+    path = _activation_quantized_source(kind, tmp_path)
+    source = floatxq.load(path, quantize_config=CONFIG, dtype=torch.float32, device="cpu")
+    kinds = {
+        type(m) for m in source.model.modules() if isinstance(m, (TorchFP8Linear, TorchFP4Linear))
+    }
+    assert len(kinds) == 1, kinds
+    for module in source.model.modules():  # every source module multiplies x as given
+        assert getattr(module, "input_scale", None) is None
+        assert getattr(module, "input_quant", None) is None
+    _requantize_and_compare(path, monkeypatch, kinds.pop())
+
+
+def test_fp8_and_nvfp4_configs_on_an_activation_quantized_source_load_it_as_quantized():
+    """FP8Config / NVFP4Config do not requantize a quantized checkpoint: a static FP8 or W4A4
+    one loads as it runs (its activation scales kept), the config ignored with a warning."""
+    for kind, config in (
+        ("llmcompressor_fp8_static", floatxq.FP8Config()),
+        ("llmcompressor_nvfp4", floatxq.NVFP4Config()),
+    ):
+        with pytest.warns(UserWarning, match="already quantized"):
+            loaded = floatxq.load(FIXTURE.parent / kind, quantize_config=config)
+        assert loaded.quantized
+        held = [getattr(m, "input_scale", None) for m in loaded.model.modules()]
+        assert sum(scale is not None for scale in held) == 14
+
+
 def test_llama_layers_group_by_the_input_their_modules_read():
     from floatxq.lifecycle.calibration import prepare_calibration
     from floatxq.lifecycle.decoder import capture_inputs as _capture_inputs

@@ -183,9 +183,9 @@ class FP8RouteFacts:
     """Whether this torch has ``torch._scaled_mm`` (tensorwise and rowwise)."""
     has_blockwise_scaled_mm: bool = True
     """Whether this torch has ``F.scaled_mm`` with 1x128 and 128x128 block scaling."""
-    input_quant: Literal["token", "group", "tensor"] | None = None
-    """The module's declared dynamic E4M3 activations (``None``: weight-only): the ``scaled_mm``
-    route is the one quantizing ``x`` that way (:func:`fp8_scaled_route`)."""
+    input_quant: Literal["token", "group", "tensor", "static"] | None = None
+    """The module's declared E4M3 activations (``None``: weight-only): the ``scaled_mm`` route is
+    the one quantizing ``x`` that way (:func:`fp8_scaled_route`; ``"static"`` has none yet)."""
     input_group_size: int | None = None
     """Columns per activation scale for ``input_quant="group"``, else ``None``."""
 
@@ -221,9 +221,9 @@ class FP8RouteFacts:
                 f"{where}: capability is given exactly for CUDA devices; got "
                 f"device_type={self.device_type!r}, capability={self.capability!r}"
             )
-        if self.input_quant not in (None, "token", "group", "tensor"):
+        if self.input_quant not in (None, "token", "group", "tensor", "static"):
             raise ValueError(
-                f"{where}: input_quant must be None, 'token', 'group' or 'tensor', got "
+                f"{where}: input_quant must be None, 'token', 'group', 'tensor' or 'static', got "
                 f"{self.input_quant!r}"
             )
         if (self.input_quant == "group") != (self.input_group_size is not None):
@@ -264,7 +264,10 @@ def fp8_scaled_route(
     Weight-only modules take their layout's route (:data:`SCALED_MM_ROUTE`). Per-token
     activations take ``scaled_mm_rowwise`` (x per row in E4M3; a tensor weight scale broadcast
     to every row), per-token-group ones ``scaled_mm_blockwise`` when the group is the weight's
-    block width, per-tensor ones ``scaled_mm_tensorwise`` for a tensor-scaled weight.
+    block width, per-tensor ones ``scaled_mm_tensorwise`` for a tensor-scaled weight. Static
+    per-tensor activations (a stored ``input_scale``) have no route here: the ``scaled_mm`` routes
+    compute ``x``'s scale per call, so those modules take ``dequant_matmul`` after
+    :func:`floatxq.fp8_activation.static_input_qdq`.
 
     Numerics: none; a decision.
 
@@ -274,6 +277,11 @@ def fp8_scaled_route(
     """
     if input_quant is None:
         return SCALED_MM_ROUTE[scale_method], None
+    if input_quant == "static":
+        return None, (
+            "static FP8 activations (a stored input_scale): the scaled_mm routes compute x's "
+            "scale per call, so x is quantize-dequantized at input_scale before the decoded weight"
+        )
     if input_quant == "token" and scale_method in ("tensor", "row"):
         return "scaled_mm_rowwise", None
     if input_quant == "tensor" and scale_method == "tensor":

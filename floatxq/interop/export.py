@@ -63,10 +63,11 @@ from floatxq.interop.export_gptq import (
 )
 from floatxq.interop.export_modelopt import (
     SIDECAR_FILE,
-    W4A16_ALGO,
+    check_one_algo,
     modelopt_nvfp4_algo,
     modelopt_payloads,
 )
+from floatxq.interop.fp8_static import modelopt_fp8_static
 from floatxq.interop.layouts import LayoutDecision
 from floatxq.interop.nvfp4_w4a4 import modelopt_nvfp4_w4a4
 from floatxq.interop.payload import fp8_config_to_payload, gptq_config_to_payload
@@ -229,21 +230,28 @@ def _describe_fp8(module: TorchFP8Linear) -> str:
     fmt, method, block = _fp8_scheme(module)
     scales = f"block scales {list(block)}" if block is not None else f"{method} scales"
     what = f"{fmt} weights with {scales}"
+    if module.input_scale is not None:
+        what += ", static FP8 activations (an input_scale)"
     if module.conv is not None:
         what += ", a convolution flattened to (out, in*k)"
     return what
 
 
 def _fp8_layouts(module: TorchFP8Linear) -> list[str]:
-    """The layouts that hold an FP8 module."""
+    """The layouts that hold an FP8 module (static activations: not ``gptqmodel``, whose payload
+    declares none; ModelOpt's FP8 is static W8A8 with tensor scales)."""
     fmt, method, _ = _fp8_scheme(module)
     plain_e4m3 = fmt == _E4M3 and module.conv is None
+    static = module.input_scale is not None
     held = []
     if plain_e4m3:
         held.append("compressed-tensors")
     if plain_e4m3 and method in ("tensor", "block"):
         held.append("hf")
-    held.append("gptqmodel")
+    if plain_e4m3 and method == "tensor" and static:
+        held.append("modelopt")
+    if not static:
+        held.append("gptqmodel")
     return held
 
 
@@ -318,7 +326,7 @@ def _multiplying_fp8_scale(module: TorchFP8Linear, layout: str) -> Float32[Tenso
     """The module's scales as a multiplying reader of ``layout`` shapes them."""
     direct = fp32_reciprocal(module.weight_scale_inv)
     method = module.weight_scale_method
-    if layout == "hf":
+    if layout in ("hf", "modelopt"):  # (modelopt: tensor scales only, 0-d as ModelOpt writes)
         return direct.reshape(()) if method == "tensor" else direct
     if method == "tensor":
         return direct.reshape(1)
@@ -377,6 +385,13 @@ def _converted_state(
         }
         if module.bias is not None:
             entries["bias"] = ("bias", _bias(module.bias, dtype))
+        if module.input_scale is not None:  # static activations: (1,) in compressed-tensors
+            scalar = layout in ("hf", "modelopt")
+            stored = module.input_scale.reshape(() if scalar else (1,))
+            entries["input_scale"] = (
+                "activation_scale" if layout == "hf" else "input_scale",
+                stored,
+            )
         renamed[name] = entries
     for name, module in modules.nvfp4:
         entries = _nvfp4_entries(module, layout)
@@ -410,10 +425,18 @@ def _converted_state(
 
 
 def _hf_payload(modules: _Modules) -> dict[str, Any]:
-    """transformers' fine-grained FP8 payload; every FP8 module must share one scale layout."""
+    """transformers' fine-grained FP8 payload; every FP8 module must share one scale layout and
+    one activation scheme (``static`` where every module holds an ``input_scale``)."""
     first_name, first = modules.fp8[0]
     _, method, block = _fp8_scheme(first)
+    static = first.input_scale is not None
     for name, module in modules.fp8[1:]:
+        if (module.input_scale is not None) != static:
+            raise ValueError(
+                f"export: layout 'hf' declares one activation_scheme for the whole model, but "
+                f"module {first_name!r} has {_describe_fp8(first)} and module {name!r} has "
+                f"{_describe_fp8(module)}; layouts that hold both: 'compressed-tensors'"
+            )
         if _fp8_scheme(module)[1:] != (method, block):
             raise ValueError(
                 f"export: layout 'hf' writes one weight_block_size for the whole model "
@@ -424,7 +447,7 @@ def _hf_payload(modules: _Modules) -> dict[str, Any]:
     return {
         "quant_method": "fp8",
         "fmt": "e4m3",
-        "activation_scheme": "dynamic",
+        "activation_scheme": "static" if static else "dynamic",
         "weight_block_size": list(block) if block is not None else None,
         "modules_to_not_convert": list(modules.dense),
     }
@@ -595,6 +618,7 @@ def _export(model: nn.Module, modules: _Modules, quantize_config: Any, name: str
                 f"quantize_config={type(quantize_config).__name__}"
             )
         _check_no_nvfp4(name, modules, "GPT-QModel's FP8 payload describes FP8 modules only")
+        _check_fp8(name, modules, "GPT-QModel's FP8 payload declares no activation scheme")
         payload = fp8_config_to_payload(quantize_config)
         config = {**payload, "activation_scheme": GPTQMODEL_REFUSAL_MARKER}
         return LayoutExport(dict(model.state_dict()), config, payload)
@@ -623,31 +647,13 @@ def _export(model: nn.Module, modules: _Modules, quantize_config: Any, name: str
 
 
 def _modelopt_export(model: nn.Module, modules: _Modules) -> LayoutExport:
-    """ModelOpt's NVFP4 files: the modules' buffers, ``hf_quant_config.json`` and the embedded
-    ``quantization_config`` (:mod:`floatxq.interop.export_modelopt`)."""
-    why = "floatxq writes ModelOpt's NVFP4 layout, which holds NVFP4 modules only"
+    """ModelOpt's NVFP4 or FP8 files: the modules' buffers, ``hf_quant_config.json`` and the
+    embedded ``quantization_config`` (:mod:`floatxq.interop.export_modelopt`)."""
+    why = "floatxq writes ModelOpt's NVFP4 layout and its FP8 one, which is static W8A8"
     _check_no_gptq("modelopt", modules, why)
-    for module_name, module in modules.fp8:
-        raise _refuse(
-            "modelopt",
-            module_name,
-            _describe_fp8(module),
-            why + " (ModelOpt's FP8 is static W8A8, whose readers need an input_scale)",
-            _fp8_layouts(module),
-        )
-    algos = {module_name: modelopt_nvfp4_algo(module) for module_name, module in modules.nvfp4}
-    if len(set(algos.values())) > 1:  # floatxq.load reads ModelOpt's W4A4 as quant_algo NVFP4
-        weight_only = next(n for n, algo in algos.items() if algo == W4A16_ALGO)
-        w4a4 = next(n for n, algo in algos.items() if algo != W4A16_ALGO)
-        raise _refuse(
-            "modelopt",
-            weight_only,
-            "NVFP4 weights, weight-only",
-            f"the model mixes it with W4A4 modules (e.g. {w4a4!r}), which ModelOpt declares as "
-            f"MIXED_PRECISION, and floatxq.load runs ModelOpt W4A4 only as quant_algo NVFP4 on "
-            f"every NVFP4 module; compressed-tensors holds both in separate config groups",
-            ["compressed-tensors"],
-        )
+    _check_fp8("modelopt", modules, why + " with tensor scales (its readers need an input_scale)")
+    algos = {module_name: modelopt_nvfp4_algo(module) for module_name, module in modules.quantized}
+    check_one_algo(algos)
     sidecar, embedded = modelopt_payloads(algos, modules.dense)
     state = _converted_state(model, modules, "modelopt")
     return LayoutExport(state, embedded, None, {SIDECAR_FILE: sidecar})
@@ -704,7 +710,11 @@ def _check_loadable(
         declared = {**(exported.json_files or {}).get(SIDECAR_FILE, {})}
         declared.update(exported.quantization_config)
         mode = modelopt_activation_quantization(declared, list(exported.state))
-        if mode is not None and not modelopt_nvfp4_w4a4(declared, exported.state, _SAVED):
+        if (
+            mode is not None
+            and not modelopt_nvfp4_w4a4(declared, exported.state, _SAVED)
+            and not modelopt_fp8_static(declared, exported.state, _SAVED)
+        ):
             raise CheckpointError(
                 f"export: layout 'modelopt' is not written: {_SAVED}: "
                 + MODELOPT_ACTIVATION_REFUSAL.format(mode=mode)

@@ -19,6 +19,7 @@ from floatxq.config import GPTQConfig
 from floatxq.formats import ACTIVATION_SCALE_BITS
 from floatxq.interop.activations import WEIGHT_ONLY, describe_declared_activations
 from floatxq.interop.checkpoint import CONFIG_FILE, QUANTIZE_CONFIG_FILE
+from floatxq.interop.fp8_static import fp8_static_scale_names
 from floatxq.interop.layouts import decide_layout, read_gptq_config
 from floatxq.interop.nvfp4_w4a4 import describe_nvfp4_w4a4, nvfp4_w4a4_scale_names
 from floatxq.interop.payload import payload_format, payload_method
@@ -238,7 +239,12 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
         and str(getattr(by_name.get(f"{name}.weight"), "dtype", "")).startswith("F8_")
     ]
     policy = gptq.activation.mode if gptq is not None and gptq.activation is not None else None
-    activations = describe_declared_activations(decision, qconfig, fp8, policy=policy)
+    static = frozenset(
+        n.rpartition(".")[0] for n in fp8_static_scale_names(decision.layout, by_name)
+    )
+    activations = describe_declared_activations(
+        decision, qconfig, fp8, policy=policy, static=static
+    )
     w4a4 = len(nvfp4_w4a4_scale_names(decision.layout, by_name))
     activations = describe_nvfp4_w4a4(activations, w4a4, WEIGHT_ONLY)
     method = (payload_method(qconfig) or None) if qconfig is not None else None

@@ -13,7 +13,6 @@ weights, one module at a time. Which layout a directory holds is decided first, 
 
 import functools
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -23,20 +22,15 @@ from floatxq._checks import to_float32
 from floatxq.config import GPTQConfig
 from floatxq.config.rules import RulePattern, _check_rule_pattern
 from floatxq.formats import FP8_WEIGHT_DTYPES
-from floatxq.interop.activations import with_declared_activations
+from floatxq.interop.activations import (
+    ACTIVATION_SCALE_SUFFIXES,
+    refuse_activation_scales,
+    with_declared_activations,
+)
 from floatxq.interop.checkpoint import CheckpointError
 from floatxq.interop.layouts import LayoutDecision, _lower
-from floatxq.interop.nvfp4_w4a4 import check_ct_nvfp4_inputs, nvfp4_w4a4_scale_names
+from floatxq.interop.nvfp4_w4a4 import check_ct_nvfp4_inputs
 from floatxq.interop.shards import bounded_json
-
-_ACTIVATION_SUFFIXES = (
-    ".input_scale",
-    ".input_global_scale",
-    ".k_scale",
-    ".v_scale",
-    ".input_zero_point",
-    ".output_scale",
-)
 
 
 class ModuleSource(NamedTuple):
@@ -44,27 +38,6 @@ class ModuleSource(NamedTuple):
 
     name: str
     tensors: dict[str, torch.Tensor]
-
-
-def refuse_activation_scales(decision: LayoutDecision, names: Sequence[str], root: Path) -> None:
-    """Refuse checkpoints whose tensors carry activation-quantization scales.
-
-    floatxq runs weight-only sources (FP8 activations dynamically, per call) and NVFP4 W4A4
-    (:mod:`floatxq.interop.nvfp4_w4a4`); any other static activation scale is part of the
-    producer's numerics that floatxq would drop, so it is refused rather than run differently.
-
-    Raises:
-      CheckpointError: naming the first such tensor and the layout.
-    """
-    w4a4 = nvfp4_w4a4_scale_names(decision.layout, names)
-    found = [n for n in names if n.endswith(_ACTIVATION_SUFFIXES) and n not in w4a4]
-    if not found:
-        return
-    raise CheckpointError(
-        f"load: {root} ({decision.layout}) carries activation-quantization scales, e.g. "
-        f"{found[0]!r} ({len(found)} tensors); floatxq loads weight-only checkpoints (W8A16 FP8, "
-        f"W4A16 NVFP4, dynamic FP8 activations) and does not run static activation quantization"
-    )
 
 
 def _fp8_module(
@@ -222,6 +195,7 @@ def read_module(
     metadata: Mapping[str, Any] | None = None,
     declared: tuple[str, tuple[int, int] | None] | None = None,
     gptq: GPTQConfig | None = None,
+    weight_only: bool = False,
 ) -> nn.Module | None:
     """The module that runs one quantized module's tensors under ``decision``'s convention.
 
@@ -231,10 +205,16 @@ def read_module(
     happens to tile the weight another way (a ``1x256`` grid read as ``256x3`` blocks) is refused.
     ``gptq`` is the module's resolved GPTQConfig (``gptq`` layout; None when the config excludes
     the module): its bits, group size, ``sym`` and ``desc_act`` must be what the tensors hold.
+    ``weight_only`` (a requantization source): activation scales and declared activations are
+    ignored, the module multiplies ``x`` as given.
 
     Raises:
       CheckpointError: missing, unknown or mis-shaped tensors (named with their file).
     """
+    if weight_only:
+        kept = {k for k in source.tensors if f".{k}" not in ACTIVATION_SCALE_SUFFIXES}
+        tensors = {k: v for k, v in source.tensors.items() if k in kept}
+        source = ModuleSource(source.name, tensors)
     where = f"{source.name} in {file}"
     keys = set(source.tensors)
     weight = source.tensors.get("weight")
@@ -254,10 +234,10 @@ def read_module(
             return None
         _require(source, ("weight", "weight_scale_inv"), where)
         _extra(source, ("weight", "weight_scale_inv", "bias", "activation_scale"), where)
-        if "activation_scale" in keys:
+        if "activation_scale" in keys and layout == "gptqmodel":
             raise CheckpointError(
-                f"load: {where} carries a static activation_scale; floatxq loads weight-only and "
-                f"dynamic-activation FP8 checkpoints"
+                f"load: {where} carries a static activation_scale; GPT-QModel's FP8 payload "
+                f"declares no activation scheme to run it with"
             )
         if layout == "gptqmodel":
             block = _declared_block(source, declared, file)
@@ -266,7 +246,9 @@ def read_module(
         module = _fp8_module(
             source, "weight_scale_inv", multiply=layout == "hf", block=block, dtype=dtype, file=file
         )
-        return with_declared_activations(module, decision, qconfig, source.name, original, file)
+        return with_declared_activations(
+            module, decision, qconfig, source.name, original, file, source.tensors, weight_only
+        )
     if layout == "mimo":
         raise CheckpointError(
             f"load: {where}: MiMo mixed sources need the mimo_v2 architecture, which transformers "
@@ -290,7 +272,8 @@ def read_module(
         if "weight_global_scale" in keys:
             allowed = ("weight_packed", "weight_scale", "weight_global_scale", "bias")
             _extra(source, (*allowed, "input_global_scale"), where)
-            check_ct_nvfp4_inputs(source.name, source.tensors, qconfig, original, file)
+            if not weight_only:
+                check_ct_nvfp4_inputs(source.name, source.tensors, qconfig, original, file)
             return _fp4_module(source, "compressed-tensors", original, dtype, file)
         _require(source, ("weight_packed", "weight_scale"), where)
         _extra(source, ("weight_packed", "weight_scale", "weight_shape", "bias"), where)
@@ -307,9 +290,12 @@ def read_module(
         allowed = ("weight", "weight_scale", "weight_scale_2", "bias")
         _extra(source, (*allowed, "input_scale") if layout == "modelopt" else allowed, where)
         return _fp4_module(source, "modelopt", original, dtype, file)
-    _extra(source, ("weight", "weight_scale", "weight_zero_point", "bias"), where)
+    mx = scale.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None))
+    w8a8 = layout in ("compressed-tensors", "modelopt") and fp8 and not mx
+    static = ("input_scale",) if w8a8 else ()  # a static FP8 module's activation scale
+    _extra(source, ("weight", "weight_scale", "weight_zero_point", "bias", *static), where)
     _check_zero_point(source, where)
-    if scale.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)):
+    if mx:
         assert weight is not None
         element = "e2m1" if weight.dtype == torch.uint8 else str(weight.dtype).split(".")[-1]
         return _mx_dense(source, weight, element, dtype, where)
@@ -329,7 +315,9 @@ def read_module(
     elif scale.ndim == 2 and scale.numel() > 1 and scale.shape[1] != 1:
         block = _inferred_block(weight, scale)
     module = _fp8_module(source, "weight_scale", multiply=True, block=block, dtype=dtype, file=file)
-    return with_declared_activations(module, decision, qconfig, source.name, original, file)
+    return with_declared_activations(
+        module, decision, qconfig, source.name, original, file, source.tensors, weight_only
+    )
 
 
 # ----------------------------------------------------------------------------------------------

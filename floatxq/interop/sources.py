@@ -58,10 +58,13 @@ _MIMO_ENCODED_NAME = re.compile(r"(?!model\.mtp\.).*\.weight")  # MTP predictors
 _MIMO_FUSED_QKV = re.compile(r"model\.layers\.\d+\.self_attn\.qkv_proj\.weight")
 
 MODELOPT_ACTIVATION_REFUSAL: str = (
-    "floatxq does not load activation-quantized ModelOpt checkpoints directly; only the "
-    "weight-only variants (W8A16 FP8, W4A16 NVFP4) run. Detected metadata: {mode}."
+    "floatxq runs ModelOpt checkpoints weight-only (W8A16 FP8, W4A16 NVFP4), as FP8 W8A8 with "
+    "static per-tensor input_scale (quant_algo FP8) or as NVFP4 W4A4 (quant_algo NVFP4); this "
+    "one quantizes activations otherwise. Detected metadata: {mode}."
 )
-"""Refusal for :func:`modelopt_activation_quantization`'s reason (``.format(mode=reason)``).
+"""Refusal for :func:`modelopt_activation_quantization`'s reason (``.format(mode=reason)``),
+when the checkpoint is neither FP8 W8A8 (:func:`floatxq.interop.fp8_static.modelopt_fp8_static`)
+nor NVFP4 W4A4 (:func:`floatxq.interop.nvfp4_w4a4.modelopt_nvfp4_w4a4`).
 
 Such checkpoints are refused as ready-to-run models only; they stay valid requantization sources.
 """

@@ -380,7 +380,7 @@ def load(
         raise CheckpointError(f"load: {path} is not a model directory (it is a file)")
     payload = read_json(path / CONFIG_FILE, what="load")
     model, qconfig, decision, activation_bits = _load_quantized(
-        path, payload, device=None if gptq else dev, dtype=dtype
+        path, payload, device=None if gptq else dev, dtype=dtype, weight_only=gptq
     )
     if model is not None and gptq and not isinstance(qconfig, GPTQConfig):
         # A native FP8 / NVFP4 source: a fresh GPTQ solve of its decoded weights.

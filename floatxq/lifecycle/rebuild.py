@@ -19,12 +19,14 @@ from floatxq.config import (
     GPTQConfig,
 )
 from floatxq.formats import ACTIVATION_SCALE_BITS
+from floatxq.interop.activations import ACTIVATION_SCALE_SUFFIXES
 from floatxq.interop.checkpoint import (
     CONFIG_FILE,
     QUANTIZE_CONFIG_FILE,
     CheckpointError,
 )
 from floatxq.interop.export_gptq import _gptq_facts, output_embedding_names
+from floatxq.interop.fp8_static import modelopt_fp8_static
 from floatxq.interop.layouts import (
     _torchao_metadata,
     decide_layout,
@@ -358,8 +360,17 @@ def _pop_activation_bits(
 
 
 def _load_quantized(
-    path: Path, config_payload: Mapping[str, Any], *, device: Any, dtype: Any
+    path: Path,
+    config_payload: Mapping[str, Any],
+    *,
+    device: Any,
+    dtype: Any,
+    weight_only: bool = False,
 ) -> "tuple[nn.Module | None, FP8Config | GPTQConfig | None, Any, dict[str, torch.Tensor]]":
+    """The model a quantized directory holds (``None`` for a dense one), its config, layout
+    decision and W4A activation scales. ``weight_only`` (a requantization source): activation
+    scales and declared activation schemes are dropped, not refused; the modules are built
+    weight-only from their stored weights."""
     from floatxq.lifecycle.fp8 import LINEAR_TYPES
 
     infos = tensor_infos(path)
@@ -370,14 +381,19 @@ def _load_quantized(
         return None, None, decision, {}
     names = [info.name for info in infos]
     qpayload = config_payload.get("quantization_config") or {}
-    if decision.layout == "modelopt":
+    if decision.layout == "modelopt" and not weight_only:
         declared = dict(read_hf_quant_config(path, strict=True) or {})
         declared.update(qpayload)
         declared.setdefault("quant_method", "modelopt")
         mode = modelopt_activation_quantization(declared, names)
-        if mode is not None and not modelopt_nvfp4_w4a4(declared, names, path):
+        if (
+            mode is not None
+            and not modelopt_nvfp4_w4a4(declared, names, path)
+            and not modelopt_fp8_static(declared, names, path)
+        ):
             raise CheckpointError(f"load: {path}: " + MODELOPT_ACTIVATION_REFUSAL.format(mode=mode))
-    refuse_activation_scales(decision, names, path)
+    if not weight_only:
+        refuse_activation_scales(decision, names, path)
     qconfig: FP8Config | GPTQConfig | None = None
     if decision.layout == "gptqmodel":
         qconfig = _gptqmodel_config(path, qpayload)
@@ -389,6 +405,8 @@ def _load_quantized(
     linear_names = [n for n, m in modules.items() if isinstance(m, LINEAR_TYPES)]
     files = {info.name: info.file for info in infos}
     state = dict(iter_tensors(path))
+    if weight_only:  # the activation scales of a requantization source are not read
+        state = {k: v for k, v in state.items() if not k.endswith(ACTIVATION_SCALE_SUFFIXES)}
     activation_bits = _pop_activation_bits(state, qconfig, files, path)
     sources, rest = module_sources(state, linear_names, layout=decision.layout)
     torchao = _torchao_metadata(metadata, path) if decision.layout == "torchao" else None
@@ -414,6 +432,7 @@ def _load_quantized(
             metadata=torchao,
             declared=declared,
             gptq=gptq,
+            weight_only=weight_only,
         )
         if built is None:
             rest.update({f"{source.name}.{k}": v for k, v in source.tensors.items()})

@@ -2,9 +2,9 @@
 
 The buffers are the checkpoint format: ``weight`` (FP8 codes ``(out, in)``, a convolution's
 weight flattened), ``weight_scale_inv`` (FP32 inverse scales: ``()``, ``(out,)`` or a block
-grid) and ``bias`` (FP16 ``(out,)`` or ``None``). They move with ``.to()`` as bytes, never cast
-(the bias is cast to the output dtype per call); every other state is a per-device cache,
-dropped whenever the buffers move or are loaded.
+grid), ``bias`` (FP16 ``(out,)`` or ``None``) and static activations' ``input_scale`` (FP32 ``()``).
+They move with ``.to()`` as bytes, never cast (the bias is cast to the output dtype per call);
+every other state is a per-device cache, dropped whenever the buffers move or are loaded.
 
 A call flattens ``x`` ``(*, in_features)`` to rows, asks :func:`floatxq.dispatch.select_fp8_route`
 for the fastest route its facts allow (cached per device, dtype, row bucket and graph capture),
@@ -12,7 +12,7 @@ and runs that route's runner (:mod:`floatxq.kernels.fp8_routes`, built once per 
 ``last_route`` names the route taken (:data:`floatxq.ROUTES`) and ``last_fallback_reason`` why
 the fastest candidate was not (``None`` when it was). A route that raises is switched off for
 this module and that input dtype (warned once) and the call takes the next route the policy
-gives. Declared dynamic FP8 activations (``input_quant``: :mod:`floatxq.fp8_activation`) are
+gives. Declared FP8 activations (``input_quant``: :mod:`floatxq.fp8_activation`) are
 applied on every route; ``last_activations`` says how. Convolutions decode the weight and
 convolve (``conv_dequant``, :mod:`floatxq.nn.conv`); the LoRA hook ``adapter`` runs last. What
 each route computes: ``docs/numerics.md``.
@@ -29,7 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from floatxq._checks import fp8_scale_shape, fp8_state_problems, fp16_bias, scale_fits_layout
+from floatxq._checks import (
+    check_fp8_operands,
+    check_size,
+    fp8_scale_shape,
+    fp8_state_problems,
+    fp16_bias,
+    stored_fp8_scale,
+)
 from floatxq._typing import Float, FP8Dtype, Tensor
 from floatxq.dispatch import (
     SCALED_MM_ROUTE,
@@ -42,7 +49,6 @@ from floatxq.dispatch import (
     select_fp8_route,
 )
 from floatxq.formats import (
-    FP8_DTYPES,
     fp8_dtype,
     normalize_fp8_block_size,
     normalize_fp8_format,
@@ -53,6 +59,7 @@ from floatxq.fp8_activation import (
     WEIGHT_ONLY_ROUTES,
     FP8InputQuant,
     checked_input_quant,
+    checked_static_scale,
     describe_x,
     input_qdq,
 )
@@ -111,8 +118,8 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
       weight_scale_method: ``"tensor"``, ``"row"`` or ``"block"`` (``None``: by block size).
       weight_block_size: ``[block_rows, block_cols]`` for ``"block"``; must divide the shape.
       device: where the buffers live.
-      input_quant: declared dynamic E4M3 activations (``"token"``, ``"tensor"``,
-        ``"group:<size>"``, an :class:`FP8InputQuant`) or ``None`` (weight-only).
+      input_quant: declared E4M3 activations (``"token"``, ``"tensor"``, ``"group:<size>"``,
+        ``"static"``: an ``input_scale`` buffer, 1.0 until loaded) or ``None`` (weight-only).
 
     Raises:
       ValueError: bad names, negative sizes, a block size (or an ``input_quant`` group) that does
@@ -121,6 +128,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
     Numerics: decode is ``float32(code) / scale_inv`` rounded once to ``x.dtype``; the
     ``scaled_mm`` and ``fp8_small_m`` routes also round ``x`` to FP8 (weight formula) and
     accumulate in FP32; ``docs/numerics.md`` bounds each route against the decoded reference.
+    Static activations: ``static_input_qdq(x, input_scale)``, then the decoded weight.
 
     Example:
       >>> layer = TorchFP8Linear.from_linear(nn.Linear(64, 32))
@@ -134,6 +142,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
     weight: Tensor
     weight_scale_inv: Tensor
     bias: Tensor | None
+    input_scale: Tensor | None
     adapter: Callable[[Tensor, Tensor], Tensor] | None
     """LoRA hook: ``out = adapter(x_flat, out)`` after the bias (``None``: no adapter)."""
 
@@ -152,10 +161,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         super().__init__()
         where = "TorchFP8Linear"
         for arg, value in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{where}: {arg} must be an int, got {type(value).__name__}")
-            if value < 0:
-                raise ValueError(f"{where}: {arg} must be >= 0, got {value}")
+            check_size(value, name=arg, where=where)
         name = normalize_fp8_format(format)
         block = normalize_fp8_block_size(weight_block_size)
         method = normalize_fp8_scale_method(weight_scale_method, weight_block_size=block)
@@ -165,11 +171,8 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         self.format = name
         self.weight_scale_method = method
         self.weight_block_size = block
-        self._scaled_route = SCALED_MM_ROUTE[method]
-        self._recipe = self._scaled_route.removeprefix("scaled_mm_")
         self.conv: ConvGeometry | None = None
         self._input_quant: FP8InputQuant | None = None
-        self.input_quant = input_quant  # type: ignore[assignment]
         codes = torch.zeros((out_features, in_features), dtype=torch.uint8, device=device)
         self.register_buffer("weight", codes.view(fp8_dtype(name)))
         self.register_buffer(
@@ -177,6 +180,11 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         )
         fp16 = torch.zeros(out_features, dtype=torch.float16, device=device) if bias else None
         self.register_buffer("bias", fp16)
+        quant = checked_input_quant(input_quant, in_features=in_features, conv=False)
+        static = quant is not None and not quant.dynamic
+        one = torch.ones((), dtype=torch.float32, device=device) if static else None
+        self.register_buffer("input_scale", one)
+        self.input_quant = quant  # type: ignore[assignment]
         self.adapter = None
         self._set_last("none", None)
         self._compile_requested = False
@@ -193,6 +201,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         weight_scale_method: str | None = "row",
         weight_block_size: Sequence[int] | None = None,
         input_quant: FP8InputQuant | str | None = None,
+        input_scale: Float[Tensor, "*one"] | float | None = None,
     ) -> "TorchFP8Linear":
         """Quantize an ``nn.Linear``, a Hugging Face ``Conv1D`` or an ``nn.Conv1d/2d/3d``.
 
@@ -203,7 +212,8 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
 
         Raises:
           TypeError: another module type (transposed convolutions included).
-          ValueError: as ``quantize_fp8_weight``, or a bias outside FP16's range.
+          ValueError: as ``quantize_fp8_weight`` (``input_scale``: as :meth:`from_quantized`),
+            or a bias outside FP16's range.
 
         Numerics: codes and scales bit-identical to ``quantize_fp8_weight(weight_matrix, ...)``.
         """
@@ -224,6 +234,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             weight_scale_method=method,
             weight_block_size=block,
             input_quant=input_quant,
+            input_scale=input_scale,
         )
         layer.conv = conv
         return layer
@@ -267,6 +278,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         weight_scale_method: str | None = None,
         weight_block_size: Sequence[int] | None = None,
         input_quant: FP8InputQuant | str | None = None,
+        input_scale: Float[Tensor, "*one"] | float | None = None,
     ) -> "TorchFP8Linear":
         """Wrap existing FP8 codes and FP32 inverse scales (no copy of the codes when contiguous).
 
@@ -277,47 +289,27 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             fit), else :func:`floatxq.infer_scale_layout`'s.
           bias: ``(out,)`` floating, stored FP16 (finite, within ±65504), or ``None``.
           input_quant: the declared activations, as the constructor takes them.
+          input_scale: the static activation scale (decode multiplier), for ``"static"`` only.
 
         Raises:
           TypeError: non-FP8 codes, non-floating scales or bias.
-          ValueError: shapes that fit no layout, non-finite or non-positive scales, a bias
-            outside FP16's range.
+          ValueError: shapes that fit no layout, scales (``input_scale`` too) not finite and > 0,
+            a bias outside FP16's range, ``input_scale`` missing for or given without static.
 
-        Numerics: scales widened to FP32 exactly; codes untouched.
+        Numerics: scales (``input_scale`` too) widened to FP32 exactly; codes untouched.
         """
         where = "TorchFP8Linear.from_quantized"
-        if not isinstance(qweight, torch.Tensor) or qweight.dtype not in FP8_DTYPES:
-            got = qweight.dtype if isinstance(qweight, torch.Tensor) else type(qweight).__name__
-            raise TypeError(f"{where}: qweight must be an FP8 tensor, got {got}")
-        if qweight.ndim != 2:
-            raise ValueError(f"{where}: qweight must be 2-D (out, in), got {tuple(qweight.shape)}")
-        if not isinstance(scale_inv, torch.Tensor) or not scale_inv.is_floating_point():
-            got = scale_inv.dtype if isinstance(scale_inv, torch.Tensor) else type(scale_inv)
-            raise TypeError(f"{where}: scale_inv must be a floating tensor, got {got}")
+        check_fp8_operands(qweight, scale_inv, where=where)
         out_features, in_features = qweight.shape
         block = normalize_fp8_block_size(weight_block_size)
         if weight_scale_method is None and block is None:
             method, block = infer_scale_layout(qweight.shape, scale_inv.shape)
         else:
             method = normalize_fp8_scale_method(weight_scale_method, weight_block_size=block)
-        expected = fp8_scale_shape(out_features, in_features, method, block, where=where)
-        if not scale_fits_layout(tuple(scale_inv.shape), expected, method):
-            raise ValueError(
-                f"{where}: scale_inv shape {tuple(scale_inv.shape)} does not fit the {method} "
-                f"layout of a {tuple(qweight.shape)} weight"
-                + (f" with block {list(block)}" if block else "")
-                + f"; expected {expected}"
-            )
-        scale = scale_inv.detach().to(device=qweight.device, dtype=torch.float32)
-        scale = scale.reshape(expected).contiguous()
-        if scale.numel() and not bool((torch.isfinite(scale) & (scale > 0)).all()):
-            raise ValueError(
-                f"{where}: scale_inv must be finite and > 0 (codes are divided by it); got "
-                f"values in [{float(scale.min()):g}, {float(scale.max()):g}]"
-            )
-        stored_bias = None
-        if bias is not None:
-            stored_bias = fp16_bias(bias, out_features, qweight.device, where=where)
+        scale = stored_fp8_scale(scale_inv, qweight, method, block, where=where)
+        device = qweight.device
+        stored_bias = None if bias is None else fp16_bias(bias, out_features, device, where=where)
+        static = checked_static_scale(input_quant, input_scale, device, where=where)
         layer = cls(
             in_features,
             out_features,
@@ -332,10 +324,20 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         layer.weight_scale_inv = scale
         if stored_bias is not None:
             layer.bias = stored_bias
+        if static is not None:
+            layer.input_scale = static
         return layer
 
+    def use_static_input(self, input_scale: Float[Tensor, "*one"] | float) -> "TorchFP8Linear":
+        """Static FP8 activations at ``input_scale`` (e.g. ``amax / 448``; finite, > 0)."""
+        checked_input_quant("static", in_features=self.in_features, conv=bool(self.conv))
+        where, device = "TorchFP8Linear.use_static_input", self.weight.device
+        self.input_scale = checked_static_scale("static", input_scale, device, where=where)
+        self.input_quant = "static"  # type: ignore[assignment]
+        return self
+
     def _byte_buffer_names(self) -> tuple[str, ...]:
-        return ("weight", "weight_scale_inv", "bias")
+        return ("weight", "weight_scale_inv", "bias", "input_scale")
 
     def _applied(self, fn: Callable[[Tensor], Tensor]) -> None:
         self._runtime = _Runtime()
@@ -347,11 +349,12 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         self, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
     ) -> tuple[dict[str, Any], list[str]]:
         # checked once here, so the forward routes need no per-call check (or host sync)
-        problems = fp8_state_problems(
-            state_dict, prefix, self.weight.dtype, self.out_features, bias=self.bias is not None
+        bias, scale = self.bias is not None, self.input_scale is not None
+        replaced, problems = fp8_state_problems(
+            state_dict, prefix, self.weight.dtype, self.out_features, bias=bias, input_scale=scale
         )
         error_msgs.extend(message for _, message in problems)
-        return {}, [key for key, _ in problems]
+        return replaced, [key for key, _ in problems]
 
     def _loaded(self, prefix: str, missing_keys: list[str]) -> None:
         # load_state_dict(assign=True) puts the incoming tensors in place: restore the format.
@@ -359,7 +362,7 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             self._buffers["bias"] = self.bias.to(torch.float16)
         if self.weight_scale_inv.dtype != torch.float32:
             self._buffers["weight_scale_inv"] = self.weight_scale_inv.to(torch.float32)
-        self._runtime = _Runtime()
+        self._runtime = _Runtime()  # (an incoming input_scale was made 0-d FP32 by _incoming)
 
     def dequantize_weight(self, *, dtype: torch.dtype = torch.float32) -> Float[Tensor, "out in"]:
         """The decoded ``(out, in)`` weight (a convolution's flattened weight), in ``dtype``.
@@ -401,21 +404,22 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
 
     @property
     def input_quant(self) -> FP8InputQuant | None:
-        """The declared dynamic E4M3 activations every route applies to ``x`` (``None``:
-        weight-only). Set it with an :class:`FP8InputQuant`, ``"token"``, ``"tensor"``,
-        ``"group:<size>"`` or ``None``; the cached routes are dropped."""
+        """The declared E4M3 activations every route applies to ``x`` (``None``: weight-only):
+        an :class:`FP8InputQuant`, ``"token"``, ``"tensor"``, ``"group:<size>"``, ``"static"``
+        (:meth:`use_static_input` sets it) or ``None``; a change drops the cached routes."""
         return self._input_quant
 
     @input_quant.setter
     def input_quant(self, value: FP8InputQuant | str | None) -> None:
         quant = checked_input_quant(value, in_features=self.in_features, conv=bool(self.conv))
+        if quant is None or quant.dynamic:
+            self._buffers["input_scale"] = None
+        elif self._buffers.get("input_scale") is None:
+            raise ValueError("TorchFP8Linear: input_quant 'static' needs use_static_input(scale)")
         self._input_quant = quant
-        route, _ = fp8_scaled_route(
-            self.weight_scale_method,
-            self.weight_block_size if self.weight_scale_method == "block" else None,
-            quant.strategy if quant is not None else None,
-            quant.group_size if quant is not None else None,
-        )
+        strategy, size = (quant.strategy, quant.group_size) if quant else (None, None)
+        block = self.weight_block_size if self.weight_scale_method == "block" else None
+        route, _ = fp8_scaled_route(self.weight_scale_method, block, strategy, size)
         self._scaled_route = route or SCALED_MM_ROUTE[self.weight_scale_method]
         self._recipe = self._scaled_route.removeprefix("scaled_mm_")
         if "_runtime" in self.__dict__:
@@ -567,15 +571,16 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
         """The route's runner for ``dtype`` inputs, its weight-side operands bound once."""
         buffers = self._buffers
         weight, scale, bias = buffers["weight"], buffers["weight_scale_inv"], buffers.get("bias")
+        held = buffers.get("input_scale")
         runtime = self._runtime
         entry = runtime.runners.get((route, dtype))
         if entry is not None:
             bound = entry[1]
-            if bound[0] is weight and bound[1] is scale and bound[2] is bias:
+            if bound[0] is weight and bound[1] is scale and bound[2] is bias and bound[3] is held:
                 return entry[0]
             runtime.prepared.clear()  # a buffer was replaced: the cached operands are stale
         runner = self._build(route, dtype)
-        runtime.runners[(route, dtype)] = (runner, (weight, scale, bias))
+        runtime.runners[(route, dtype)] = (runner, (weight, scale, bias, held))
         return runner
 
     def _build(self, route: str, dtype: torch.dtype) -> fp8_routes.Runner:
@@ -612,10 +617,10 @@ class TorchFP8Linear(ByteBuffers, RoutePreferenceHolder, nn.Module):
             )
         else:
             runner = fp8_routes.dequant_runner(weight, self.weight_scale_inv, bias)
-        quant = self._input_quant
+        quant, input_scale = self._input_quant, self.input_scale
         if quant is None:
             return runner
-        return lambda x: runner(input_qdq(x, quant))
+        return lambda x: runner(input_qdq(x, quant, input_scale))
 
     def _row_broadcast(self, direct: Tensor) -> Tensor:
         """A tensor weight scale as one scale per row, where the route is rowwise (per-token
