@@ -5,7 +5,7 @@ NVFP4 (``--method``): ``nvfp4`` (round to nearest, weight-only: no calibration, 
 quantized on the GPU and put back on the CPU), ``nvfp4-gptq`` (GPTQ onto the NVFP4 grid,
 calibrated as INT4 GPTQ is; the lifecycle solves through ``floatxq.dispatch.nvfp4_gptq_solve_auto``,
 the Triton block kernel on CUDA), ``nvfp4-w4a4`` (round to nearest plus calibrated input scales);
-``--recipe`` picks the NVFP4 recipe (default ``nvidia``).
+``--recipe`` picks the NVFP4 recipe (default ``least_squares``, ``NVFP4Config``'s).
 CPU smoke run: python benchmarks/gptq_scale.py --device cpu --layers 2 --hidden 256 \
     --intermediate 512 --heads 4 --kv-heads 2 --vocab 1024 --samples 4 --seq-len 64
 Build only (time the CPU model build): add ``--build-only``.
@@ -122,7 +122,9 @@ def main() -> int:
     parser.add_argument(
         "--method", default="gptq", choices=["gptq", "nvfp4", "nvfp4-gptq", "nvfp4-w4a4"]
     )
-    parser.add_argument("--recipe", default="nvidia", help="the NVFP4 recipe")
+    parser.add_argument(
+        "--recipe", default="least_squares", help="the NVFP4 recipe (NVFP4Config's default)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="build threads (0: torch's)")
     parser.add_argument("--build-only", action="store_true", help="time the CPU build, stop")

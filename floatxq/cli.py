@@ -267,7 +267,9 @@ def quantize(
         "the one layout that holds a policy), gptqmodel (GPT-QModel's files) or modelopt "
         "(NVIDIA ModelOpt's NVFP4 files: TensorRT-LLM, vLLM, SGLang; --method nvfp4 only).",
     ),
-    recipe: str = typer.Option("nvidia", help="NVFP4: the block-scale recipe."),
+    recipe: str = typer.Option(
+        "least_squares", help="NVFP4: the block-scale recipe (NVFP4Config's default)."
+    ),
     global_scale: str = typer.Option(
         "module", help="NVFP4: each module's own global scale, or 'fused' (q/k/v, gate/up share)."
     ),

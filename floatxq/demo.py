@@ -25,7 +25,7 @@ FP8_PATHS: tuple[tuple[str, FP8Config], ...] = (
     ("fp8 e4m3 block 128x128", FP8Config(format="float8_e4m3fn", weight_block_size=(128, 128))),
     ("fp8 e5m2 row", FP8Config(format="float8_e5m2", weight_scale_method="row")),
 )
-NVFP4_RECIPES: tuple[str, ...] = ("nvidia", "four_six", "least_squares_grid")
+NVFP4_RECIPES: tuple[str, ...] = ("nvidia", "four_six", "least_squares", "least_squares_grid")
 W4A_PATHS: tuple[tuple[str, dict[str, Any], int], ...] = (
     ("int4 gptq W4A-FP8 (W4AFP8Linear)", {"mode": "w4afp8"}, 1),
     ("int4 gptq W4A-NVFP4 least_squares", {"mode": "w4a_nvfp4", "recipe": "least_squares"}, 1),
@@ -190,8 +190,8 @@ def run_demo(
     nvfp4_paths = [(f"nvfp4 {r} (TorchFP4Linear, NVFP4A16)", NVFP4Config(recipe=r))
                    for r in NVFP4_RECIPES]  # fmt: skip
     nvfp4_paths += [
-        ("nvfp4 nvidia gptq (TorchFP4Linear, NVFP4A16)", NVFP4Config(method="gptq")),
-        ("nvfp4 nvidia W4A4 (TorchFP4Linear, NVFP4 activations)",
+        ("nvfp4 least_squares gptq (TorchFP4Linear, NVFP4A16)", NVFP4Config(method="gptq")),
+        ("nvfp4 least_squares W4A4 (TorchFP4Linear, NVFP4 activations)",
          NVFP4Config(activations="nvfp4")),
     ]  # fmt: skip
     for name, config in nvfp4_paths:

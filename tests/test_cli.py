@@ -149,7 +149,7 @@ def test_quantize_tiny_to_nvfp4_and_inspect(tmp_path):
         "quantize", "tiny", "--out", str(out), "--method", "nvfp4", "--global-scale", "fused"
     )
     assert code == 0, output
-    assert "quantized 56 modules (nvfp4 nvidia rtn, fused global scales)" in output
+    assert "quantized 56 modules (nvfp4 least_squares rtn, fused global scales)" in output
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "nvfp4-pack-quantized"
     code, output = _run("inspect", str(out))
@@ -172,7 +172,7 @@ def test_quantize_tiny_to_nvfp4_w4a4_with_gptq_and_inspect(tmp_path):
                         "--seq-len", "64", "--json")  # fmt: skip
     assert code == 0, output
     record = json.loads(output.strip().splitlines()[-1])
-    assert record["scheme"] == "nvfp4 nvidia gptq, module global scales, W4A4"
+    assert record["scheme"] == "nvfp4 least_squares gptq, module global scales, W4A4"
     assert len(record["modules"]) == 56
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "nvfp4-pack-quantized"

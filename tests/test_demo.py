@@ -63,18 +63,18 @@ def test_quality_ordering_on_a_trained_model(report):
     assert gptq.kl_divergence < rtn.kl_divergence
     # FP8 (8 bits) beats every 4-bit path, W4A rows included
     four_bit = [r.kl_divergence for n, r in rows.items() if n.startswith(("nvfp4", "int4"))]
-    assert len(four_bit) == 5 + 2 + 4 and e4m3.kl_divergence < min(four_bit)
+    assert len(four_bit) == 6 + 2 + 4 and e4m3.kl_divergence < min(four_bit)
     assert rows["fp8 e4m3 row"].bytes < 0.6 * report.rows[0].bytes
 
 
 @slow
 def test_nvfp4_rows_run_the_lifecycle_modules(report):
     rows = {r.path: r for r in report.rows}
-    rtn = rows["nvfp4 nvidia (TorchFP4Linear, NVFP4A16)"]
-    gptq = rows["nvfp4 nvidia gptq (TorchFP4Linear, NVFP4A16)"]
-    w4a4 = rows["nvfp4 nvidia W4A4 (TorchFP4Linear, NVFP4 activations)"]
+    rtn = rows["nvfp4 least_squares (TorchFP4Linear, NVFP4A16)"]
+    gptq = rows["nvfp4 least_squares gptq (TorchFP4Linear, NVFP4A16)"]
+    w4a4 = rows["nvfp4 least_squares W4A4 (TorchFP4Linear, NVFP4 activations)"]
     nvfp4 = [r for n, r in rows.items() if n.startswith("nvfp4")]
-    assert len(nvfp4) == 5 and not any(r.simulated for r in nvfp4)
+    assert len(nvfp4) == 6 and not any(r.simulated for r in nvfp4)
     # packed codes and scales as stored: about a third of the bf16 reference's linear bytes
     assert all(r.bytes < 0.5 * report.rows[0].bytes for r in nvfp4)
     # W4A4 stores one FP32 input scale more per module than the weight-only row

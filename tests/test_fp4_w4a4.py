@@ -223,7 +223,14 @@ def test_route_choice(monkeypatch):
         "w4a4_dequant_matmul", None,
     )  # fmt: skip
     monkeypatch.setattr(decode_facts, "nvfp4_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(decode_facts, "cuda_capability", lambda device: (9, 0))
     assert dispatch.fp4_w4a4_route(cuda, torch.bfloat16, 256) == ("w4a4_triton", None)
+    for blackwell in ((10, 0), (12, 0)):  # tensor cores with NVFP4: the route says it emulates
+        monkeypatch.setattr(decode_facts, "cuda_capability", lambda device, c=blackwell: c)
+        route, reason = dispatch.fp4_w4a4_route(cuda, torch.bfloat16, 256)
+        assert route == "w4a4_triton" and reason.startswith(f"SM {blackwell[0]}.0 has NVFP4")
+        assert "no native NVFP4 GEMM route" in reason
+    monkeypatch.setattr(decode_facts, "cuda_capability", lambda device: (9, 0))
     route, reason = dispatch.fp4_w4a4_route(cuda, torch.bfloat16, 64)
     assert route == "w4a4_dequant_matmul" and "K=64 is not a multiple of 128" in reason
     route, reason = dispatch.fp4_w4a4_route(cuda, torch.float64, 256)

@@ -129,7 +129,10 @@ def test_gptq_keeps_the_rtn_scales_and_never_loses_to_rtn():
     hessians = _hessians(q.model, samples, ["model.layers.0.self_attn.q_proj"])
     name = "model.layers.0.self_attn.q_proj"
     module = fp4[name]
-    solution = nvfp4_gptq_solve(reference[name].float(), hessians[name], module.weight_scale_2)
+    solution = nvfp4_gptq_solve(
+        reference[name].float(), hessians[name], module.weight_scale_2,
+        recipe=fq.NVFP4Config().recipe,
+    )  # fmt: skip
     assert solution.loss <= solution.rtn_loss
     assert_bitwise_equal(module.weight, solution.packed, msg=name)
 

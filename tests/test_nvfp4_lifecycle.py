@@ -91,21 +91,20 @@ def test_fused_siblings_share_one_global_scale():
     with torch.no_grad():  # q_proj's weights the largest of their group in layer 0
         model.model.layers[0].self_attn.q_proj.weight.mul_(4)
     before = _weights(model)
-    q = fq.load(model, quantize_config=fq.NVFP4Config(global_scale="fused")).quantize(
-        progress=False
-    )
+    cfg = fq.NVFP4Config(global_scale="fused")
+    q = fq.load(model, quantize_config=cfg).quantize(progress=False)
     for i, layer in enumerate(q.model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
             parent = f"model.layers.{i}.{'self_attn' if 'q_proj' in group else 'mlp'}"
             amax = torch.stack([before[f"{parent}.{p}"].abs().amax().float() for p in group])
-            g = fq.nvfp4_global_scale(amax.amax(), recipe="nvidia")
+            g = fq.nvfp4_global_scale(amax.amax(), recipe=cfg.recipe)
             scales = [getattr(attn if "q_proj" in group else mlp, leaf).weight_scale_2
                       for leaf in group]  # fmt: skip
             assert all(torch.equal(t, scales[0]) for t in scales), parent
             _check_scale(scales[0].reshape(()), g, f"{parent} {group}")
         own = before[f"model.layers.{i}.self_attn.o_proj"].abs().amax()
-        o_g = fq.nvfp4_global_scale(own, recipe="nvidia")
+        o_g = fq.nvfp4_global_scale(own, recipe=cfg.recipe)
         _check_scale(attn.o_proj.weight_scale_2.reshape(()), o_g, "o_proj")
     layer0 = q.model.model.layers[0].self_attn
     assert not torch.equal(layer0.k_proj.weight_scale_2, layer0.o_proj.weight_scale_2)

@@ -6,7 +6,7 @@ import importlib.util
 import torch
 
 from floatxq.formats import K_GROUP, MODEL_DTYPES
-from floatxq.kernels._triton import triton_unavailable_reason
+from floatxq.kernels._triton import cuda_capability, triton_unavailable_reason
 from floatxq.kernels.nvfp4 import nvfp4_unavailable_reason
 from floatxq.kernels.w4a16 import DEFAULT_W4A16_TUNING, W4A16Route, W4A16Tuning
 from floatxq.kernels.w4a_frag import DEFAULT_FRAG_TUNING, FragTuning, fragment_unavailable_reason
@@ -97,11 +97,13 @@ def fp4_w4a4_route(device: torch.device, dtype: torch.dtype, k: int) -> tuple[st
     Returns:
       ``("w4a4_triton", None)`` on CUDA where the Triton NVFP4 packer and decoder run for ``x``
       (float16/bfloat16/float32, ``k % 128 == 0``, SM 8.9+): the activation is packed and decoded
-      in two launches, the weight decoded by the Triton decode. Else ``"w4a4_dequant_matmul"``:
-      the activation's quantize-dequantize in torch (the same bytes; on CUDA without host
-      checks), the weight decoded by :func:`fp4_decode_route`'s decode; ``reason`` says why the
-      kernels were skipped (``None`` off CUDA, where torch is the only route). torchao is never
-      a candidate: its weight-only route does not quantize the activation.
+      in two launches, the weight decoded by the Triton decode (on SM 10+ the reason says the
+      tensor cores' native NVFP4 GEMM is not used: :data:`NATIVE_FP4_REASON`). Else
+      ``"w4a4_dequant_matmul"``: the activation's quantize-dequantize in torch (the same bytes;
+      on CUDA without host checks), the weight decoded by :func:`fp4_decode_route`'s decode;
+      ``reason`` says why the kernels were skipped (``None`` off CUDA, where torch is the only
+      route). torchao is never a candidate: its weight-only route does not quantize the
+      activation.
 
     Example:
       >>> fp4_w4a4_route(torch.device("cpu"), torch.bfloat16, 256)
@@ -118,8 +120,22 @@ def fp4_w4a4_route(device: torch.device, dtype: torch.dtype, k: int) -> tuple[st
     else:
         why = nvfp4_unavailable_reason(device)
     if why is None:
-        return "w4a4_triton", None
+        return "w4a4_triton", _native_fp4_not_taken(device)
     return "w4a4_dequant_matmul", f"{why}; quantized in torch"
+
+
+NATIVE_FP4_REASON = (
+    "SM {major}.{minor} has NVFP4 tensor cores, but floatxq has no native NVFP4 GEMM route "
+    "yet (not verified against the reference on Blackwell hardware): emulated with the Triton "
+    "packer and decode"
+)
+"""The reason a W4A4 call on SM 10.x/12.x gives for taking the emulation."""
+
+
+def _native_fp4_not_taken(device: torch.device) -> str | None:
+    """On SM 10+ (Blackwell), why the native NVFP4 GEMM was not used; else ``None``."""
+    major, minor = cuda_capability(device)
+    return NATIVE_FP4_REASON.format(major=major, minor=minor) if major >= 10 else None
 
 
 def w4a16_route(
