@@ -187,11 +187,11 @@ def run_demo(
     from floatxq.tiny import calibration_samples
 
     samples = calibration_samples(num_samples=calibration_windows, seq_len=256)
-    nvfp4_paths = [(f"nvfp4 {r} (TorchFP4Linear, NVFP4A16)", NVFP4Config(recipe=r))
+    nvfp4_paths = [(f"nvfp4 {r} (NVFP4A16)", NVFP4Config(recipe=r))
                    for r in NVFP4_RECIPES]  # fmt: skip
     nvfp4_paths += [
-        ("nvfp4 least_squares gptq (TorchFP4Linear, NVFP4A16)", NVFP4Config(method="gptq")),
-        ("nvfp4 least_squares W4A4 (TorchFP4Linear, NVFP4 activations)",
+        ("nvfp4 least_squares gptq (NVFP4A16)", NVFP4Config(method="gptq")),
+        ("nvfp4 least_squares W4A4 (NVFP4 activations)",
          NVFP4Config(activations="nvfp4")),
     ]  # fmt: skip
     for name, config in nvfp4_paths:

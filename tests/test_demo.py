@@ -70,9 +70,9 @@ def test_quality_ordering_on_a_trained_model(report):
 @slow
 def test_nvfp4_rows_run_the_lifecycle_modules(report):
     rows = {r.path: r for r in report.rows}
-    rtn = rows["nvfp4 least_squares (TorchFP4Linear, NVFP4A16)"]
-    gptq = rows["nvfp4 least_squares gptq (TorchFP4Linear, NVFP4A16)"]
-    w4a4 = rows["nvfp4 least_squares W4A4 (TorchFP4Linear, NVFP4 activations)"]
+    rtn = rows["nvfp4 least_squares (NVFP4A16)"]
+    gptq = rows["nvfp4 least_squares gptq (NVFP4A16)"]
+    w4a4 = rows["nvfp4 least_squares W4A4 (NVFP4 activations)"]
     nvfp4 = [r for n, r in rows.items() if n.startswith("nvfp4")]
     assert len(nvfp4) == 6 and not any(r.simulated for r in nvfp4)
     # packed codes and scales as stored: about a third of the bf16 reference's linear bytes
