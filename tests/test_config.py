@@ -97,7 +97,10 @@ def test_defaults():
         "lm_head",
         "dynamic",
         "meta",
+        "gsq",
+        "gsq_calibration",
     ]
+    assert cfg.gsq is None and cfg.gsq_calibration is False
     assert cfg == FP8Config()
     assert hash(cfg) == hash(FP8Config())
 

@@ -6,6 +6,7 @@ Nothing here touches tensor data. One file per concept, each importing only thos
 - :mod:`~floatxq.config.values`: the enums, read-only JSON-like values, the scalar checks;
 - :mod:`~floatxq.config.rules`: per-module ``dynamic`` rules and the bound on their matching time;
 - :mod:`~floatxq.config.activation`: :class:`ActivationConfig` and its refinements;
+- :mod:`~floatxq.config.gsq`: :class:`GSQConfig` (FP8 code refinement);
 - :mod:`~floatxq.config.weights`: :class:`FP8Config` and :class:`GPTQConfig`;
 - :mod:`~floatxq.config.nvfp4`: :class:`NVFP4Config`.
 
@@ -18,6 +19,7 @@ from floatxq.config.activation import (
     ActivationMlpConfig,
     backend_for_activation,
 )
+from floatxq.config.gsq import GSQConfig
 from floatxq.config.nvfp4 import NVFP4Config
 from floatxq.config.rules import (
     RULE_MATCH_TIMEOUT_S,  # noqa: F401 - importable, not public (the rule bounds)
@@ -47,6 +49,7 @@ __all__ = [
     "DynamicRules",
     "FP8Config",
     "GPTQConfig",
+    "GSQConfig",
     "NVFP4Config",
     "backend_for_activation",
 ]

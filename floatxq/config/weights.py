@@ -17,6 +17,7 @@ from typing import Any, ClassVar, cast
 import torch
 
 from floatxq.config.activation import ActivationConfig
+from floatxq.config.gsq import GSQConfig
 from floatxq.config.rules import DynamicRules, _module_overrides, _rules_or_none
 from floatxq.config.values import METHOD, _check_bool, _check_int, _check_real, _frozen_meta
 from floatxq.formats import (
@@ -89,8 +90,10 @@ class FP8Config:
     (None when empty) and ``meta`` a read-only mapping (None when empty). ``dynamic`` rules may
     override ``format``, ``weight_scale_method`` and ``weight_block_size``. ``meta`` holds
     descriptive JSON-like entries (who quantized, with what) carried into the saved payload and
-    not interpreted. ``lifecycle.payload`` reads and writes GPT-QModel's ``quantize_config.json``
-    for this config.
+    not interpreted. ``gsq`` (a :class:`~floatxq.config.GSQConfig`) refines the codes after
+    round to nearest, weight-only, or weighted by the calibration Hessian with
+    ``gsq_calibration=True`` (needs ``row`` or ``block`` scales, in every rule too, and data).
+    ``lifecycle.payload`` reads and writes GPT-QModel's ``quantize_config.json`` for this config.
 
     Numerics: names only; the scales are described in ``docs/numerics.md``.
 
@@ -109,6 +112,8 @@ class FP8Config:
     lm_head: bool
     dynamic: DynamicRules | None
     meta: Mapping[str, Any] | None
+    gsq: GSQConfig | None
+    gsq_calibration: bool
 
     def __init__(
         self,
@@ -119,8 +124,12 @@ class FP8Config:
         lm_head: bool = False,
         dynamic: Mapping[str, Mapping[str, Any] | None] | DynamicRules | None = None,
         meta: Mapping[str, Any] | None = None,
+        gsq: GSQConfig | None = None,
+        gsq_calibration: bool = False,
     ) -> None:
         method, block = _fp8_scale_layout(weight_scale_method, weight_block_size, where="")
+        calibrated = _check_bool(gsq_calibration, where="gsq_calibration")
+        _check_gsq(gsq, calibrated, method)
         set_field = object.__setattr__
         set_field(self, "format", normalize_fp8_weight_format(format, where="format"))
         set_field(self, "weight_scale_method", method)
@@ -129,6 +138,24 @@ class FP8Config:
         rules = DynamicRules.from_mapping(dynamic, normalize=_normalize_fp8_rule)
         set_field(self, "dynamic", _rules_or_none(rules))
         set_field(self, "meta", _frozen_meta(meta))
+        for rule in (self.dynamic or ()) if calibrated else ():
+            if not rule.exclude and rule.overrides.get("weight_scale_method") == "tensor":
+                raise ValueError(
+                    f"dynamic[{rule.key!r}]: tensor scales, but gsq_calibration=True needs 'row' "
+                    f"or 'block' scales for every module it refines"
+                )
+        set_field(self, "gsq", gsq)
+        set_field(self, "gsq_calibration", calibrated)
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether quantizing needs calibration text: GSQ enabled with ``gsq_calibration``.
+
+        Example:
+          >>> FP8Config(gsq=GSQConfig(), gsq_calibration=True).needs_calibration
+          True
+        """
+        return self.gsq is not None and self.gsq.enabled and self.gsq_calibration
 
     def resolve(self, module_name: str) -> "FP8Config | None":
         """The settings for one module, or None when a ``-:`` rule excludes it.
@@ -150,6 +177,25 @@ class FP8Config:
         if overrides is None:
             return None
         return dataclasses.replace(self, **overrides, dynamic=None)
+
+
+def _check_gsq(gsq: Any, calibration: bool, method: str) -> None:
+    """``gsq`` is None or a :class:`GSQConfig`; ``gsq_calibration`` needs one (enabled) and a
+    ``row`` or ``block`` scale layout."""
+    if gsq is not None and not isinstance(gsq, GSQConfig):
+        raise TypeError(f"gsq: expected a GSQConfig or None, got {type(gsq).__name__} {gsq!r}")
+    if not calibration:
+        return
+    if gsq is None or not gsq.enabled:
+        raise ValueError(
+            "gsq_calibration=True weights GSQ's objective by the calibration Hessian, but GSQ "
+            "is off; pass gsq=GSQConfig() as well"
+        )
+    if method == "tensor":
+        raise ValueError(
+            "gsq_calibration=True needs weight_scale_method 'row' or 'block' (calibrated GSQ "
+            "refines each output row on its own); got 'tensor'"
+        )
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ one's effective :class:`~floatxq.config.FP8Config` (dynamic ``+:``/``-:`` rules,
 replaces it by a :class:`~floatxq.nn.fp8_linear.TorchFP8Linear` built from its weight.
 """
 
+import time
 import typing
 from collections.abc import Callable
 from typing import NamedTuple
@@ -14,9 +15,11 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from floatxq.config import FP8Config
+from floatxq.dispatch import quantize_fp8_weight_auto
+from floatxq.gsq import refine_fp8_codes
 from floatxq.interop.export_gptq import output_embedding_names
 from floatxq.lifecycle.swap import swap_modules
-from floatxq.nn.fp8_linear import TorchFP8Linear
+from floatxq.nn.fp8_linear import TorchFP8Linear, _source_matrix
 
 try:  # transformers is a dependency, but keep the module importable without it
     from transformers.pytorch_utils import Conv1D as _HFConv1D
@@ -24,6 +27,8 @@ except ImportError:  # pragma: no cover
     _HFConv1D = None
 
 LINEAR_TYPES: tuple[type, ...] = tuple(t for t in (nn.Linear, _HFConv1D, _ConvNd) if t is not None)
+LINEAR_ONLY: tuple[type, ...] = tuple(t for t in (nn.Linear, _HFConv1D) if t is not None)
+"""The linear types without convolutions: those whose inputs give a Hessian."""
 
 
 class Fp8Plan(NamedTuple):
@@ -78,14 +83,95 @@ def _check_divisible(name: str, module: nn.Module, config: FP8Config) -> None:
         )
 
 
+class GSQModuleReport(NamedTuple):
+    """One module's refinement: its objective before and after (relative, as
+    :func:`floatxq.gsq_objective`), the codes changed of all, and the seconds it took."""
+
+    name: str
+    layer: int | None
+    calibrated: bool
+    objective_before: float
+    objective_after: float
+    changed: int
+    codes: int
+    seconds: float
+
+
+def fp8_module(
+    name: str,
+    module: nn.Module,
+    config: FP8Config,
+    *,
+    hessian: torch.Tensor | None = None,
+    layer: int | None = None,
+    work_device: torch.device | None = None,
+) -> tuple[TorchFP8Linear, GSQModuleReport | None]:
+    """``module`` as a :class:`~floatxq.nn.fp8_linear.TorchFP8Linear` (on the module's device),
+    its codes refined by GSQ when ``config.gsq`` selects ``name``, and the refinement's report.
+
+    The baseline is :func:`floatxq.quantize_fp8_weight`'s (bit for bit); the refinement runs on
+    ``work_device`` (default: the module's), weighted by ``hessian`` when given.
+
+    Raises:
+      ValueError, TypeError: as :meth:`TorchFP8Linear.from_linear` and
+        :func:`floatxq.refine_fp8_codes`.
+    """
+    gsq = config.gsq
+    if gsq is None or not gsq.selects(name):
+        built = TorchFP8Linear.from_linear(
+            module,
+            format=config.format,
+            weight_scale_method=config.weight_scale_method,
+            weight_block_size=config.weight_block_size,
+        )
+        return built, None
+    start = time.perf_counter()
+    matrix, conv = _source_matrix(module, where="quantize")
+    home = matrix.device
+    work = work_device or home
+    weight = matrix.detach().to(work)
+    q, _, _ = quantize_fp8_weight_auto(
+        weight,
+        format=config.format,
+        weight_scale_method=config.weight_scale_method,
+        weight_block_size=config.weight_block_size,
+    )
+    h = None if hessian is None else hessian.to(work)
+    result = refine_fp8_codes(weight, q.qweight, q.scale_inv, hessian=h, config=gsq)
+    built = TorchFP8Linear.from_quantized(
+        result.codes.to(home),
+        q.scale_inv.to(home),
+        getattr(module, "bias", None),
+        weight_scale_method=config.weight_scale_method,
+        weight_block_size=config.weight_block_size,
+    )
+    built.conv = conv
+    report = GSQModuleReport(
+        name,
+        layer,
+        hessian is not None,
+        float(result.objective_before),
+        float(result.objective_after),
+        int(result.changed),
+        result.codes.numel(),
+        time.perf_counter() - start,
+    )
+    return built, report
+
+
 def quantize_fp8_modules(
     model: nn.Module,
     config: FP8Config,
     *,
     device: torch.device | None = None,
     on_module: Callable[[str], None] | None = None,
+    work_device: torch.device | None = None,
+    reports: list[GSQModuleReport] | None = None,
 ) -> list[str]:
     """Replace every planned module of ``model`` by a ``TorchFP8Linear``, one module at a time.
+
+    With ``config.gsq``, each module it selects has its codes refined weight-only
+    (:func:`fp8_module`, on ``work_device``), its report appended to ``reports``.
 
     Each module's weight is moved to ``device`` (when given) only while it is quantized, and the
     FP8 module stays there; other modules are untouched. Every target's shape is checked before
@@ -113,12 +199,9 @@ def quantize_fp8_modules(
     configs = {plan.name: typing.cast(FP8Config, plan.config) for plan in plans}
 
     def build(name: str, source: nn.Module) -> nn.Module:
-        cfg = configs[name]
-        return TorchFP8Linear.from_linear(
-            source,
-            format=cfg.format,
-            weight_scale_method=cfg.weight_scale_method,
-            weight_block_size=cfg.weight_block_size,
-        )
+        built, report = fp8_module(name, source, configs[name], work_device=work_device)
+        if report is not None and reports is not None:
+            reports.append(report)
+        return built
 
     return swap_modules(model, list(configs), build, device=device, on_module=on_module)

@@ -211,14 +211,14 @@ class QuantizedModel:
             }
             return self._quantize_gptq(calibration, batch_size, progress, tokenizer, options)
         nvfp4 = isinstance(self.quantize_config, NVFP4Config)
-        if nvfp4 and self.quantize_config.needs_calibration:
+        if self.quantize_config.needs_calibration:
             options = {
                 "max_length": max_length,
                 "overflow": overflow,
                 "num_samples": num_samples,
                 "text_column": text_column,
             }
-            return self._quantize_nvfp4(calibration, batch_size, progress, tokenizer, options)
+            return self._quantize_calibrated(calibration, batch_size, progress, tokenizer, options)
         kind = "NVFP4" if nvfp4 else "FP8"
         if calibration is not None:
             warnings.warn(
@@ -235,8 +235,11 @@ class QuantizedModel:
         total = sum(p.config is not None for p in plan(self.model, self.quantize_config))
         callback, bar = _progress(progress, total, f"{kind.lower()} quantize")
         start = time.perf_counter()
-        # NVFP4 quantizes on the work device (CUDA when there is one), each module going back
-        extra = {"work_device": _default_work_device(self.model)} if nvfp4 else {}
+        # NVFP4 and GSQ compute on the work device (CUDA when there is one), each module going back
+        extra: dict[str, Any] = {"work_device": self.device or _default_work_device(self.model)}
+        gsq_reports: list[Any] = []
+        if not nvfp4:
+            extra["reports"] = gsq_reports
         try:
             self.quantized_modules = swap(
                 self.model, self.quantize_config, device=self.device, on_module=callback, **extra
@@ -245,6 +248,10 @@ class QuantizedModel:
             if bar is not None:
                 bar.close()
         self.quantize_seconds = time.perf_counter() - start
+        if getattr(self.quantize_config, "gsq", None) is not None:
+            from floatxq.lifecycle.fp8_gsq import FP8RunReport
+
+            self.report = FP8RunReport(tuple(gsq_reports), 0, 0, 0, self.quantize_seconds)
         self.quantized = True
         return self
 
@@ -299,7 +306,7 @@ class QuantizedModel:
             text_column=options["text_column"],
         )
 
-    def _quantize_nvfp4(
+    def _quantize_calibrated(
         self,
         calibration: Any,
         batch_size: int,
@@ -307,28 +314,34 @@ class QuantizedModel:
         tokenizer: Any,
         options: Mapping[str, Any],
     ) -> "QuantizedModel":
-        """NVFP4 with ``method="gptq"`` or W4A4: calibrated layer by layer; rolls back on
-        failure (:func:`~floatxq.lifecycle.nvfp4_calibrated.quantize_nvfp4_calibrated`)."""
+        """NVFP4 with ``method="gptq"`` or W4A4, FP8 with calibrated GSQ: layer by layer; rolls
+        back on failure (:func:`~floatxq.lifecycle.layerwise.quantize_layerwise`)."""
+        from floatxq.lifecycle.fp8 import plan_fp8
+        from floatxq.lifecycle.fp8_gsq import quantize_fp8_calibrated
         from floatxq.lifecycle.nvfp4 import plan_nvfp4
         from floatxq.lifecycle.nvfp4_calibrated import quantize_nvfp4_calibrated
 
         config = self.quantize_config
-        assert isinstance(config, NVFP4Config)
+        nvfp4 = isinstance(config, NVFP4Config)
         if calibration is None:
-            raise ValueError(
-                "quantize: NVFP4 with method='gptq' or activations='nvfp4' needs calibration "
-                "data (strings or token-id tensors); floatxq.tiny.calibration_samples(...) gives "
-                "some for the built-in tiny Llama"
+            what = (
+                "NVFP4 with method='gptq' or activations='nvfp4'"
+                if nvfp4
+                else "FP8 with gsq_calibration=True"
             )
-        total = sum(p.config is not None for p in plan_nvfp4(self.model, config))
+            raise ValueError(
+                f"quantize: {what} needs calibration data (strings or token-id tensors); "
+                f"floatxq.tiny.calibration_samples(...) gives some for the built-in tiny Llama"
+            )
+        plan = plan_nvfp4 if nvfp4 else plan_fp8
+        run = quantize_nvfp4_calibrated if nvfp4 else quantize_fp8_calibrated
+        total = sum(p.config is not None for p in plan(self.model, config))  # type: ignore[arg-type]
         prepared = self._prepared(calibration, batch_size, tokenizer, options)
         work = self.device or _default_work_device(self.model)
-        callback, bar = _progress(progress, total, "nvfp4 quantize")
+        callback, bar = _progress(progress, total, "nvfp4 quantize" if nvfp4 else "fp8 gsq")
         start = time.perf_counter()
         try:
-            report = quantize_nvfp4_calibrated(
-                self.model, config, prepared, device=work, on_module=callback
-            )
+            report = run(self.model, config, prepared, device=work, on_module=callback)  # type: ignore[arg-type]
         finally:
             if bar is not None:
                 bar.close()

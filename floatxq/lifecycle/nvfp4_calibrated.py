@@ -42,23 +42,14 @@ from floatxq.config import NVFP4Config
 from floatxq.dispatch.nvfp4_gptq import nvfp4_gptq_solve_auto
 from floatxq.kernels.nvfp4_qdq import nvfp4_activation_qdq
 from floatxq.lifecycle.calibration import CalibrationSet
-from floatxq.lifecycle.decoder import (
-    call_layer,
-    capture_inputs,
-    decoder_layers,
-    device_of,
-    features,
-    final_norm,
-    layer_output,
-    move_outside,
-    output_embedding,
-)
-from floatxq.lifecycle.gptq import _dense_weight, _finalized, _fold_group, _groups_by_input
+from floatxq.lifecycle.decoder import decoder_layers
+from floatxq.lifecycle.gptq import _dense_weight
+from floatxq.lifecycle.layerwise import DecodedStandIn, quantize_layerwise
 from floatxq.lifecycle.nvfp4 import _own_amax, fused_amax, plan_nvfp4, round_trip_scale
 from floatxq.nn.fp4_linear import TorchFP4Linear
 from floatxq.nvfp4.layouts import NVFP4Weight
 from floatxq.nvfp4.quantize import nvfp4_global_scale, nvfp4_quantize
-from floatxq.stats import HESSIAN, RUNNING_AMAX, Statistic, fold_all
+from floatxq.stats import HESSIAN, RUNNING_AMAX, Statistic
 
 __all__ = ["NVFP4ModuleReport", "NVFP4RunReport", "quantize_nvfp4_calibrated"]
 
@@ -91,42 +82,36 @@ class NVFP4RunReport(NamedTuple):
     seconds: float
 
 
-class _StandIn(nn.Module):
-    """A quantized module's stand-in while its layer is still being run: the same forward as the
-    :class:`~floatxq.nn.fp4_linear.TorchFP4Linear` it wraps (for W4A4 the activations through
-    :func:`~floatxq.kernels.nvfp4_qdq.nvfp4_activation_qdq` at the input scale, on the route
-    :func:`floatxq.dispatch.fp4_w4a4_route` gives: the same bytes as
-    :func:`floatxq.nvfp4_block_qdq`; the weight decoded in ``x``'s dtype, then ``F.linear``),
-    the weight decoded once per dtype instead of per batch."""
+def _activation_prepare(packed: TorchFP4Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """W4A4: the activations through :func:`~floatxq.kernels.nvfp4_qdq.nvfp4_activation_qdq` at
+    the input scale, on the route :func:`floatxq.dispatch.fp4_w4a4_route` gives (the same bytes
+    as :func:`floatxq.nvfp4_block_qdq`), as the module computes them."""
+    scale = getattr(packed, "input_scale", None)
+    if scale is None:
+        return None
 
-    def __init__(self, packed: TorchFP4Linear) -> None:
-        super().__init__()
-        self.packed = packed
-        self.decoded: dict[torch.dtype, torch.Tensor] = {}
+    def prepare(x: torch.Tensor) -> torch.Tensor:
+        route, _ = dispatch.fp4_w4a4_route(x.device, x.dtype, x.shape[-1])
+        return nvfp4_activation_qdq(x, scale, triton=route == "w4a4_triton")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in self.decoded:
-            self.decoded[x.dtype] = self.packed.dequantize_weight(x.dtype)
-        scale = getattr(self.packed, "input_scale", None)
-        if scale is not None:
-            route, _ = dispatch.fp4_w4a4_route(x.device, x.dtype, x.shape[-1])
-            x = nvfp4_activation_qdq(x, scale, triton=route == "w4a4_triton")
-        bias = self.packed.bias
-        return nn.functional.linear(
-            x, self.decoded[x.dtype], None if bias is None else bias.to(x.dtype)
-        )
+    return prepare
 
 
-def _statistics(configs: list[NVFP4Config], k: int, device: torch.device) -> tuple[dict, dict]:
-    """The statistics one input group needs, and their initial states."""
+def _stand_in(packed: nn.Module) -> nn.Module:
+    """A module's stand-in while its layer still runs: the same forward as the
+    :class:`~floatxq.nn.fp4_linear.TorchFP4Linear`, the weight decoded once per dtype."""
+    assert isinstance(packed, TorchFP4Linear)
+    return DecodedStandIn(packed, _activation_prepare(packed))
+
+
+def _statistics(configs: list[NVFP4Config]) -> dict[str, Statistic]:
+    """The statistics one input group needs."""
     statistics: dict[str, Statistic] = {}
     if any(c.method == "gptq" for c in configs):
         statistics["hessian"] = HESSIAN
     if any(c.activations is not None for c in configs):
         statistics["amax"] = RUNNING_AMAX
-    states = {key: s.init(k, device=device) if key == "hessian" else s.init(device=device)
-              for key, s in statistics.items()}  # fmt: skip
-    return statistics, states
+    return statistics
 
 
 def _build(
@@ -211,117 +196,19 @@ def quantize_nvfp4_calibrated(
     weight_scales = {
         n: round_trip_scale(nvfp4_global_scale(amax[n], recipe=targets[n].recipe)) for n in names
     }
-    layers_name, layers = decoder_layers(model)
-    head = output_embedding(model)
-    head_name = head[0] if head is not None and head[0] in targets else None
-    homes = {n: device_of(model.get_submodule(n)) for n in names}
-    originals: dict[str, nn.Module] = {}
-    reports: list[NVFP4ModuleReport] = []
-    skip = {id(layers)} | ({id(head[1])} if head is not None else set())
-    home = {id(m): device_of(m) for m in layers}
-    outside_home = device_of(
-        model.get_submodule(layers_name.rsplit(".", 1)[0]) if "." in layers_name else model
-    )
     rows = calibration.tokens
-    was_training = model.training
     start = time.perf_counter()
 
-    solved: dict[str, nn.Module] = {}  # a layer's modules while it runs on stand-ins
+    def build(name: str, module: nn.Module, folded: Any, layer: int | None) -> tuple:
+        return _build(name, module, targets[name], weight_scales[name], folded, rows, layer, device)
 
-    def replace(name: str, module: nn.Module, built: nn.Module, report: NVFP4ModuleReport) -> None:
-        originals[name] = module
-        solved[name] = built
-        model.set_submodule(name, _StandIn(built))
-        reports.append(report)
-        if on_module is not None:
-            on_module(name)
-
-    model.eval()
-    try:
-        with torch.no_grad():
-            move_outside(model, skip, device)
-            layers[0].to(device)
-            inputs = capture_inputs(model, layers[0], calibration, device)
-            move_outside(model, skip, outside_home)
-            for index, layer in enumerate(layers):
-                layer.to(device)
-                prefix = f"{layers_name}.{index}."
-                wanted = [(n, model.get_submodule(n)) for n in names if n.startswith(prefix)]
-                groups = _groups_by_input(layer, wanted, inputs[0]) if wanted else []
-                del wanted
-                for group in groups:
-                    group_names = [n for n, _ in group]
-                    configs = [targets[n] for n in group_names]
-                    statistics, states = _statistics(configs, features(group[0][1])[0], device)
-                    folded = (
-                        _fold_group(layer, group[0][1], group_names, inputs, statistics, states)
-                        if statistics
-                        else {}
-                    )
-                    while group:
-                        name, module = group.pop(0)
-                        built, report = _build(
-                            name, module, targets[name], weight_scales[name], folded, rows,
-                            index, device,
-                        )  # fmt: skip
-                        replace(name, module, built, report)
-                        del module
-                    del folded, states
-                if index < len(layers) - 1 or head_name is not None:
-                    for i, item in enumerate(inputs):
-                        inputs[i] = item._replace(hidden=layer_output(call_layer(layer, item)))
-                for name, built in solved.items():
-                    model.set_submodule(name, built)
-                solved.clear()
-                layer.to(home[id(layer)])
-            if head_name is not None and head is not None:
-                _head(model, head, targets[head_name], weight_scales[head_name], inputs,
-                      layers_name, rows, device, outside_home, replace)  # fmt: skip
-                for name, built in solved.items():
-                    model.set_submodule(name, built)
-            del inputs
-    except BaseException:
-        for name, module in originals.items():
-            model.set_submodule(name, module.to(homes[name]))
-        raise
-    finally:
-        move_outside(model, skip, outside_home)
-        for layer in layers:
-            layer.to(home[id(layer)])
-        model.train(was_training)
-    for name in originals:  # each NVFP4 module where its original lived
-        model.get_submodule(name).to(homes[name])
+    reports = quantize_layerwise(
+        model, names, calibration, device=device,
+        statistics=lambda group: _statistics([targets[n] for n in group]),
+        build=build, stand_in=_stand_in, on_module=on_module,
+    )  # fmt: skip
+    layers = len(decoder_layers(model)[1])
     return NVFP4RunReport(
-        tuple(reports), len(layers), calibration.samples, calibration.tokens,
+        tuple(reports), layers, calibration.samples, calibration.tokens,
         time.perf_counter() - start,
     )  # fmt: skip
-
-
-def _head(
-    model: nn.Module,
-    head: tuple[str, nn.Module],
-    config: NVFP4Config,
-    weight_scale: torch.Tensor,
-    inputs: list,
-    layers_name: str,
-    rows: int,
-    device: torch.device,
-    outside_home: torch.device,
-    replace: Callable[..., None],
-) -> None:
-    """The output embedding, last, on the final norm's outputs."""
-    name, module = head
-    norm = final_norm(model, layers_name)
-    if norm is not None:
-        norm.to(device)
-    module.to(device)
-    statistics, states = _statistics([config], features(module)[0], device)
-    for item in inputs:
-        hidden = norm(item.hidden) if norm is not None else item.hidden
-        states = fold_all(statistics, states, hidden, mask=item.mask)
-    folded = _finalized(statistics, states, [name]) if statistics else {}
-    built, report = _build(name, module, config, weight_scale, folded, rows, None, device)
-    module.to(outside_home)
-    if norm is not None:
-        norm.to(outside_home)
-    replace(name, module, built, report)
