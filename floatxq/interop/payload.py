@@ -6,7 +6,8 @@ fields every payload of a method carries (``method`` and ``quant_method``, ``che
 equal to ``format``, ``pack_dtype: "int32"``; for FP8 also ``bits: 8``, ``group_size: -1``,
 ``desc_act: false``, ``sym: true`` and ``weight_scale_semantics: "inverse"``) and puts GPTQ's
 solver settings into ``meta``, where GPT-QModel keeps them; keys whose value is None or ``{}``
-are left out. Reading takes what either library wrote, legacy spellings included (FP8 ``fmt``
+are left out. An FP8 config with GSQ adds floatxq's ``gsq`` (every
+:class:`~floatxq.config.GSQConfig` field by name) and ``gsq_calibration``. Reading takes what either library wrote, legacy spellings included (FP8 ``fmt``
 and ``weight_only``, GPTQ solver settings at the top level), checks every carried field, rejects
 unknown keys, and refuses settings whose feature floatxq does not have yet (an FP8 ``smoother``
 or ``preprocessors``, a GPTQ ``rotation`` or ``adapter``) with a
@@ -31,6 +32,7 @@ from floatxq.config import (
     DynamicRules,
     FP8Config,
     GPTQConfig,
+    GSQConfig,
     NVFP4Config,
 )
 from floatxq.formats import (
@@ -64,6 +66,8 @@ _FP8_KEYS: frozenset[str] = _SHARED_KEYS | {
     "weight_scale_semantics",
     "smoother",
     "preprocessors",
+    "gsq",
+    "gsq_calibration",
 }
 _FP8_LEGACY_KEYS: frozenset[str] = frozenset({"fmt", "weight_only", "smooth"})
 _FP8_LEGACY_RULE_KEYS: tuple[str, ...] = ("fmt", "bits", "group_size", "weight_scale_semantics")
@@ -244,7 +248,53 @@ def fp8_config_to_payload(config: FP8Config) -> dict[str, Any]:
         "dynamic": _rules_payload(config.dynamic),
         "sym": True,
     }
+    if config.gsq is not None:
+        payload["gsq"] = _gsq_payload(config.gsq)
+        payload["gsq_calibration"] = config.gsq_calibration
     return _without_empty(payload)
+
+
+_GSQ_FIELDS: tuple[str, ...] = (
+    "enabled",
+    "candidates",
+    "steps",
+    "learning_rate",
+    "temperature_start",
+    "temperature_end",
+    "seed",
+    "modules",
+    "max_candidate_bytes",
+    "learn_scales",
+)
+"""The :class:`~floatxq.config.GSQConfig` fields a payload's ``gsq`` object carries, all of them."""
+
+
+def _gsq_payload(gsq: GSQConfig) -> dict[str, Any]:
+    """``gsq``'s fields by name (``modules`` a list, or None for every module)."""
+    return {name: _thaw(getattr(gsq, name)) for name in _GSQ_FIELDS}
+
+
+def _gsq_from_payload(value: Any) -> GSQConfig | None:
+    """The ``gsq`` object of a payload as a :class:`~floatxq.config.GSQConfig` (None stays None).
+
+    Unknown fields are refused here, the values by the config; every message names ``gsq.``."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"gsq: expected an object of GSQConfig fields or null, got {type(value).__name__} "
+            f"{value!r}"
+        )
+    unknown = [f"gsq.{key}" for key in value if key not in _GSQ_FIELDS]
+    if unknown:
+        raise ValueError(
+            f"{', '.join(unknown)}: not a GSQConfig field; accepted: {', '.join(_GSQ_FIELDS)}"
+        )
+    try:
+        return GSQConfig(**value)
+    except (TypeError, ValueError) as exc:
+        kind = TypeError if isinstance(exc, TypeError) else ValueError
+        raise kind(f"gsq.{exc}") from None
 
 
 def _fp8_carried(data: dict[str, Any], *, where: str) -> None:
@@ -318,6 +368,9 @@ def fp8_config_from_payload(payload: Mapping[str, Any]) -> FP8Config:
         data["format"] = fmt
     _pop_checkpoint_format(data, normalize_fp8_format, noun="dtype")
     data["dynamic"] = _fp8_rules(data.get("dynamic"))
+    data["gsq"] = _gsq_from_payload(data.get("gsq"))
+    if data.get("gsq_calibration") is None:
+        data.pop("gsq_calibration", None)
     return FP8Config(**data)
 
 
