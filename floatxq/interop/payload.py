@@ -7,11 +7,12 @@ equal to ``format``, ``pack_dtype: "int32"``; for FP8 also ``bits: 8``, ``group_
 ``desc_act: false``, ``sym: true`` and ``weight_scale_semantics: "inverse"``) and puts GPTQ's
 solver settings into ``meta``, where GPT-QModel keeps them; keys whose value is None or ``{}``
 are left out. An FP8 config with GSQ adds floatxq's ``gsq`` (every
-:class:`~floatxq.config.GSQConfig` field by name) and ``gsq_calibration``. Reading takes what either library wrote, legacy spellings included (FP8 ``fmt``
-and ``weight_only``, GPTQ solver settings at the top level), checks every carried field, rejects
-unknown keys, and refuses settings whose feature floatxq does not have yet (an FP8 ``smoother``
-or ``preprocessors``, a GPTQ ``rotation`` or ``adapter``) with a
-ValueError saying so, instead of dropping them.
+:class:`~floatxq.config.GSQConfig` field by name) and ``gsq_calibration``. Reading takes what
+either library wrote, legacy spellings included (FP8 ``fmt`` and ``weight_only``, GPTQ solver
+settings at the top level), checks every carried field, rejects unknown keys (in ``gsq`` too),
+and refuses settings whose feature floatxq does not have yet (an FP8 ``smoother`` or
+``preprocessors``, a GPTQ ``rotation`` or ``adapter``) with a ValueError saying so, instead of
+dropping them.
 
 NVFP4 payloads are floatxq's own (GPT-QModel has none): ``quant_method: "nvfp4"`` and the
 :class:`~floatxq.config.NVFP4Config` fields by name, where ``method`` is the rounding (``"rtn"`` or
