@@ -314,10 +314,25 @@ def quantize(
         'w4a_nvfp4, or its JSON, e.g. \'{"mode": "w4a_nvfp4", "recipe": "nvidia", '
         '"attention": {"mode": "w4afp8"}}\' (needs 4 bits, group 128, sym, no desc-act).',
     ),
+    gsq: bool = typer.Option(
+        False, "--gsq", help="FP8: re-choose the codes with GSQ after round to nearest."
+    ),
+    gsq_calibration: bool = typer.Option(
+        False,
+        "--gsq-calibration",
+        help="FP8 with --gsq: weight GSQ by calibration Hessians (needs --calibration; row or "
+        "block scales).",
+    ),
+    gsq_steps: int | None = typer.Option(None, help="FP8 with --gsq: Adam steps (default 100)."),
+    gsq_candidates: int | None = typer.Option(
+        None, help="FP8 with --gsq: codes per weight, 2 to 33 (default 5)."
+    ),
+    gsq_seed: int | None = typer.Option(None, help="FP8 with --gsq: the seed (default 0)."),
     as_json: bool = typer.Option(
         False,
         "--json",
-        help="Print one JSON object: the output, layout, modules and (GPTQ) each module's loss.",
+        help="Print one JSON object: the output, layout, modules and (GPTQ) each module's loss "
+        "(GSQ: each module's objective).",
     ),
 ) -> None:
     """Quantize a model's linear layers and save the checkpoint in a chosen layout."""
@@ -336,10 +351,18 @@ def quantize(
         raise _fail("--activation applies to --method gptq only (W4A runs GPTQ weights)")
     if chosen != "nvfp4" and (activations is not None or nvfp4_gptq):
         raise _fail("--activations and --gptq apply to --method nvfp4 only")
+    settings = {"steps": gsq_steps, "candidates": gsq_candidates, "seed": gsq_seed}
+    from floatxq import cli_gsq
+
+    with _reported():
+        gsq_config = cli_gsq.gsq_config(chosen, gsq, gsq_calibration, settings)
     calibrated = chosen == "gptq" or (chosen == "nvfp4" and (nvfp4_gptq or activations is not None))
+    calibrated = calibrated or gsq_calibration
     if calibrated:
         if calibration is None:
-            what = "gptq" if chosen == "gptq" else "nvfp4 with --gptq or --activations"
+            what = {"gptq": "gptq", "fp8": "fp8 with --gsq-calibration"}.get(
+                chosen, "nvfp4 with --gptq or --activations"
+            )
             raise _fail(
                 f"--method {what} needs --calibration (tiny, or a .txt, .jsonl, .json or "
                 f".parquet file)"
@@ -378,6 +401,8 @@ def quantize(
                 weight_block_size=block_size,
                 lm_head=lm_head,
                 dynamic=dynamic,
+                gsq=gsq_config,
+                gsq_calibration=gsq_calibration,
             )
         # A calibrated config goes to load: the model then stays on CPU (one layer at a time on
         # --device) and a native FP8/NVFP4 source is requantized instead of refused.
@@ -417,21 +442,27 @@ def quantize(
         what += ", W4A4" if config.activations else ""
     else:
         what = f"{config.format}, {config.weight_scale_method}"
+        what += (", gsq calibrated" if gsq_calibration else ", gsq") if gsq else ""
     if policy is not None:
         what += f", activations {policy.mode}" + (f" {policy.recipe}" if policy.recipe else "")
     seconds = time.perf_counter() - start
+    report = getattr(source, "report", None)
     if as_json:
-        report = getattr(source, "report", None)
         _echo_json({
             "out": str(written), "layout": layout, "scheme": what, "seconds": seconds,
             "modules": list(source.quantized_modules),
             "gptq": report.to_dict() if hasattr(report, "to_dict") else None,
+            "gsq": cli_gsq.gsq_report_dict(report) if gsq else None,
         })  # fmt: skip
         return
     typer.echo(
         f"quantized {len(source.quantized_modules)} modules ({what}) in "
         f"{seconds:.1f} s -> {written} (layout {layout})"
     )
+    if gsq:
+        typer.echo(cli_gsq.gsq_summary(report))
+        for module in report.modules:
+            _info(cli_gsq.gsq_module_line(module))
 
 
 def _activation_policy(spec: str) -> Any:
