@@ -85,8 +85,8 @@ def test_calibrated_gsq_json_report_has_every_module(tmp_path):
     assert (gsq["layers"], gsq["samples"]) == (2, 2) and gsq["tokens"] == 64
     assert gsq["codes"] == sum(m["codes"] for m in gsq["modules"]) == 245760
     assert gsq["changed"] == sum(m["changed"] for m in gsq["modules"])
-    loaded = floatxq.load(tmp_path / "out")  # compressed-tensors: the codes, not the settings
-    assert len(loaded.quantized_modules) == MODULES
+    loaded = floatxq.load(tmp_path / "out")  # compressed-tensors records the GSQ settings
+    assert loaded.quantize_config == floatxq.FP8Config(gsq=GSQConfig(steps=2), gsq_calibration=True)
 
 
 def test_json_without_gsq_has_no_gsq_entry(tmp_path):

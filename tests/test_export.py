@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import floatxq as fq
-from floatxq.config import FP8Config
+from floatxq.config import FP8Config, GSQConfig
 from floatxq.fp8 import dequantize_fp8_weight, fp8_decode
 from floatxq.interop.checkpoint import write_checkpoint
 from floatxq.interop.export import (
@@ -232,8 +232,9 @@ def test_hf_export_loads_in_transformers_as_floatxq_decodes(config, tmp_path):
         FP8Config(weight_scale_method="tensor"),
         FP8Config(weight_scale_method="row"),
         FP8Config(weight_block_size=[32, 64]),
+        FP8Config(weight_scale_method="row", gsq=GSQConfig(steps=2)),
     ],
-    ids=["tensor", "row", "block"],
+    ids=["tensor", "row", "block", "row-gsq"],
 )
 def test_ct_export_loads_in_transformers_as_floatxq_decodes(config, dequantize, tmp_path):
     model = _quantized(config, bias=config.weight_scale_method == "row")
@@ -242,6 +243,7 @@ def test_ct_export_loads_in_transformers_as_floatxq_decodes(config, dequantize, 
     assert qc["format"] == "float-quantized" and qc["ignore"] == ["lm_head"]
     assert [g["targets"] for g in qc["config_groups"].values()] == [["Linear"]]
     ct.quantization.QuantizationConfig.model_validate(qc)
+    assert ("floatxq" in qc) == (config.gsq is not None)  # GSQ settings: for floatxq.load only
 
     loaded = _load(_save(model, exported, tmp_path / "ct"), dequantize=dequantize)
     differ, total, worst = _compare_weights(model, loaded)

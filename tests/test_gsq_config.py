@@ -5,13 +5,18 @@ import json
 import math
 from pathlib import Path
 
+import compressed_tensors as ct
 import pytest
 import torch
 
 import floatxq
 from floatxq.config import FP8Config, GSQConfig
 from floatxq.interop.checkpoint import CheckpointError
-from floatxq.interop.payload import fp8_config_from_payload, fp8_config_to_payload
+from floatxq.interop.payload import (
+    fp8_config_from_payload,
+    fp8_config_to_payload,
+    fp8_gsq_record,
+)
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_random_llama"
@@ -264,11 +269,67 @@ def test_the_two_payloads_must_agree_on_gsq(refined, tmp_path):
         floatxq.load(out)
 
 
-def test_default_layout_keeps_the_refined_codes(refined, tmp_path):
+def test_default_layout_records_gsq_for_floatxq(refined, tmp_path):
     config, model = refined
-    out = model.save(tmp_path / "ct")
+    out = model.save(tmp_path / "ct")  # compressed-tensors
+    payload = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert payload["quant_method"] == "compressed-tensors"
+    assert payload["floatxq"] == fp8_gsq_record(config)
+    assert payload["floatxq"]["gsq"]["modules"] == [r".*mlp\."]
+    ct.quantization.QuantizationConfig.model_validate(payload)  # the extra key is ignored
     loaded = floatxq.load(out)
+    assert loaded.quantize_config == config
     mine, theirs = _codes(model.model), _codes(loaded.model)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[n], theirs[n]) for n in mine)
-    # compressed-tensors holds no floatxq settings: the config is described from the modules
-    assert loaded.quantize_config == dataclasses.replace(config, gsq=None)
+    again = loaded.save(tmp_path / "again")
+    assert json.loads((again / "config.json").read_text())["quantization_config"] == payload
+
+
+def test_without_gsq_compressed_tensors_payload_has_no_floatxq_key(tmp_path):
+    model = floatxq.load(FIXTURE, quantize_config=FP8Config()).quantize(progress=False)
+    out = model.save(tmp_path / "ct")
+    assert "floatxq" not in json.loads((out / "config.json").read_text())["quantization_config"]
+    assert floatxq.load(out).quantize_config == FP8Config()
+
+
+def _edit_record(out: Path, change) -> None:
+    config_file = out / "config.json"
+    data = json.loads(config_file.read_text())
+    change(data["quantization_config"])
+    config_file.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda q: q["floatxq"]["gsq"].update(bogus=1), r"floatxq: gsq\.bogus: not a GSQConfig"),
+        (lambda q: q["floatxq"]["gsq"].update(steps=0), r"floatxq: gsq\.steps: got 0"),
+        (lambda q: q["floatxq"].update(extra=1), r"floatxq: unsupported field\(s\) 'extra'"),
+        (lambda q: q.update(floatxq=[1]), r"floatxq: expected an object with 'gsq'"),
+        (
+            lambda q: q["floatxq"].update(gsq_calibration="no"),
+            "floatxq: gsq_calibration: expected a bool",
+        ),
+        (
+            lambda q: q["floatxq"].update(gsq=None, gsq_calibration=True),
+            "floatxq: gsq_calibration=True.*GSQ is off",
+        ),
+    ],
+)
+def test_a_damaged_record_is_refused_naming_it(refined, tmp_path, change, match):
+    _, model = refined
+    out = model.save(tmp_path / "ct")
+    _edit_record(out, change)
+    with pytest.raises(CheckpointError, match=r"config\.json quantization_config\." + match):
+        floatxq.load(out)
+
+
+def test_a_record_the_modules_contradict_is_refused(tmp_path):
+    config = FP8Config(weight_scale_method="tensor", gsq=GSQConfig(steps=1))
+    out = (
+        floatxq.load(FIXTURE, quantize_config=config).quantize(progress=False).save(tmp_path / "t")
+    )
+    assert floatxq.load(out).quantize_config == config
+    _edit_record(out, lambda q: q["floatxq"].update(gsq_calibration=True))
+    with pytest.raises(CheckpointError, match="needs weight_scale_method 'row' or 'block'"):
+        floatxq.load(out)

@@ -70,7 +70,12 @@ from floatxq.interop.export_modelopt import (
 from floatxq.interop.fp8_static import modelopt_fp8_static
 from floatxq.interop.layouts import LayoutDecision
 from floatxq.interop.nvfp4_w4a4 import modelopt_nvfp4_w4a4
-from floatxq.interop.payload import fp8_config_to_payload, gptq_config_to_payload
+from floatxq.interop.payload import (
+    FLOATXQ_KEY,
+    fp8_config_to_payload,
+    fp8_gsq_record,
+    gptq_config_to_payload,
+)
 from floatxq.interop.readers import (
     ModuleSource,
     module_sources,
@@ -643,7 +648,10 @@ def _export(model: nn.Module, modules: _Modules, quantize_config: Any, name: str
     )
     facts = {module_name: _gptq_facts(module, module_name) for module_name, module in modules.gptq}
     state = _converted_state(model, modules, name, facts)
-    return LayoutExport(state, _ct_payload(modules, facts), None)
+    payload = _ct_payload(modules, facts)
+    if isinstance(quantize_config, FP8Config) and quantize_config.gsq is not None:
+        payload[FLOATXQ_KEY] = fp8_gsq_record(quantize_config)  # read back by floatxq.load
+    return LayoutExport(state, payload, None)
 
 
 def _modelopt_export(model: nn.Module, modules: _Modules) -> LayoutExport:

@@ -249,9 +249,7 @@ def fp8_config_to_payload(config: FP8Config) -> dict[str, Any]:
         "dynamic": _rules_payload(config.dynamic),
         "sym": True,
     }
-    if config.gsq is not None:
-        payload["gsq"] = _gsq_payload(config.gsq)
-        payload["gsq_calibration"] = config.gsq_calibration
+    payload.update(fp8_gsq_record(config) or {})
     return _without_empty(payload)
 
 
@@ -273,6 +271,54 @@ _GSQ_FIELDS: tuple[str, ...] = (
 def _gsq_payload(gsq: GSQConfig) -> dict[str, Any]:
     """``gsq``'s fields by name (``modules`` a list, or None for every module)."""
     return {name: _thaw(getattr(gsq, name)) for name in _GSQ_FIELDS}
+
+
+FLOATXQ_KEY = "floatxq"
+"""The object floatxq adds to a compressed-tensors payload, for what that format has no field
+for: an FP8 config's GSQ settings (:func:`fp8_gsq_record`). compressed-tensors, transformers and
+vLLM ignore keys they do not know."""
+
+
+def fp8_gsq_record(config: FP8Config) -> dict[str, Any] | None:
+    """``{"gsq": {every GSQConfig field}, "gsq_calibration": bool}`` for a config with GSQ, else
+    None: the keys an FP8 payload carries, and the ``floatxq`` object of a compressed-tensors one.
+
+    Numerics: names only.
+
+    Example:
+      >>> fp8_gsq_record(FP8Config(gsq=GSQConfig(steps=3)))["gsq"]["steps"]
+      3
+    """
+    if not isinstance(config, FP8Config):
+        raise TypeError(f"config: expected an FP8Config, got {type(config).__name__}")
+    if config.gsq is None:
+        return None
+    return {"gsq": _gsq_payload(config.gsq), "gsq_calibration": config.gsq_calibration}
+
+
+def fp8_gsq_from_record(record: Any) -> tuple[GSQConfig | None, bool]:
+    """The ``(gsq, gsq_calibration)`` an :func:`fp8_gsq_record` object holds.
+
+    Raises:
+      TypeError, ValueError: ``record`` is not an object of those two keys, or a value the
+        configs refuse (the key is named: ``gsq.steps``).
+
+    Numerics: names only.
+    """
+    if not isinstance(record, Mapping):
+        raise TypeError(
+            f"expected an object with 'gsq' and 'gsq_calibration', got {type(record).__name__} "
+            f"{record!r}"
+        )
+    unknown = sorted(repr(key) for key in record if key not in ("gsq", "gsq_calibration"))
+    if unknown:
+        raise ValueError(
+            f"unsupported field(s) {', '.join(unknown)}; accepted: 'gsq', 'gsq_calibration'"
+        )
+    calibration = record.get("gsq_calibration", False)
+    if not isinstance(calibration, bool):
+        raise TypeError(f"gsq_calibration: expected a bool, got {calibration!r}")
+    return _gsq_from_payload(record.get("gsq")), calibration
 
 
 def _gsq_from_payload(value: Any) -> GSQConfig | None:
@@ -520,8 +566,11 @@ def nvfp4_config_from_payload(payload: Mapping[str, Any]) -> NVFP4Config:
 
 
 __all__ = [
+    "FLOATXQ_KEY",
     "fp8_config_from_payload",
     "fp8_config_to_payload",
+    "fp8_gsq_from_record",
+    "fp8_gsq_record",
     "gptq_config_from_payload",
     "gptq_config_to_payload",
     "nvfp4_config_from_payload",

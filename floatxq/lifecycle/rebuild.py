@@ -5,6 +5,7 @@ random initialization, and the config that describes what was read. Nothing is f
 hub: paths are local.
 """
 
+import dataclasses
 import os
 import re
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ from floatxq.interop.layouts import (
     read_gptq_config,
 )
 from floatxq.interop.nvfp4_w4a4 import modelopt_nvfp4_w4a4
+from floatxq.interop.payload import FLOATXQ_KEY, fp8_gsq_from_record
 from floatxq.interop.readers import module_sources, read_module, refuse_activation_scales
 from floatxq.interop.shards import header_metadata, iter_tensors, read_json, tensor_infos
 from floatxq.interop.sources import (
@@ -464,7 +466,22 @@ def _load_quantized(
         )
     if qconfig is None:
         qconfig = _describe_loaded(model)
+        if decision.layout == "compressed-tensors" and FLOATXQ_KEY in qpayload:
+            qconfig = _with_recorded_gsq(path, qpayload[FLOATXQ_KEY], qconfig)
     return model.eval(), qconfig, decision, activation_bits
+
+
+def _with_recorded_gsq(path: Path, record: Any, described: Any) -> FP8Config:
+    """The config described from the modules, with the GSQ settings floatxq recorded in a
+    compressed-tensors payload (``quantization_config.floatxq``)."""
+    try:
+        gsq, calibration = fp8_gsq_from_record(record)
+        if not isinstance(described, FP8Config):
+            raise ValueError("GSQ settings describe FP8 modules, and the checkpoint holds others")
+        return dataclasses.replace(described, gsq=gsq, gsq_calibration=calibration)
+    except (TypeError, ValueError) as exc:
+        where = f"{path / CONFIG_FILE} quantization_config.{FLOATXQ_KEY}"
+        raise CheckpointError(f"load: {where}: {exc}") from None
 
 
 def _head_names(model: nn.Module) -> set[str]:
