@@ -122,6 +122,12 @@ SIGNED_ZERO = Problem(
     torch.tensor([[2.0, 1, 0, 0], [1, 2, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1]]),
     {"candidates": 3, "steps": 4, "seed": 1},
 )
+# The same with codes moved off round to nearest: rows change around the zeros.
+SIGNED_ZERO_MOVED = SIGNED_ZERO._replace(
+    hessian=torch.eye(4),
+    config={"candidates": 3, "steps": 4, "seed": 1, "learning_rate": 0.5},
+    shift=np.array([[0, 0, 1, -1], [1, 0, 0, -1]]),
+)
 ZERO_ROWS = Problem("float8_e5m2", "row", None, torch.zeros(0, 3), torch.eye(3), {"steps": 2})
 
 
@@ -196,6 +202,8 @@ def _refine(p: Problem, q: fq.FP8Weight, **changes) -> fq.GSQResult:
 @given(problems())
 @example(SIGNED_ZERO)
 @example(SIGNED_ZERO._replace(hessian=None))
+@example(SIGNED_ZERO_MOVED)
+@example(SIGNED_ZERO_MOVED._replace(hessian=None))
 @example(ZERO_ROWS)
 def test_codes_stay_on_the_grid_within_their_neighbourhood(p):
     q = p.baseline()
@@ -232,6 +240,17 @@ def test_never_worse_than_the_baseline_by_an_independent_oracle(p):
     assert r.objective_after <= r.objective_before
 
 
+@pytest.mark.parametrize("hessian", [True, False])
+def test_a_signed_zero_keeps_its_byte_in_a_row_that_changes(hessian):
+    p = SIGNED_ZERO_MOVED if hessian else SIGNED_ZERO_MOVED._replace(hessian=None)
+    q = p.baseline()
+    r = _refine(p, q)
+    old, new = q.qweight.view(torch.uint8), r.codes.view(torch.uint8)
+    zeros = old == 0x80
+    assert zeros.sum() == 3 and (new[zeros] == 0x80).all()
+    assert ((new != old).sum(dim=1) > 0).all()  # both rows moved codes
+
+
 @settings(max_examples=max(10, settings().max_examples // 2))
 @given(problems(hessian=True))
 def test_chunking_does_not_change_the_bytes(p):
@@ -261,6 +280,7 @@ def test_same_seed_same_bytes_and_a_disabled_config_keeps_the_baseline(p):
 
 @given(problems(hessian=False))
 @example(SIGNED_ZERO._replace(hessian=None))
+@example(SIGNED_ZERO_MOVED._replace(hessian=None))
 def test_weight_only_picks_each_weights_nearest_candidate(p):
     q = p.baseline()
     r = _refine(p, q)

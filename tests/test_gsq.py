@@ -172,6 +172,20 @@ def test_calibrated_output_runs_as_its_dequantized_weights(calibrated):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["compressed-tensors", "gptqmodel"])
+def test_a_refined_model_saves_and_loads_bit_for_bit(calibrated, tmp_path, layout):
+    loaded = fq.load(calibrated.save(tmp_path / layout, layout=layout))
+    back = _fp8(loaded.model)
+    for name, module in _fp8(calibrated.model).items():
+        assert_bitwise_equal(_bytes(back[name]), _bytes(module), msg=name)
+        if layout == "gptqmodel":  # inverse scales as they are
+            assert_bitwise_equal(back[name].weight_scale_inv, module.weight_scale_inv, msg=name)
+        else:  # the FP32 reciprocal of the reciprocal: within an FP32 ulp
+            torch.testing.assert_close(
+                back[name].weight_scale_inv, module.weight_scale_inv, rtol=2**-23, atol=0
+            )
+
+
 def test_modules_patterns_refine_only_what_they_select(rtn):
     q = _quantized(_calibrated_config(modules=[".*mlp.*"]), _samples())
     fp8 = _fp8(q.model)
