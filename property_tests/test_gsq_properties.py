@@ -262,6 +262,49 @@ def test_chunking_does_not_change_the_bytes(p):
 
 
 @settings(max_examples=max(10, settings().max_examples // 2))
+@given(problems(hessian=True))
+def test_column_major_inputs_give_the_same_bytes(p):
+    q = p.baseline()
+    transposed = fq.refine_fp8_codes(
+        p.weight.T.contiguous().T,
+        q.qweight.view(torch.uint8).T.contiguous().T.view(q.qweight.dtype),
+        q.scale_inv,
+        hessian=p.hessian.T.contiguous().T,
+        config=fq.GSQConfig(**p.config),
+    )
+    assert_bitwise_equal(transposed.codes.view(torch.uint8), _refine(p, q).codes.view(torch.uint8))
+
+
+@settings(max_examples=max(10, settings().max_examples // 2))
+@given(problems(hessian=True), st.integers(-30, 30))
+def test_a_power_of_two_hessian_scale_changes_nothing(p, exponent):
+    # numerator, normalizer and gradient all scale exactly, and the objective is their ratio
+    q = p.baseline()
+    scaled = fq.refine_fp8_codes(
+        p.weight,
+        q.qweight,
+        q.scale_inv,
+        hessian=p.hessian * 2.0**exponent,
+        config=fq.GSQConfig(**p.config),
+    )
+    plain = _refine(p, q)
+    assert_bitwise_equal(scaled.codes.view(torch.uint8), plain.codes.view(torch.uint8))
+    assert_bitwise_equal(scaled.objective_before, plain.objective_before)
+    assert_bitwise_equal(scaled.objective_after, plain.objective_after)
+
+
+@given(problems(hessian=True))
+@example(SIGNED_ZERO)
+def test_codes_of_dead_inputs_never_move(p):
+    # a column whose input never fires has a zero gradient: its logits stay at their start,
+    # which favours the baseline
+    q = p.baseline()
+    r = _refine(p, q)
+    dead = (p.hessian == 0).all(dim=0)
+    assert_bitwise_equal(r.codes.view(torch.uint8)[:, dead], q.qweight.view(torch.uint8)[:, dead])
+
+
+@settings(max_examples=max(10, settings().max_examples // 2))
 @given(problems())
 @example(SIGNED_ZERO)
 def test_same_seed_same_bytes_and_a_disabled_config_keeps_the_baseline(p):
