@@ -6,6 +6,9 @@ quantized on the GPU and put back on the CPU), ``nvfp4-gptq`` (GPTQ onto the NVF
 calibrated as INT4 GPTQ is; the lifecycle solves through ``floatxq.dispatch.nvfp4_gptq_solve_auto``,
 the Triton block kernel on CUDA), ``nvfp4-w4a4`` (round to nearest plus calibrated input scales);
 ``--recipe`` picks the NVFP4 recipe (default ``least_squares``, ``NVFP4Config``'s).
+FP8 (``--method``): ``fp8`` (round to nearest, row scales, no data) and ``fp8-gsq`` (calibrated
+GSQ: ``FP8Config(gsq=GSQConfig(), gsq_calibration=True)``, each module's codes refined against
+its layer's Hessian); ``--fp8-format`` picks the format (default ``e4m3``).
 CPU smoke run: python benchmarks/gptq_scale.py --device cpu --layers 2 --hidden 256 \
     --intermediate 512 --heads 4 --kv-heads 2 --vocab 1024 --samples 4 --seq-len 64
 Build only (time the CPU model build): add ``--build-only``.
@@ -93,6 +96,13 @@ def build_model(
     return model.eval()
 
 
+def _stamp(stamps: dict[str, float], module_name: str, start: float) -> None:
+    """Record when ``module_name`` was quantized; print a line as each decoder layer ends."""
+    stamps[module_name] = now = time.perf_counter()
+    if module_name.endswith("down_proj"):
+        print(f"  {module_name}: {now - start:.1f} s", flush=True)
+
+
 def module_bytes(module: torch.nn.Module) -> int:
     """Bytes of a module's parameters and persistent buffers (what a checkpoint holds)."""
     params = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -120,8 +130,11 @@ def main() -> int:
         "--order", default="act_group_aware", choices=["act_group_aware", "desc_act", "plain"]
     )
     parser.add_argument(
-        "--method", default="gptq", choices=["gptq", "nvfp4", "nvfp4-gptq", "nvfp4-w4a4"]
+        "--method",
+        default="gptq",
+        choices=["gptq", "nvfp4", "nvfp4-gptq", "nvfp4-w4a4", "fp8-gsq", "fp8"],
     )
+    parser.add_argument("--fp8-format", default="e4m3", help="fp8 / fp8-gsq: the FP8 format")
     parser.add_argument(
         "--recipe", default="least_squares", help="the NVFP4 recipe (NVFP4Config's default)"
     )
@@ -183,7 +196,7 @@ def main() -> int:
             bits=4, group_size=args.group_size, desc_act=desc,
             act_group_aware=args.order == "act_group_aware",
         )  # fmt: skip
-        if args.method != "gptq":
+        if args.method.startswith("nvfp4"):
             qconfig = floatxq.NVFP4Config(
                 recipe=args.recipe,
                 method="gptq" if args.method == "nvfp4-gptq" else "rtn",
@@ -191,6 +204,13 @@ def main() -> int:
             )
             if args.method == "nvfp4":
                 samples = None  # weight-only round to nearest reads no data
+        if args.method in ("fp8", "fp8-gsq"):
+            gsq = args.method == "fp8-gsq"
+            qconfig = floatxq.FP8Config(
+                format=args.fp8_format, weight_scale_method="row",
+                gsq=floatxq.GSQConfig() if gsq else None, gsq_calibration=gsq,
+            )  # fmt: skip
+            samples = samples if gsq else None
         stamps: dict[str, float] = {}
         # No device for load: the model stays on CPU and GPTQ works on the default device (the
         # first GPU), so the peak below is the working set, not the finished model moved there.
@@ -203,7 +223,7 @@ def main() -> int:
         qm.quantize(
             samples,
             batch_size=args.batch_size,
-            progress=lambda module_name: stamps.__setitem__(module_name, time.perf_counter()),
+            progress=lambda module_name: _stamp(stamps, module_name, start),
         )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -232,7 +252,8 @@ def main() -> int:
             {
                 "quantize": {
                     "method": args.method,
-                    "recipe": args.recipe if args.method != "gptq" else None,
+                    "recipe": args.recipe if args.method.startswith("nvfp4") else None,
+                    "fp8_format": args.fp8_format if args.method.startswith("fp8") else None,
                     "group_size": args.group_size,
                     "order": args.order,
                     "samples": args.samples,

@@ -47,9 +47,7 @@ def fp8_config(fmt: str, scales: str, mode: str, gsq: dict):
     layout = {"weight_block_size": BLOCK} if scales == "block" else {"weight_scale_method": scales}
     if mode == "rtn":
         return FP8Config(format=fmt, **layout)
-    return FP8Config(
-        format=fmt, **layout, gsq=GSQConfig(**gsq), gsq_calibration=mode == "gsq-cal"
-    )
+    return FP8Config(format=fmt, **layout, gsq=GSQConfig(**gsq), gsq_calibration=mode == "gsq-cal")
 
 
 def main() -> None:

@@ -39,6 +39,7 @@ _OWNERS: dict[str, tuple[str, ...]] = {
         "RoutePreference",
         "pack_activation",
         "quantize_fp8_weight_auto",
+        "refine_fp8_codes_auto",
         "select_fp8_route",
     ),
     "floatxq.formats": (
@@ -475,6 +476,7 @@ __all__ = [
     "read_hf_quant_config",
     "recipes_report",
     "refine_fp8_codes",
+    "refine_fp8_codes_auto",
     "resolve_model",
     "rtn_quantize",
     "select_fp8_route",

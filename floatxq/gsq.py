@@ -31,6 +31,7 @@ same noise on every device and whatever the chunking, and the rows can be refine
 at most ``max_candidate_bytes`` of decoded candidates. No host syncs happen inside the step loop.
 """
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -134,8 +135,8 @@ def _offsets(candidates: int) -> list[int]:
 
 class _Noise(NamedTuple):
     table: Tensor  # (T,) float64 Gumbel values
-    rows: Tensor  # (steps, out) int64 offsets
-    cols: Tensor  # (in, K) int64 offsets
+    rows: Tensor  # (steps, out) int32 offsets
+    cols: Tensor  # (in, K) int32 offsets
 
 
 def _noise(seed: int, steps: int, rows: int, cols: int, k: int, device: torch.device) -> _Noise:
@@ -144,8 +145,8 @@ def _noise(seed: int, steps: int, rows: int, cols: int, k: int, device: torch.de
     size = 1 << NOISE_TABLE_BITS
     u = torch.rand(size, generator=gen, dtype=torch.float64).clamp_(min=1e-300, max=1 - 2**-53)
     table = -torch.log(-torch.log(u))
-    col = torch.randint(0, size, (cols, k), generator=gen, dtype=torch.int64)
-    row = torch.randint(0, size, (steps, rows), generator=gen, dtype=torch.int64)
+    col = torch.randint(0, size, (cols, k), generator=gen, dtype=torch.int64).to(torch.int32)
+    row = torch.randint(0, size, (steps, rows), generator=gen, dtype=torch.int64).to(torch.int32)
     return _Noise(table.to(device), row.to(device), col.to(device))
 
 
@@ -155,6 +156,7 @@ def _checked_inputs(
     """The expanded FP32 inverse scales, after every argument check."""
     require_floating(weight, name="weight", where=where)
     require_fp8(codes, name="codes", where=where)
+    _grid(codes.dtype, where=where)  # E8M0 holds scales, not weight codes
     require_floating(scale_inv, name="scale_inv", where=where)
     for name, x in (("weight", weight), ("codes", codes), ("scale_inv", scale_inv)):
         require_data(x, name=name, where=where)
@@ -272,6 +274,72 @@ def _nearest_chunk(chunk: _Chunk) -> Tensor:
     return torch.where(picked < err[..., 0] * _STRICT, best, torch.zeros_like(best))
 
 
+MASKED_LOGIT = -1e30
+"""The logit of a candidate past the grid's end: its probability is exactly 0 at any
+temperature, so its gradient and Adam state stay 0 and it is never the argmax."""
+
+
+def _soft_error(
+    theta: Tensor,
+    table: Tensor,
+    row_offsets: Tensor,
+    col_offsets: Tensor,
+    values: Tensor,
+    w: Tensor,
+    inv_tau: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """One step's probabilities ``p = softmax((θ + g) / τ)`` (``g``: each weight's Gumbel noise,
+    the table entry at its row and column offsets) and the soft weight's error ``W - Σ p·v``."""
+    index = (row_offsets[:, None, None] + col_offsets) & ((1 << NOISE_TABLE_BITS) - 1)
+    p = torch.softmax((theta + table[index]) * inv_tau, dim=-1)
+    return p, w - (p * values).sum(dim=-1)
+
+
+def _adam_update(
+    theta: Tensor,
+    m: Tensor,
+    v: Tensor,
+    p: Tensor,
+    values: Tensor,
+    q: Tensor,
+    slope: Tensor,
+    lr: Tensor,
+    eps: Tensor,
+) -> None:
+    """Adam on the logits, in place: the gradient ``p·(v_k - q)·slope`` (``slope``: the
+    objective's derivative in the soft weight over ``τ``), bias correction folded into ``lr`` and
+    ``eps``."""
+    grad = p * ((values - q[..., None]) * slope[..., None])
+    b1, b2 = _ADAM_BETAS
+    m.lerp_(grad, 1 - b1)
+    v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+    theta.sub_(lr * (m / (v.sqrt() + eps)))
+
+
+class _StepFunctions(NamedTuple):
+    """The elementwise halves of a relaxation step (eager here; the CUDA route compiles them)."""
+
+    soft_error: Callable[..., tuple[Tensor, Tensor]]
+    adam_update: Callable[..., None]
+
+
+EAGER_STEPS = _StepFunctions(_soft_error, _adam_update)
+
+
+def _schedule(config: GSQConfig, device: torch.device) -> Tensor:
+    """Per step ``(1/τ, lr_t, eps_t)`` in FP64 on ``device``: the temperature annealed
+    geometrically, Adam's bias corrections folded into step size and epsilon."""
+    steps = config.steps
+    t0, t1 = config.temperature_start, config.temperature_end
+    b1, b2 = _ADAM_BETAS
+    rows = []
+    for step in range(steps):
+        tau = t0 * (t1 / t0) ** (step / (steps - 1)) if steps > 1 else t1
+        c1, c2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
+        rows.append((1.0 / tau, config.learning_rate * c2**0.5 / c1, _ADAM_EPS * c2**0.5))
+    return torch.tensor(rows, dtype=torch.float64, device=device)
+
+
 def _refine_chunk(
     chunk: _Chunk,
     hessian: Tensor,
@@ -279,6 +347,7 @@ def _refine_chunk(
     row0: int,
     config: GSQConfig,
     offsets: Tensor,
+    fns: _StepFunctions,
 ) -> Tensor:
     """The chosen candidate index per weight of one row chunk."""
     w, values, valid, norm = chunk
@@ -289,31 +358,22 @@ def _refine_chunk(
 
     best = torch.zeros(w.shape, dtype=torch.int64, device=w.device)
     best_loss = losses(values[..., 0])
-    theta = (-0.5 * offsets.to(torch.float64) ** 2).expand(values.shape).clone()
+    theta = (-0.5 * offsets.to(torch.float64) ** 2).expand(values.shape)
+    theta = torch.where(valid, theta, torch.full_like(theta, MASKED_LOGIT))
     m = torch.zeros_like(theta)
     v = torch.zeros_like(theta)
-    masked = torch.tensor(float("-inf"), dtype=torch.float64, device=w.device)
+    schedule = _schedule(config, w.device)
     steps = config.steps
-    t0, t1 = config.temperature_start, config.temperature_end
     every = max(1, steps // CHECKPOINTS)
-    b1, b2 = _ADAM_BETAS
-    mask = (1 << NOISE_TABLE_BITS) - 1
+    scale = -2.0 / norm  # (R, 1)
     for step in range(steps):
-        tau = t0 * (t1 / t0) ** (step / (steps - 1)) if steps > 1 else t1
-        index = (noise.rows[step, row0 : row0 + rows, None, None] + noise.cols) & mask
-        z = torch.where(valid, (theta + noise.table[index]) / tau, masked)
-        p = torch.softmax(z, dim=-1)
-        q = (p * values).sum(dim=-1)
-        e = w - q
-        grad_q = -2.0 * (e @ hessian) / norm
-        grad = p * (values - q[..., None]) * (grad_q / tau)[..., None]
-        m.mul_(b1).add_(grad, alpha=1 - b1)
-        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        m_hat = m / (1 - b1 ** (step + 1))
-        v_hat = v / (1 - b2 ** (step + 1))
-        theta.sub_(config.learning_rate * m_hat / (v_hat.sqrt() + _ADAM_EPS))
+        inv_tau, lr, eps = schedule[step]
+        row_offsets = noise.rows[step, row0 : row0 + rows]
+        p, e = fns.soft_error(theta, noise.table, row_offsets, noise.cols, values, w, inv_tau)
+        slope = (e @ hessian) * (scale * inv_tau)
+        fns.adam_update(theta, m, v, p, values, w - e, slope, lr, eps)
         if (step + 1) % every == 0 or step == steps - 1:
-            hard = torch.where(valid, theta, masked).argmax(dim=-1)
+            hard = theta.argmax(dim=-1)
             hard_loss = losses(values.gather(-1, hard[..., None])[..., 0])
             better = hard_loss < best_loss * _STRICT
             best = torch.where(better[:, None], hard, best)
@@ -366,7 +426,20 @@ def refine_fp8_codes(
       >>> bool(r.objective_after <= r.objective_before), r.codes.dtype
       (True, torch.float8_e5m2)
     """
-    where = "refine_fp8_codes"
+    return _refine(weight, codes, scale_inv, hessian, config, EAGER_STEPS, "refine_fp8_codes")
+
+
+def _refine(
+    weight: Tensor,
+    codes: Tensor,
+    scale_inv: Tensor,
+    hessian: Tensor | None,
+    config: GSQConfig | None,
+    fns: _StepFunctions,
+    where: str,
+) -> GSQResult:
+    """:func:`refine_fp8_codes` with the relaxation's elementwise steps given (the CUDA route
+    passes compiled ones: :mod:`floatxq.kernels.gsq`)."""
     if config is None:
         config = GSQConfig()
     if not isinstance(config, GSQConfig):
@@ -399,7 +472,7 @@ def refine_fp8_codes(
         if noise is None:
             choice = _nearest_chunk(chunk)
         else:
-            choice = _refine_chunk(chunk, h, noise, r0, config, offsets)
+            choice = _refine_chunk(chunk, h, noise, r0, config, offsets, fns)
         picked = grid.codes.to(device)[pos.gather(-1, choice[..., None])[..., 0]]
         out[r0:r1] = torch.where(choice == 0, out[r0:r1], picked)
         del pos, valid, values, chunk

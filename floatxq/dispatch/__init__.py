@@ -11,7 +11,8 @@ By concept: :mod:`~floatxq.dispatch.fp8` (FP8 linear routes; the FP8 weight enco
 MLX or torch), :mod:`~floatxq.dispatch.decode` (``TorchFP4Linear`` and ``GPTQLinear`` decodes),
 :mod:`~floatxq.dispatch.w4a` (W4A GEMMs, the activation packers), :mod:`~floatxq.dispatch.mlx`
 (MLX's Metal kernel choices), :mod:`~floatxq.dispatch.nvfp4_gptq` (the NVFP4-grid GPTQ solve:
-Triton block kernel or torch), :mod:`~floatxq.dispatch.preference` (the preference record).
+Triton block kernel or torch), :mod:`~floatxq.dispatch.gsq` (GSQ's relaxation: compiled or
+eager), :mod:`~floatxq.dispatch.preference` (the preference record).
 A test that replaces a fact a choice reads patches the submodule that reads it.
 """
 
@@ -37,6 +38,7 @@ from floatxq.dispatch.fp8 import (
     quantize_fp8_weight_auto,
     select_fp8_route,
 )
+from floatxq.dispatch.gsq import GSQ_ROUTES, gsq_route, refine_fp8_codes_auto
 from floatxq.dispatch.mlx import (
     FP8_ENCODE_MIN_ELEMENTS,
     PREFILL_MAX_IN,
@@ -74,6 +76,7 @@ __all__ = [
     "FP4_W4A4_ROUTES",
     "FP8_ENCODE_MIN_ELEMENTS",
     "GPTQ_DECODE_ROUTE",
+    "GSQ_ROUTES",
     "MLX_ENCODER_MIN_ELEMENTS",
     "NVFP4_GPTQ_ROUTES",
     "PREFILL_MAX_IN",
@@ -92,6 +95,7 @@ __all__ = [
     "fp8_pack_reason",
     "fp8_scaled_route",
     "gptq_route",
+    "gsq_route",
     "mlx_encoder_reason",
     "mlx_fp8_encode_route",
     "mlx_packed_route",
@@ -102,6 +106,7 @@ __all__ = [
     "nvfp4_pack_reason",
     "pack_activation",
     "quantize_fp8_weight_auto",
+    "refine_fp8_codes_auto",
     "rows_bucket",
     "select_fp8_route",
     "stream_pack_reason",

@@ -15,8 +15,7 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from floatxq.config import FP8Config
-from floatxq.dispatch import quantize_fp8_weight_auto
-from floatxq.gsq import refine_fp8_codes
+from floatxq.dispatch import quantize_fp8_weight_auto, refine_fp8_codes_auto
 from floatxq.interop.export_gptq import output_embedding_names
 from floatxq.lifecycle.swap import swap_modules
 from floatxq.nn.fp8_linear import TorchFP8Linear, _source_matrix
@@ -137,7 +136,7 @@ def fp8_module(
         weight_block_size=config.weight_block_size,
     )
     h = None if hessian is None else hessian.to(work)
-    result = refine_fp8_codes(weight, q.qweight, q.scale_inv, hessian=h, config=gsq)
+    result = refine_fp8_codes_auto(weight, q.qweight, q.scale_inv, hessian=h, config=gsq)
     built = TorchFP8Linear.from_quantized(
         result.codes.to(home),
         q.scale_inv.to(home),

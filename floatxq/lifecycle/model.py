@@ -335,7 +335,8 @@ class QuantizedModel:
             )
         plan = plan_nvfp4 if nvfp4 else plan_fp8
         run = quantize_nvfp4_calibrated if nvfp4 else quantize_fp8_calibrated
-        total = sum(p.config is not None for p in plan(self.model, config))  # type: ignore[arg-type]
+        planned = [p.name for p in plan(self.model, config) if p.config is not None]  # type: ignore[arg-type]
+        total = len(planned)
         prepared = self._prepared(calibration, batch_size, tokenizer, options)
         work = self.device or _default_work_device(self.model)
         callback, bar = _progress(progress, total, "nvfp4 quantize" if nvfp4 else "fp8 gsq")
@@ -350,7 +351,7 @@ class QuantizedModel:
         self.report = report
         self.quantize_seconds = time.perf_counter() - start
         self.quantized = True
-        self.quantized_modules = [m.name for m in report.modules]
+        self.quantized_modules = planned  # every FP8/NVFP4 module, refined by GSQ or not
         return self
 
     def _quantize_gptq(
