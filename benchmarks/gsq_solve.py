@@ -11,6 +11,11 @@ per-input scales (so the Hessian is far from the identity) go through
 untimed warm-up call on a small problem (which pays the compile). Printed: seconds
 per module, the layer's total and ×32 (the 8B model's refinement time), objective before →
 after, codes changed, and ``torch.cuda.max_memory_allocated``.
+
+``--profile`` times one step's parts instead, at 4096², 1024×4096 and 4096×14336 with 5
+candidates on random FP64 state (mean of 20 calls): the FP64 GEMM ``e·H`` (FP32's beside it),
+and the two elementwise halves (``floatxq.gsq._soft_error``, ``_adam_update``) eager and
+compiled (``floatxq.kernels.gsq``).
 """
 
 import argparse
@@ -44,6 +49,53 @@ def hessian(k: int, tokens: int, device: torch.device, seed: int) -> torch.Tenso
     return 2.0 * x.T @ x / tokens
 
 
+def _ms(fn, repeats: int = 20) -> float:
+    """Mean milliseconds of ``fn()`` on CUDA after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def profile(device: torch.device, candidates: int = 5) -> dict:
+    """Milliseconds of one step's parts at three shapes: the FP64 GEMM ``e·H`` (and FP32's, for
+    comparison), and each elementwise half eager and compiled (random FP64 state)."""
+    from floatxq.gsq import NOISE_TABLE_BITS, _adam_update, _soft_error
+    from floatxq.kernels.gsq import compiled_steps
+
+    out = {}
+    f64 = {"device": device, "dtype": torch.float64}
+    for rows, cols in ((4096, 4096), (1024, 4096), (4096, 14336)):
+        h = torch.randn(cols, cols, **f64)
+        h = h @ h.T / cols
+        e = torch.randn(rows, cols, **f64)
+        e32, h32 = e.float(), h.float()
+        row = {"dgemm": _ms(lambda e=e, h=h: e @ h), "sgemm": _ms(lambda a=e32, b=h32: a @ b)}
+        del h32, e32
+        theta = torch.randn(rows, cols, candidates, **f64)
+        m, v, values = torch.zeros_like(theta), torch.zeros_like(theta), torch.randn_like(theta)
+        w, slope = torch.randn(rows, cols, **f64), torch.randn(rows, cols, **f64)
+        table = torch.randn(1 << NOISE_TABLE_BITS, **f64)
+        size = 1 << NOISE_TABLE_BITS
+        ro = torch.randint(0, size, (rows,), device=device, dtype=torch.int32)
+        co = torch.randint(0, size, (cols, candidates), device=device, dtype=torch.int32)
+        s = torch.tensor(0.7, **f64)
+        for name, (soft, adam) in (("eager", (_soft_error, _adam_update)),
+                                   ("compiled", compiled_steps())):  # fmt: skip
+            p, err = soft(theta, table, ro, co, values, w, s)
+            args = (theta, table, ro, co, values, w, s)
+            row[f"soft_{name}"] = _ms(lambda f=soft, a=args: f(*a))
+            adam_args = (theta, m, v, p, values, w - err, slope, s, s)
+            row[f"adam_{name}"] = _ms(lambda f=adam, a=adam_args: f(*a))
+        out[f"{rows}x{cols}"] = row
+        print(f"{rows:5d}×{cols:<6d} " + "  ".join(f"{k} {v:.2f} ms" for k, v in row.items()),
+              flush=True)  # fmt: skip
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -57,6 +109,10 @@ def main() -> int:
         help="auto: floatxq.refine_fp8_codes_auto (compiled steps on CUDA); eager: the pure one",
     )  # fmt: skip
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="time one step's parts (GEMM, each elementwise half eager and compiled) and stop",
+    )  # fmt: skip
     args = parser.parse_args()
 
     from floatxq import GSQConfig, quantize_fp8_weight, refine_fp8_codes, refine_fp8_codes_auto
@@ -67,6 +123,11 @@ def main() -> int:
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     print(f"# GSQ solve  {datetime.date.today()}  {name}  torch {torch.__version__}", flush=True)
+    if args.profile:
+        parts = profile(device)
+        if args.out:
+            pathlib.Path(args.out).write_text(json.dumps({"profile": parts}, indent=1) + "\n")
+        return 0
     extra = {k: v for k, v in (("steps", args.steps), ("candidates", args.candidates)) if v}
     config = GSQConfig(**extra)
     w = torch.randn(64, 256, device=device).to(torch.bfloat16)  # warm-up

@@ -49,11 +49,22 @@ def _module_patterns(modules: Any) -> tuple[str, ...] | None:
                 f"modules[{i}]: expected a regular expression string, got "
                 f"{type(pattern).__name__} {pattern!r}"
             )
-        _check_rule_pattern(f"modules[{i}]={pattern}", pattern)
+        _module_pattern(i, pattern)
         patterns.append(str.__str__(pattern))
     if not patterns:
         raise ValueError("modules: an empty sequence selects nothing; pass None for every module")
     return tuple(patterns)
+
+
+def _module_pattern(i: int, pattern: str) -> RulePattern:
+    """``modules[i]`` compiled as dynamic rule patterns are (bounded matching), or ValueError
+    naming ``modules[i]``."""
+    try:
+        return _check_rule_pattern(pattern, pattern)
+    except ValueError as exc:
+        detail = str(exc).removeprefix("dynamic: rule key ")
+        detail = detail.removeprefix(repr(pattern[:80]) + ("..." if len(pattern) > 80 else ""))
+        raise ValueError(f"modules[{i}] {pattern[:80]!r}{detail}") from None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True, init=False)
@@ -148,9 +159,7 @@ class GSQConfig:
             _positive_int(max_candidate_bytes, where="max_candidate_bytes"),
         )
         set_field(self, "learn_scales", False)
-        compiled = tuple(
-            _check_rule_pattern(f"modules[{i}]={p}", p) for i, p in enumerate(patterns or ())
-        )
+        compiled = tuple(_module_pattern(i, p) for i, p in enumerate(patterns or ()))
         set_field(self, "_patterns", compiled)
 
     def selects(self, module_name: str) -> bool:

@@ -1,8 +1,10 @@
 """The FP8 weight-only lifecycle: which modules are quantized, and swapping them one at a time.
 
-This is the only code that mutates a model for FP8: it walks the linear-like modules, resolves each
-one's effective :class:`~floatxq.config.FP8Config` (dynamic ``+:``/``-:`` rules, ``lm_head``), and
-replaces it by a :class:`~floatxq.nn.fp8_linear.TorchFP8Linear` built from its weight.
+It walks the linear-like modules, resolves each one's effective
+:class:`~floatxq.config.FP8Config` (dynamic ``+:``/``-:`` rules, ``lm_head``), and replaces it by a
+:class:`~floatxq.nn.fp8_linear.TorchFP8Linear` built from its weight (:func:`fp8_module`: round
+to nearest, then GSQ's refinement of the codes where the config's ``gsq`` selects the module).
+Calibrated GSQ runs layer by layer in :mod:`floatxq.lifecycle.fp8_gsq` on these pieces.
 """
 
 import time
