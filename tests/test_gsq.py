@@ -7,6 +7,7 @@ it does not select as round to nearest bit for bit, rolls back on failure and is
 """
 
 import re
+import shutil
 
 import pytest
 import torch
@@ -307,6 +308,48 @@ def test_the_seed_drives_the_relaxation():
 
 def _u8(codes: torch.Tensor) -> torch.Tensor:
     return codes.view(torch.uint8)
+
+
+# ------------------------------------------------------------------------------------------------
+# the route: compiled step halves give the eager bytes
+
+
+def test_the_route_is_eager_off_cuda_and_compiled_on_cuda(monkeypatch):
+    import floatxq.dispatch.gsq as route_module
+
+    route, reason = gsq_route(torch.device("cpu"))
+    assert route == "eager" and "cpu" in reason
+    monkeypatch.setattr(route_module, "triton_unavailable_reason", lambda device: None)
+    assert gsq_route(torch.device("cuda", 0)) == ("compiled", None)
+    monkeypatch.setattr(route_module, "triton_unavailable_reason", lambda device: "no triton")
+    assert gsq_route(torch.device("cuda", 0)) == ("eager", "no triton")
+
+
+@pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="Inductor compiles for the CPU with a C++ toolchain",
+)
+def test_the_compiled_step_halves_give_the_eager_bytes():
+    # The CUDA route's twin, compiled for the CPU here (CUDA: the gpu test below): fuzzed shapes,
+    # ragged and empty ones included, both formats, row and block scales.
+    from floatxq.kernels.gsq import refine_fp8_codes_compiled
+
+    problems = [
+        (0, 24, "e4m3", "row", None),
+        (1, 5, "e5m2", "row", None),
+        (33, 50, "e5m2", "block", (11, 25)),
+        (48, 80, "e4m3", "block", (16, 16)),
+    ]
+    changed = 0
+    for i, (rows, cols, fmt, method, block) in enumerate(problems):
+        w, q, h = _problem(100 + i, rows, cols, fmt, method, block)
+        config = fq.GSQConfig(steps=12, seed=i)
+        eager = fq.refine_fp8_codes(w, q.qweight, q.scale_inv, hessian=h, config=config)
+        compiled = refine_fp8_codes_compiled(w, q.qweight, q.scale_inv, hessian=h, config=config)
+        assert_bitwise_equal(_u8(compiled.codes), _u8(eager.codes))
+        assert int(compiled.changed) == int(eager.changed)
+        changed += int(eager.changed)
+    assert changed > 0
 
 
 # ------------------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def test_defaults_are_the_documented_ones():
         ("modules", 3, TypeError, "modules: expected a sequence"),
         ("modules", [r".*q_proj", 7], TypeError, r"modules\[1\]: expected a regular expression"),
         ("modules", [], ValueError, "modules: an empty sequence selects nothing"),
-        ("modules", ["(unclosed"], ValueError, r"^modules\[0\] '\(unclosed' is not a valid regular"),
+        ("modules", ["(unclosed"], ValueError, r"^modules\[0\] '\(unclosed' is not a valid"),
         ("max_candidate_bytes", 0, ValueError, "max_candidate_bytes: got 0"),
         ("max_candidate_bytes", 1.5, TypeError, "max_candidate_bytes: expected an int"),
         ("learn_scales", True, ValueError, "learn_scales: GSQ keeps the FP8 inverse scales"),
