@@ -101,17 +101,23 @@ class CheckpointError(ValueError):
     """
 
 
-def _unique_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop later names sharing storage with an earlier one (tied weights); CPU, contiguous."""
+def _unique_names(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names a save stores, in order: later names sharing storage with an earlier one (tied
+    weights) are dropped."""
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    out: dict[str, torch.Tensor] = {}
+    out: list[str] = []
     for name, tensor in state.items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if tensor.numel() and key in seen:
             continue
         seen.add(key)
-        out[name] = tensor.detach().to("cpu").contiguous()
+        out.append(name)
     return out
+
+
+def _unique_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop later names sharing storage with an earlier one (tied weights); CPU, contiguous."""
+    return {name: state[name].detach().to("cpu").contiguous() for name in _unique_names(state)}
 
 
 def _shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
