@@ -209,8 +209,8 @@ def plan_shards(
 
     Example:
       >>> plan = plan_shards([("w", torch.bfloat16, (2, 3))], 1 << 30)
-      >>> plan.shards[0].file, plan.shards[0].size
-      ('model.safetensors', 76)
+      >>> plan.shards[0].file, plan.shards[0].size  # 8 + 96 header bytes, then 12 data bytes
+      ('model.safetensors', 116)
     """
     if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool):
         raise ValueError(f"plan_shards: max_shard_bytes must be an int, got {max_shard_bytes!r}")
