@@ -2,6 +2,7 @@
 
 - :mod:`~floatxq.interop.checkpoint`: model directories written atomically; shared file names;
 - :mod:`~floatxq.interop.shards`: safetensors shards, headers and JSON files, checked as read;
+- :mod:`~floatxq.interop.stream_shards`: ``write_checkpoint``'s shards written tensor by tensor;
 - :mod:`~floatxq.interop.payload`: configs to and from ``quantization_config`` payloads;
 - :mod:`~floatxq.interop.layouts`: which layout a directory holds, decided from its metadata;
 - :mod:`~floatxq.interop.readers`: how each layout's module tensors become modules;
