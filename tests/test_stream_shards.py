@@ -5,6 +5,7 @@ index must be the very bytes ``write_checkpoint`` writes for the same state dict
 without ``finish`` (or SIGKILLed) is resumed by ``reopen`` from its last ``flush``.
 """
 
+import json
 import os
 import random
 import signal
@@ -206,12 +207,21 @@ def test_reopen_refuses_missing_records_and_damaged_shards(tmp_path):
     with pytest.raises(CheckpointError, match="nothing to resume"):
         ShardWriter.reopen(tmp_path / "none", plan)
     writer = ShardWriter(tmp_path / "out", plan)
+    record = json.loads((tmp_path / "out" / PROGRESS_FILE).read_text())
+    (tmp_path / "out" / PROGRESS_FILE).write_text(json.dumps({**record, "done": [0, 0]}))
+    with pytest.raises(CheckpointError, match="'done' must list distinct entry numbers below 41"):
+        ShardWriter.reopen(tmp_path / "out", plan)
     shard = tmp_path / "out" / plan.shards[1].file
     shard.write_bytes(shard.read_bytes()[:-1])
     with pytest.raises(CheckpointError, match="is not the planned shard"):
         ShardWriter.reopen(tmp_path / "out", plan)
     (tmp_path / "out" / PROGRESS_FILE).write_text('{"format": "floatxq-stream-shards"}')
     with pytest.raises(CheckpointError, match="not a version-1"):
+        ShardWriter.reopen(tmp_path / "out", plan)
+    (tmp_path / "out" / PROGRESS_FILE).write_text(
+        '{"format": "floatxq-stream-shards", "version": 1, "plan": [], "done": []}'
+    )
+    with pytest.raises(CheckpointError, match="holds no plan"):
         ShardWriter.reopen(tmp_path / "out", plan)
     del writer
     finished = tmp_path / "finished"

@@ -390,7 +390,10 @@ class ShardWriter:
                 f"ShardWriter.reopen: {record_file} is not a version-{_PROGRESS_VERSION} "
                 f"{_PROGRESS_FORMAT} record"
             )
-        differs = _plan_difference(record.get("plan") or {}, plan)
+        recorded = record.get("plan")
+        if not isinstance(recorded, dict):
+            raise CheckpointError(f"ShardWriter.reopen: {record_file} holds no plan")
+        differs = _plan_difference(recorded, plan)
         if differs is not None:
             raise ValueError(f"ShardWriter.reopen: plan differs from {record_file}: {differs}")
         done = record.get("done")
