@@ -211,6 +211,7 @@ def test_reopen_refuses_missing_records_and_damaged_shards(tmp_path):
     (tmp_path / "out" / PROGRESS_FILE).write_text(json.dumps({**record, "done": [0, 0]}))
     with pytest.raises(CheckpointError, match="'done' must list distinct entry numbers below 41"):
         ShardWriter.reopen(tmp_path / "out", plan)
+    (tmp_path / "out" / PROGRESS_FILE).write_text(json.dumps(record))
     shard = tmp_path / "out" / plan.shards[1].file
     shard.write_bytes(shard.read_bytes()[:-1])
     with pytest.raises(CheckpointError, match="is not the planned shard"):
