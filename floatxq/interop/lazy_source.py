@@ -9,6 +9,7 @@ whole-file read, no mmap kept open, no second copy. :func:`build_shell` builds t
 :func:`materialize` fills one submodule from the checkpoint and :func:`release` puts it back.
 """
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -349,9 +350,10 @@ def materialize(
 
     Each parameter and persistent buffer under ``prefix`` is read (:meth:`LazyCheckpoint.read`)
     and set as a new tensor; non-persistent buffers (rotary ``inv_freq``) are rebuilt by the
-    model's own ``_init_weights``, as ``from_pretrained`` rebuilds them. A tied parameter
-    (``lm_head.weight`` of a model that ties its embeddings) is the very parameter it is tied
-    to: the embedding's when that is materialized, else one read once and set on both.
+    model's own ``_init_weights``, as ``from_pretrained`` rebuilds them. Tied parameters
+    (``lm_head.weight`` and ``model.embed_tokens.weight`` of a model that ties its embeddings)
+    are one tensor: materializing either side shares the one the other holds, or reads it once
+    and gives it to both (so ``"lm_head"`` alone materializes the embedding too).
 
     Args:
       model: a shell from :func:`build_shell` (or one partly materialized).
@@ -390,27 +392,28 @@ def materialize(
         full = _full(prefix, name)
         want = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         plan[full] = (*_owner(module, name), tensor, want)
-    shared: dict[str, nn.Parameter] = {}
+    shared: dict[str, nn.Parameter] = {}  # stored name → the parameter set for it
     for full, (owner, leaf, like, want) in plan.items():
         stored = tied.get(full, full)
-        if stored in shared:
-            owner._parameters[leaf] = shared[stored]
-            continue
-        if stored != full:  # tied: share what the source holds, else read it for both
-            held = model.get_parameter(stored)
-            if not held.is_meta and held.device == target and held.dtype == want:
-                owner._parameters[leaf] = shared[stored] = held
+        group = [stored, *(t for t, s in tied.items() if s == stored)]  # one tensor, all names
+        if stored not in shared and len(group) > 1:  # tied: a partner may already hold it
+            for other in group:
+                held = model.get_parameter(other)
+                if not held.is_meta and held.device == target and held.dtype == want:
+                    shared[stored] = held
+                    break
+        if stored not in shared:
+            _stored(source, stored, like)
+            value = source.read([stored])[stored].to(device=target, dtype=want)
+            if leaf not in owner._parameters:
+                owner._buffers[leaf] = value
                 continue
-        _stored(source, stored, like)
-        value = source.read([stored])[stored].to(device=target, dtype=want)
-        if leaf in owner._parameters:
-            owner._parameters[leaf] = shared[stored] = _parameter(value, like)
-            if stored != full:
-                src_owner, src_leaf = _owner(model, stored)
-                src_owner._parameters[src_leaf] = shared[stored]
-        else:
-            owner._buffers[leaf] = value
-        del value
+            shared[stored] = _parameter(value, like)
+            del value
+        for other in group:  # every name of a tied tensor is given the one parameter
+            other_owner, other_leaf = _owner(model, other)
+            if other == full or other_owner._parameters[other_leaf].is_meta:
+                other_owner._parameters[other_leaf] = shared[stored]
     return module
 
 
@@ -474,7 +477,31 @@ def release(model: nn.Module, prefix: str) -> nn.Module:
         for leaf, buf in list(sub._buffers.items()):
             if buf is not None:
                 sub._buffers[leaf] = torch.empty_like(buf, device="meta")
+    _return_freed_memory()
     return module
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing).
+
+    Once a few megabyte-sized tensors are freed, glibc raises its mmap threshold and serves the
+    next ones from the heap, whose freed pages it keeps: without the trim a layer-by-layer walk
+    grows by most of a layer per layer (measured: 24 MB a 34 MB Llama layer), as if nothing
+    were released.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    import ctypes
+
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:  # pragma: no cover - no C library to ask
+        return None
 
 
 def storage_bytes(module: nn.Module) -> int:
