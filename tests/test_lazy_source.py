@@ -386,3 +386,18 @@ def test_layer_by_layer_peak_memory_is_two_layers_not_the_model(big_llama):
     kept = _peak(big_llama, "keep")  # holding every layer breaks the same budget: it can fail
     assert kept["peak"] >= kept["baseline"] + embed + head + 2 * layer + slack, kept
     assert kept["sum"] == measured["sum"]
+
+
+def test_whole_model_at_once_shares_the_tie_and_reads_each_tensor_once(sharded_tied, monkeypatch):
+    reference = _load_plain(sharded_tied, device=None, dtype=None)
+    shell, source = build_shell(sharded_tied), LazyCheckpoint(sharded_tied)
+    calls = _recording_preadv(monkeypatch) if Path("/proc/self/fd").is_dir() else None
+    materialize(shell, "", source)
+    assert shell.lm_head.weight is shell.model.embed_tokens.weight
+    stored = sum(i.end - i.begin for i in source.tensors.values())
+    buffers = sum(b.numel() * b.element_size() for b in shell.buffers())
+    assert storage_bytes(shell) == stored + buffers
+    if calls is not None:
+        assert sum(end - begin for _, begin, end in calls) == stored
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(_bits(shell.state_dict()[name]), _bits(tensor)), name
