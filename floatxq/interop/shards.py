@@ -54,10 +54,12 @@ _HEADER_FIELDS = ("dtype", "shape", "data_offsets")
 
 
 class _Header(NamedTuple):
-    """A checked safetensors header: tensor name → (dtype, shape), and ``__metadata__``."""
+    """A checked safetensors header: tensor name → (dtype, shape), ``__metadata__``, and each
+    tensor's data as ``[begin, end)`` byte offsets from the start of the file."""
 
     tensors: dict[str, tuple[str, tuple[int, ...]]]
     metadata: dict[str, str]
+    spans: dict[str, tuple[int, int]]
 
 
 def _kind(mode: int) -> str:
@@ -315,7 +317,12 @@ def _check_header(file: Path) -> _Header:
         raise CheckpointError(
             f"checkpoint: {file}: safetensors __metadata__ must map strings to strings, got None"
         )
-    return _Header(tensors, metadata or {})
+    start = 8 + header_len  # the data follows the header; safe_open checked these offsets
+    spans = {}
+    for name in tensors:
+        begin, end = header[name]["data_offsets"]
+        spans[name] = (start + begin, start + end)
+    return _Header(tensors, metadata or {}, spans)
 
 
 def _diagnosis(header: Any, data_start: int, size: int) -> str | None:
