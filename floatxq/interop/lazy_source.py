@@ -371,8 +371,7 @@ def materialize(
       ValueError: no such submodule; a non-persistent floating buffer ``_init_weights`` left
         unwritten.
 
-    Returns:
-      The submodule.
+    Returns the submodule.
 
     Numerics: bit-exact copies of the stored tensors where the dtypes agree; otherwise
       ``Tensor.to`` (round to nearest even), as ``from_pretrained`` casts.

@@ -315,6 +315,7 @@ def load(
     dtype: torch.dtype | None = None,
     backend: str | BACKEND = "auto",
     revision: str | None = None,
+    offload: str | None = None,
 ) -> QuantizedModel:
     """Load a model to quantize, a quantized checkpoint to run, or a native source to requantize.
 
@@ -342,6 +343,10 @@ def load(
         (:func:`~floatxq.config.backend_for_activation`); a loaded W4A checkpoint gets its saved
         activation scales and, on a Llama, the activation stream.
       revision: a Hub model's branch, tag or commit (Hub ids only).
+      offload: ``"disk"``: build the model without weights and read each decoder layer from
+        the checkpoint's shards when ``quantize(out=...)`` reaches it, writing the result as
+        layers finish (``docs/offload.md``; a plain checkpoint directory and a
+        ``quantize_config`` needed).
 
     Raises:
       CheckpointError (a ValueError): missing/corrupt/truncated files, inconsistent tensors, a
@@ -358,6 +363,8 @@ def load(
         return _load_mlx(model_or_path, quantize_config=quantize_config, device=device, dtype=dtype)
     dev = torch.device(device) if device is not None else None
     config = _as_config(quantize_config) if quantize_config is not None else None
+    if offload is not None:
+        return _load_offloaded(model_or_path, config, offload, dev, dtype, backend, revision)
     gptq = isinstance(config, GPTQConfig)
     if isinstance(model_or_path, nn.Module):
         chosen = _backend_for(backend, config)
@@ -430,6 +437,40 @@ def load(
     chosen = _backend_for(backend, config)
     model = _load_plain(path, device=None if gptq else dev, dtype=dtype)
     loaded = QuantizedModel(model, quantize_config=config, backend=chosen, source=path, device=dev)
+    return loaded
+
+
+def _load_offloaded(
+    model_or_path: Any, config: Any, offload: Any, dev: Any, dtype: Any, backend: Any, revision: Any
+) -> QuantizedModel:
+    """``load(..., offload="disk")``: the shell of a plain checkpoint, its long-lived pieces
+    read (:func:`~floatxq.lifecycle.offload.load_offloaded`)."""
+    from floatxq.lifecycle.offload import OFFLOAD_MODES, load_offloaded
+
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(
+            f"load: offload must be None or one of {list(OFFLOAD_MODES)}, got {offload!r}"
+        )
+    if not isinstance(model_or_path, (str, os.PathLike)):
+        raise TypeError(
+            f"load: offload={offload!r} reads a checkpoint directory layer by layer; got "
+            f"{type(model_or_path).__name__} (an nn.Module is already in memory)"
+        )
+    if config is None:
+        raise ValueError(f"load: offload={offload!r} needs a quantize_config (it only quantizes)")
+    path = resolve_model(model_or_path, revision=revision)
+    payload = read_json(path / CONFIG_FILE, what="load")
+    if "quantization_config" in payload:
+        raise ValueError(
+            f"load: offload={offload!r} quantizes a plain checkpoint; {path} is already "
+            f"quantized (config.json has a quantization_config)"
+        )
+    shell, source = load_offloaded(path, dtype=dtype)
+    loaded = QuantizedModel(
+        shell, quantize_config=config, backend=_backend_for(backend, config), source=path,
+        device=dev,
+    )  # fmt: skip
+    loaded.offload = source
     return loaded
 
 

@@ -105,6 +105,9 @@ class QuantizedModel:
         self.save_layout: str | None = None
         """The layout given to ``quantize(layout=...)``: checked before the work, and the layout
         ``save()`` writes when given none."""
+        self.offload: Any = None
+        """``load(..., offload="disk")``: the :class:`~floatxq.lifecycle.offload.OffloadSource`
+        the decoder layers are read from; ``quantize(out=...)`` writes the checkpoint."""
 
     def check_save_layout(self, layout: str | None = None) -> str:
         """Refuse, before any work, a save ``layout`` that cannot hold this model once quantized
@@ -145,6 +148,9 @@ class QuantizedModel:
         overflow: str = "refuse",
         num_samples: int | None = None,
         text_column: str = "text",
+        out: str | os.PathLike[str] | None = None,
+        overwrite: bool = False,
+        max_shard_size: int | str = "4GB",
     ) -> "QuantizedModel":
         """Quantize the model's linear modules in place.
 
@@ -173,6 +179,9 @@ class QuantizedModel:
           num_samples: GPTQ: use at most this many samples (windows with ``"chunk"``).
           text_column: GPTQ: the column of a ``datasets`` Dataset (or the key of mapping
             samples) that holds the text.
+          out, overwrite, max_shard_size: ``offload="disk"`` only: the checkpoint written as
+            layers finish (``docs/offload.md``), as :meth:`save` takes them; ``resume=True``
+            finishes a run cut short.
 
         Raises:
           RuntimeError: no quantize_config, or the model is already quantized.
@@ -197,6 +206,10 @@ class QuantizedModel:
             raise RuntimeError("quantize: this model is already quantized")
         if not isinstance(resume, bool):
             raise TypeError(f"quantize: resume must be a bool, got {type(resume).__name__}")
+        if self.offload is not None or out is not None:
+            return self._quantize_offloaded(
+                out, layout, resume, overwrite, max_shard_size, progress
+            )
         self._check_resume(resume)
         if layout is not None:
             from floatxq.lifecycle.layout_check import check_layout
@@ -252,6 +265,42 @@ class QuantizedModel:
             from floatxq.lifecycle.fp8_gsq import FP8RunReport
 
             self.report = FP8RunReport(tuple(gsq_reports), 0, 0, 0, self.quantize_seconds)
+        self.quantized = True
+        return self
+
+    def _quantize_offloaded(
+        self, out: Any, layout: Any, resume: bool, overwrite: bool, size: Any, progress: Any
+    ) -> "QuantizedModel":
+        """``offload="disk"``: layer by layer from the shards, written to ``out`` as it goes
+        (:func:`~floatxq.lifecycle.offload.quantize_offloaded`)."""
+        from floatxq.lifecycle.offload import quantize_offloaded
+
+        if self.offload is None:
+            raise ValueError(
+                "quantize: out= is for models loaded with offload='disk' (written as layers "
+                "finish); call save(path) after quantize()"
+            )
+        if out is None:
+            raise ValueError(
+                "quantize: a model loaded with offload='disk' is written as its layers finish; "
+                "pass out=DIRECTORY"
+            )
+        from floatxq.lifecycle.decoder import decoder_layers
+
+        layers = len(decoder_layers(self.model)[1])
+        callback, bar = _progress(progress, layers, "offloaded layers")
+        try:
+            report = quantize_offloaded(
+                self, out=out, layout=layout, resume=resume, overwrite=overwrite,
+                max_shard_bytes=_parse_size(size),
+                work_device=self.device or _default_work_device(self.model),
+                on_layer=None if callback is None else lambda i, n: callback(f"layer {i}"),
+            )  # fmt: skip
+        finally:
+            if bar is not None:
+                bar.close()
+        self.report = report
+        self.quantize_seconds = report.seconds
         self.quantized = True
         return self
 
