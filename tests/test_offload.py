@@ -23,6 +23,8 @@ CONFIGS = {
     "row": fq.FP8Config(),
     "block-gsq": fq.FP8Config(weight_block_size=[128, 128], gsq=fq.GSQConfig()),
     "e5m2-lm_head": fq.FP8Config(format="e5m2", lm_head=True, dynamic={"-:.*k_proj": {}}),
+    "nvfp4-fused": fq.NVFP4Config(global_scale="fused"),
+    "nvfp4-nvidia-lm_head": fq.NVFP4Config(recipe="nvidia", lm_head=True),
 }
 
 
@@ -33,7 +35,7 @@ def _same_files(a: Path, b: Path) -> None:
         assert filecmp.cmp(a / name, b / name, shallow=False), name
 
 
-def _in_memory(config: fq.FP8Config, out: Path, **save) -> Path:
+def _in_memory(config, out: Path, **save) -> Path:
     fq.load(TINY_LLAMA_DIR, quantize_config=config).quantize(progress=False).save(out, **save)
     return out
 
@@ -41,15 +43,20 @@ def _in_memory(config: fq.FP8Config, out: Path, **save) -> Path:
 @pytest.mark.parametrize("key", list(CONFIGS))
 def test_the_offloaded_run_writes_the_in_memory_runs_files(tmp_path, key):
     config = CONFIGS[key]
-    save = {"layout": "gptqmodel"} if config.format == "float8_e5m2" else {}
+    save = {"layout": "gptqmodel"} if getattr(config, "format", None) == "float8_e5m2" else {}
     reference = _in_memory(config, tmp_path / "memory", **save)
     model = fq.load(TINY_LLAMA_DIR, quantize_config=config, offload="disk")
     model.quantize(out=tmp_path / "offload", progress=False, **save)
     _same_files(reference, tmp_path / "offload")
     assert model.quantized and model.report.layers == 8 and model.report.resumed_layers == 0
+    if isinstance(config, fq.NVFP4Config):
+        _same_files(_in_memory(config, tmp_path / "memory-mo", layout="modelopt"),
+                    fq.load(TINY_LLAMA_DIR, quantize_config=config, offload="disk")
+                    .quantize(out=tmp_path / "offload-mo", layout="modelopt", progress=False)
+                    .report.out)  # fmt: skip
     assert not partial_dir(tmp_path / "offload").exists()
     loaded = fq.load(tmp_path / "offload")
-    assert loaded.quantize_config == config
+    assert loaded.quantize_config == fq.load(reference).quantize_config
 
 
 def test_many_shards_are_the_in_memory_runs_shards(tmp_path):

@@ -19,9 +19,8 @@ norm, ``lm_head``, rotary tables. They are read when the model is loaded. Quanti
    A run cut short leaves a staging folder that ``quantize(..., resume=True)`` with the same
    settings finishes, skipping the layers already flushed.
 
-FP8 (weight-only, GSQ weight-only included) runs this way today; the calibrated methods (GPTQ,
-NVFP4 GPTQ / W4A4, calibrated GSQ) and NVFP4 round to nearest are refused with
-``offload="disk"``.
+FP8 (GSQ weight-only included) and NVFP4 round to nearest run this way today; the calibrated
+methods (GPTQ, NVFP4 GPTQ / W4A4, calibrated GSQ) are refused with ``offload="disk"``.
 """
 
 import resource
@@ -33,15 +32,18 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from floatxq.config import FP8Config
+from floatxq.config import FP8Config, NVFP4Config
 from floatxq.interop.checkpoint import SIDE_FILES, _unique_names
 from floatxq.interop.export import _export, _modules, normalize_layout
 from floatxq.interop.lazy_source import LazyCheckpoint, build_shell, materialize, release
-from floatxq.interop.payload import fp8_config_to_payload
+from floatxq.interop.payload import fp8_config_to_payload, nvfp4_config_to_payload
 from floatxq.interop.stream_save import write_checkpoint_streamed
 from floatxq.interop.stream_shards import ShardWriter, plan_shards
 from floatxq.lifecycle.decoder import decoder_layers
 from floatxq.lifecycle.fp8 import GSQModuleReport, _check_divisible, fp8_module, plan_fp8
+from floatxq.lifecycle.nvfp4 import _own_amax, fused_amax, plan_nvfp4
+from floatxq.lifecycle.nvfp4 import _quantized as _nvfp4_quantized
+from floatxq.nn.fp4_linear import TorchFP4Linear
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
 __all__ = [
@@ -105,6 +107,80 @@ def load_offloaded(path: Path, *, dtype: torch.dtype | None) -> tuple[nn.Module,
     return shell, OffloadSource(path, checkpoint, dtype, layers_name, tuple(resident))
 
 
+class _Method(NamedTuple):
+    """How one method plans, builds and quantizes offloaded modules."""
+
+    plans: Callable[[nn.Module], list[tuple[str, Any]]]
+    """``(name, resolved config)`` of every module the run quantizes (checked first)."""
+    empty: Callable[[nn.Module, Any], nn.Module]
+    """The quantized module of an original, empty, on the meta device."""
+    quantize: Callable[[nn.Module, list[str], dict[str, Any], torch.device], list[Any]]
+    """Quantize these modules of the shell in place (their weights read); their reports."""
+    run: Callable[[], Any]
+    """The settings as JSON (a resumed run must give the same)."""
+
+
+def _fp8_method(config: FP8Config) -> _Method:
+    def plans(shell: nn.Module) -> list[tuple[str, Any]]:
+        found = [(p.name, p.config) for p in plan_fp8(shell, config) if p.config is not None]
+        for module_name, cfg in found:
+            _check_divisible(module_name, shell.get_submodule(module_name), cfg)
+        return found
+
+    def empty(original: nn.Module, cfg: Any) -> nn.Module:
+        return TorchFP8Linear.empty_like(
+            original, format=cfg.format, weight_scale_method=cfg.weight_scale_method,
+            weight_block_size=cfg.weight_block_size, device="meta",
+        )  # fmt: skip
+
+    def quantize(shell: nn.Module, names: list[str], cfgs: dict, work: torch.device) -> list:
+        reports = []
+        for module_name in names:
+            module = shell.get_submodule(module_name)
+            built, report = fp8_module(module_name, module, cfgs[module_name], work_device=work)
+            shell.set_submodule(module_name, built)
+            reports += [report] if report is not None else []
+        return reports
+
+    return _Method(plans, empty, quantize, lambda: fp8_config_to_payload(config))
+
+
+def _nvfp4_method(config: NVFP4Config) -> _Method:
+    def plans(shell: nn.Module) -> list[tuple[str, Any]]:
+        return [(p.name, p.config) for p in plan_nvfp4(shell, config) if p.config is not None]
+
+    def empty(original: nn.Module, cfg: Any) -> nn.Module:
+        out_features, in_features = original.weight.shape
+        return TorchFP4Linear(
+            in_features, out_features, bias=original.bias is not None,
+            dtype=original.weight.dtype, device="meta",
+        )  # fmt: skip
+
+    def quantize(shell: nn.Module, names: list[str], cfgs: dict, work: torch.device) -> list:
+        fused = config.global_scale == "fused"  # siblings share a layer: all read by now
+        amax = fused_amax(shell, names) if fused else _own_amax(shell, names)
+        for module_name in names:
+            module = shell.get_submodule(module_name)
+            home = module.weight.device
+            built = _nvfp4_quantized(module.to(work), amax[module_name], cfgs[module_name].recipe)
+            shell.set_submodule(module_name, built.to(home))
+        return []
+
+    return _Method(plans, empty, quantize, lambda: nvfp4_config_to_payload(config))
+
+
+def _method(config: Any) -> _Method:
+    if isinstance(config, FP8Config) and not config.needs_calibration:
+        return _fp8_method(config)
+    if isinstance(config, NVFP4Config) and not config.needs_calibration:
+        return _nvfp4_method(config)
+    raise ValueError(
+        "quantize: offload='disk' quantizes FP8 (round to nearest, GSQ weight-only) and NVFP4 "
+        "round to nearest so far; load the model without offload for GPTQ, NVFP4 GPTQ or W4A4 "
+        "and calibrated GSQ"
+    )
+
+
 def _peak_host_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
@@ -138,45 +214,28 @@ def quantize_offloaded(
     """
     config = qm.quantize_config
     source: OffloadSource = qm.offload
-    if not isinstance(config, FP8Config) or config.needs_calibration:
-        raise ValueError(
-            "quantize: offload='disk' quantizes FP8 (round to nearest, GSQ weight-only) so far; "
-            "load the model without offload for GPTQ, NVFP4 or calibrated GSQ"
-        )
+    method = _method(config)
     start = time.perf_counter()
     if work_device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(work_device)
     shell = qm.model
     name = normalize_layout(layout or "compressed-tensors")
-    plans = [p for p in plan_fp8(shell, config) if p.config is not None]
-    for plan in plans:
-        _check_divisible(plan.name, shell.get_submodule(plan.name), plan.config)  # type: ignore[arg-type]
+    plans = method.plans(shell)
     layers_name, layers = decoder_layers(shell)
-    inside = {p.name: p.config for p in plans if p.name.startswith(f"{layers_name}.")}
-    reports: list[GSQModuleReport] = []
-    outside = {p.name: shell.get_submodule(p.name) for p in plans if p.name not in inside}
-    for plan in plans:  # outside the layers (lm_head=True): quantized now, on the CPU
-        if plan.name in outside:
-            built, report = fp8_module(plan.name, outside[plan.name], plan.config)
-            shell.set_submodule(plan.name, built)
-            reports += [report] if report is not None else []
+    inside = {n: cfg for n, cfg in plans if n.startswith(f"{layers_name}.")}
+    outside = {n: shell.get_submodule(n) for n, _ in plans if n not in inside}
+    # outside the layers (lm_head=True): quantized now, on the CPU
+    reports: list[Any] = method.quantize(shell, list(outside), dict(plans), torch.device("cpu"))
     originals = {n: shell.get_submodule(n) for n in inside}
     for module_name, cfg in inside.items():  # the layers' target structure, on meta
-        shell.set_submodule(
-            module_name,
-            TorchFP8Linear.empty_like(
-                originals[module_name], format=cfg.format,
-                weight_scale_method=cfg.weight_scale_method,
-                weight_block_size=cfg.weight_block_size, device="meta",
-            ),
-        )  # fmt: skip
+        shell.set_submodule(module_name, method.empty(originals[module_name], cfg))
     planned = _export(shell, _modules(shell), config, name)
     entries = _entries(planned.state)
     shards = plan_shards(entries, max_shard_bytes)
     hf = shell.config.to_dict()
     hf["quantization_config"] = planned.quantization_config
     run = {
-        "source": str(source.path), "layout": name, "config": fp8_config_to_payload(config),
+        "source": str(source.path), "layout": name, "config": method.run(),
         "dtype": str(source.dtype), "max_shard_bytes": max_shard_bytes,
     }  # fmt: skip
     counts = {"done": 0, "resumed": 0}
@@ -193,7 +252,7 @@ def quantize_offloaded(
                 counts["resumed"] += 1
             else:
                 _quantize_layer(shell, index, source, inside, originals, work_device, reports,
-                                on_module)  # fmt: skip
+                                on_module, method)  # fmt: skip
                 exported = _export(shell, _modules(shell), config, name).state
                 for entry in names:
                     writer.write(entry, exported[entry])
@@ -236,24 +295,20 @@ def _quantize_layer(
     inside: dict[str, Any],
     originals: dict[str, nn.Module],
     work_device: torch.device,
-    reports: list[GSQModuleReport],
+    reports: list[Any],
     on_module: Callable[[str], None] | None,
+    method: _Method,
 ) -> None:
-    """Read decoder layer ``index`` from the shards (CPU) and quantize its planned modules, each
-    as the in-memory run does (:func:`~floatxq.lifecycle.fp8.fp8_module`)."""
+    """Read decoder layer ``index`` from the shards (CPU) and quantize its planned modules as
+    the in-memory run does (:func:`~floatxq.lifecycle.fp8.fp8_module`, NVFP4's
+    round to nearest), each original's storage released as soon as it is replaced."""
     prefix = f"{source.layers_name}.{index}"
     here = [n for n in inside if n.startswith(f"{prefix}.")]
     for module_name in here:
         shell.set_submodule(module_name, originals[module_name])
     materialize(shell, prefix, source.checkpoint, device="cpu", dtype=source.dtype)
+    reports += method.quantize(shell, here, inside, work_device)
     for module_name in here:
-        module = shell.get_submodule(module_name)
-        built, report = fp8_module(
-            module_name, module, inside[module_name], work_device=work_device
-        )
-        shell.set_submodule(module_name, built)
-        release(originals[module_name], "")  # the original's storage goes at once
-        if report is not None:
-            reports.append(report)
+        release(originals[module_name], "")
         if on_module is not None:
             on_module(module_name)
