@@ -33,6 +33,10 @@ import torch
 import transformers
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from floatxq.testing.checkpoints import write_random_llama  # noqa: E402
+
 GIB = 2**30
 
 CHILD = textwrap.dedent(
@@ -69,24 +73,7 @@ def build(path: pathlib.Path) -> dict[str, int]:
         num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False,
         dtype="bfloat16",
     )  # fmt: skip
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    model = model.to(torch.bfloat16).to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
-    sizes = {
-        "embeddings": model.model.embed_tokens.weight.numel() * 2,
-        "lm_head": model.lm_head.weight.numel() * 2,
-        "layer": sum(p.numel() * 2 for p in model.model.layers[0].parameters()),
-        "total": sum(p.numel() * 2 for p in model.parameters()),
-    }
-    model.save_pretrained(path, max_shard_size="500MB")
-    return sizes
+    return write_random_llama(path, config, max_shard_size="500MB")
 
 
 def run(mode: str, src: pathlib.Path, dst: pathlib.Path) -> dict[str, float]:

@@ -25,6 +25,7 @@ from floatxq.interop.lazy_source import (
     tied_sources,
 )
 from floatxq.lifecycle.rebuild import _load_plain
+from floatxq.testing.checkpoints import write_random_llama
 from floatxq.tiny import TINY_LLAMA_DIR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -348,16 +349,8 @@ def big_llama(tmp_path_factory) -> Path:
         num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False,
         dtype="bfloat16",
     )  # fmt: skip
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    model = model.to(torch.bfloat16).to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.bfloat16) * 0.02)
     path = tmp_path_factory.mktemp("big")
-    model.save_pretrained(path, max_shard_size="100MB")
-    del model
+    write_random_llama(path, config, max_shard_size="100MB")
     return path
 
 

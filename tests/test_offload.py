@@ -15,6 +15,7 @@ import transformers
 
 import floatxq as fq
 from floatxq.interop.stream_save import RUN_FILE, partial_dir
+from floatxq.testing.checkpoints import write_random_llama
 from floatxq.tiny import TINY_LLAMA_DIR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,17 +174,8 @@ def test_peak_memory_is_the_long_lived_pieces_and_two_layers(tmp_path):
         num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False,
         dtype="bfloat16",
     )  # fmt: skip
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    model = model.to(torch.bfloat16).to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.bfloat16) * 0.02)
-    layer = sum(p.numel() * 2 for p in model.model.layers[0].parameters())
-    embed_and_head = 2 * config.vocab_size * config.hidden_size * 2
-    model.save_pretrained(tmp_path / "src", max_shard_size="100MB")
-    del model
+    sizes = write_random_llama(tmp_path / "src", config, max_shard_size="100MB")
+    layer, embed_and_head = sizes["layer"], sizes["embeddings"] + sizes["lm_head"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def measure(mode: str) -> dict[str, int]:

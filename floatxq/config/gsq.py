@@ -34,7 +34,8 @@ def _positive_real(value: Any, *, where: str) -> float:
     return number
 
 
-def _module_patterns(modules: Any) -> tuple[str, ...] | None:
+def _module_patterns(modules: Any) -> tuple[tuple[str, ...], tuple[RulePattern, ...]] | None:
+    """``modules`` as a tuple of patterns and their compiled forms, or None (every module)."""
     if modules is None:
         return None
     if isinstance(modules, str) or not isinstance(modules, Sequence):
@@ -42,18 +43,18 @@ def _module_patterns(modules: Any) -> tuple[str, ...] | None:
             f"modules: expected a sequence of regular expressions or None, got "
             f"{type(modules).__name__} {modules!r}"
         )
-    patterns = []
+    patterns, compiled = [], []
     for i, pattern in enumerate(modules):
         if not isinstance(pattern, str):
             raise TypeError(
                 f"modules[{i}]: expected a regular expression string, got "
                 f"{type(pattern).__name__} {pattern!r}"
             )
-        _module_pattern(i, pattern)
+        compiled.append(_module_pattern(i, pattern))
         patterns.append(str.__str__(pattern))
     if not patterns:
         raise ValueError("modules: an empty sequence selects nothing; pass None for every module")
-    return tuple(patterns)
+    return tuple(patterns), tuple(compiled)
 
 
 def _module_pattern(i: int, pattern: str) -> RulePattern:
@@ -139,7 +140,7 @@ class GSQConfig:
                 f"temperature_end: got {end!r} above temperature_start {start!r}; the "
                 f"temperature anneals downwards"
             )
-        patterns = _module_patterns(modules)
+        selected = _module_patterns(modules)
         set_field = object.__setattr__
         set_field(self, "enabled", _check_bool(enabled, where="enabled"))
         set_field(
@@ -152,15 +153,14 @@ class GSQConfig:
         set_field(self, "temperature_start", start)
         set_field(self, "temperature_end", end)
         set_field(self, "seed", _positive_int(seed, where="seed", low=0, high=2**63 - 1))
-        set_field(self, "modules", patterns)
+        set_field(self, "modules", None if selected is None else selected[0])
         set_field(
             self,
             "max_candidate_bytes",
             _positive_int(max_candidate_bytes, where="max_candidate_bytes"),
         )
         set_field(self, "learn_scales", False)
-        compiled = tuple(_module_pattern(i, p) for i, p in enumerate(patterns or ()))
-        set_field(self, "_patterns", compiled)
+        set_field(self, "_patterns", () if selected is None else selected[1])
 
     def selects(self, module_name: str) -> bool:
         """Whether the refinement runs on ``module_name``: enabled, and ``modules`` is None or

@@ -134,6 +134,12 @@ def write_checkpoint_streamed(
     """
     target = _save_target(path)
     timeout = _checked_timeout(lock_timeout)
+    for name in json_files or {}:  # before any work: the run may take hours
+        if name in (CONFIG_FILE, QUANTIZE_CONFIG_FILE, INDEX_FILE) or Path(name).name != name:
+            raise ValueError(
+                f"save: json_files names {name!r}; give a plain file name other than "
+                f"{CONFIG_FILE}, {QUANTIZE_CONFIG_FILE} and {INDEX_FILE}"
+            )
     _check_existing(target, overwrite)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -154,8 +160,6 @@ def write_checkpoint_streamed(
         for name, source in (extra_files or {}).items():
             shutil.copyfile(source, staging / name)
         for name, payload in (json_files or {}).items():
-            if name in (CONFIG_FILE, QUANTIZE_CONFIG_FILE, INDEX_FILE):
-                raise ValueError(f"save: json_files names {name!r}, a file written from config")
             _write_json(staging / name, dict(payload))
         for file in staging.iterdir():
             with open(file, "rb") as fh:

@@ -25,7 +25,7 @@ from torch import nn
 
 from floatxq.config import FP8Config
 from floatxq.lifecycle.calibration import CalibrationSet
-from floatxq.lifecycle.decoder import decoder_layers, output_embedding
+from floatxq.lifecycle.decoder import decoder_layers, device_of, output_embedding
 from floatxq.lifecycle.fp8 import (
     LINEAR_ONLY,
     GSQModuleReport,
@@ -112,7 +112,7 @@ def quantize_fp8_calibrated(
 
     reports: list[GSQModuleReport | None] = []
     rest = [n for n in targets if n not in inside]  # outside the decoder layers: weight-only
-    originals = {n: (model.get_submodule(n), _home(model.get_submodule(n))) for n in rest}
+    originals = {n: (model.get_submodule(n), device_of(model.get_submodule(n))) for n in rest}
 
     def build_rest(name: str, source: nn.Module) -> nn.Module:
         built, report = fp8_module(name, source, targets[name], work_device=device)
@@ -133,9 +133,3 @@ def quantize_fp8_calibrated(
         tuple(r for r in reports if r is not None), len(layers), calibration.samples,
         calibration.tokens, time.perf_counter() - start,
     )  # fmt: skip
-
-
-def _home(module: nn.Module) -> torch.device:
-    for tensor in module.parameters():
-        return tensor.device
-    return torch.device("cpu")
