@@ -150,14 +150,18 @@ def _check_png(png: Path) -> None:
 
 
 def _source_model(
-    model: str, *, device: str | None, quantize_config=None, revision: str | None = None
-):
+    model: str, *, device: str | None, quantize_config=None, revision: str | None = None,
+    offload: bool = False,
+):  # fmt: skip
     """The model ``floatxq.load`` resolves ``model`` to: the built-in tiny Llama for ``tiny``,
     a local directory, or a Hub id ``org/name`` (from the local Hub cache, downloaded unless
     ``HF_HUB_OFFLINE=1``; :func:`floatxq.lifecycle.loading.resolve_model`)."""
     import floatxq
 
-    return floatxq.load(model, device=device, quantize_config=quantize_config, revision=revision)
+    return floatxq.load(
+        model, device=device, quantize_config=quantize_config, revision=revision,
+        offload="disk" if offload else None,
+    )  # fmt: skip
 
 
 def _calibration(
@@ -259,6 +263,10 @@ def quantize(
     exclude: list[str] | None = typer.Option(None, help="Regex of modules to leave alone."),
     device: str | None = typer.Option(None, help="Device to quantize on (cpu, cuda)."),
     overwrite: bool = typer.Option(False, help="Replace an existing --out directory."),
+    offload: bool = typer.Option(
+        False, help="Read MODEL a decoder layer at a time, writing --out as it goes."
+    ),
+    resume: bool = typer.Option(False, help="With --offload: finish a run cut short."),
     layout: str | None = typer.Option(
         None,
         help="Checkpoint layout: compressed-tensors (the default; transformers with "
@@ -407,8 +415,8 @@ def quantize(
         # A calibrated config goes to load: the model then stays on CPU (one layer at a time on
         # --device) and a native FP8/NVFP4 source is requantized instead of refused.
         source = _source_model(
-            model, device=device, quantize_config=config if calibrated else None,
-            revision=revision,
+            model, device=device, quantize_config=config if calibrated or offload else None,
+            revision=revision, offload=offload,
         )  # fmt: skip
     if source.quantized:
         raise _fail(f"quantize: {model} is already quantized; pass the unquantized model")
@@ -433,8 +441,12 @@ def quantize(
     with _reported(DEVICE_ERRORS):
         source.quantize_config = config
         start = time.perf_counter()
+        if offload:
+            options.update(out=out, overwrite=overwrite, resume=resume)
         source.quantize(cal, batch_size=batch_size, progress=not _quiet(), layout=layout, **options)
-        written = source.save(out, layout=layout, overwrite=overwrite)
+        written = (
+            source.report.out if offload else source.save(out, layout=layout, overwrite=overwrite)
+        )
     if isinstance(config, floatxq.GPTQConfig):
         what = f"gptq {config.bits}-bit, group {config.group_size}"
     elif isinstance(config, floatxq.NVFP4Config):

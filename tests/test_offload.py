@@ -123,7 +123,7 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="out= is for models loaded with offload='disk'"):
         plain.quantize(out=tmp_path / "x", progress=False)
     gptq = fq.load(TINY_LLAMA_DIR, quantize_config=fq.GPTQConfig(), offload="disk")
-    with pytest.raises(ValueError, match="offload='disk' quantizes FP8"):
+    with pytest.raises(ValueError, match="calibrated .* needs calibration data"):
         gptq.quantize(out=tmp_path / "g", progress=False)
 
 

@@ -50,7 +50,13 @@ class _GptqFacts(NamedTuple):
 def _gptq_facts(module: nn.Module, name: str | None = None) -> _GptqFacts:
     """What ``module``'s buffers hold. Buffers that cannot be unpacked (NaN or infinite scales,
     words of the wrong shape; floatxq.load refuses them too) raise a CheckpointError (a
-    ValueError) naming module ``name``, when given."""
+    ValueError) naming module ``name``, when given. A module without values (meta buffers, an
+    offloaded run's plan) gives the facts it was planned with (its ``planned_facts``)."""
+    if module.qzeros.is_meta:
+        planned = getattr(module, "planned_facts", None)
+        if not isinstance(planned, _GptqFacts):
+            raise ValueError(f"export: module {name!r} has no values (meta) and no planned facts")
+        return planned
     try:
         zeros = module.unpacked().zeros
     except ValueError as exc:

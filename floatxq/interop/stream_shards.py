@@ -425,6 +425,11 @@ class ShardWriter:
         return self
 
     @property
+    def directory(self) -> Path:
+        """The folder the shards are written in."""
+        return self._directory
+
+    @property
     def done(self) -> frozenset[str]:
         """Tensors written and flushed (durable: a crash keeps them)."""
         return frozenset(self._done)

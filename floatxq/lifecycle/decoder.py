@@ -6,6 +6,7 @@ layer's outputs become the next one's inputs.
 """
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -93,6 +94,22 @@ class LayerInput(NamedTuple):
     """bool (batch, length): True on real tokens."""
 
 
+class LayerHooks(NamedTuple):
+    """How a layer-by-layer run walks a model whose decoder layers it does not hold (models
+    larger than memory, :mod:`floatxq.lifecycle.offload`): layers on the meta device, read when
+    their turn comes and handed off once quantized."""
+
+    enter: Callable[[int], None]
+    """Before layer ``index`` moves to the work device: give it storage (read it)."""
+    leave: Callable[[int, list[LayerInput]], None]
+    """Once layer ``index`` holds its quantized modules (on the work device), with the next
+    layer's inputs (the last layer's: stale unless the output embedding follows): write it and
+    release its storage."""
+    start: Callable[[list[LayerInput]], int]
+    """Given the first layer's inputs: the first layer to run (0; a resumed run's later layer,
+    the inputs' hidden states replaced by that layer's in place)."""
+
+
 def move_outside(model: nn.Module, skip: set[int], device: torch.device) -> None:
     """Move every module of ``model`` except those in ``skip`` (by id) to ``device``."""
 
@@ -160,7 +177,37 @@ def capture_inputs(
 
 
 def call_layer(layer: nn.Module, item: LayerInput) -> Any:
-    return layer(item.hidden, *item.args, **item.kwargs)
+    """Run ``layer`` on one batch: its hidden states on the work device (where the mask is)."""
+    return layer(item.hidden.to(item.mask.device), *item.args, **item.kwargs)
+
+
+def next_input(item: LayerInput, hidden: torch.Tensor) -> LayerInput:
+    """``item`` with the layer's output as its hidden states, kept where the input was (host
+    memory when the activations were spilled, :func:`spill_inputs`)."""
+    return item._replace(hidden=hidden.to(item.hidden.device))
+
+
+def activation_bytes(inputs: list[LayerInput]) -> int:
+    """The bytes of the hidden states of every batch."""
+    return sum(item.hidden.numel() * item.hidden.element_size() for item in inputs)
+
+
+def spill_inputs(inputs: list[LayerInput], budget: int | None) -> bool:
+    """Move every batch's hidden states to host memory (pinned when CUDA is there) when they
+    take more than ``budget`` bytes of the work device, in place; whether they moved.
+
+    The layers still run on the work device: :func:`call_layer` copies one batch at a time
+    there and :func:`next_input` copies its output back. The values are the same bytes.
+    """
+    if budget is None or not inputs or activation_bytes(inputs) <= budget:
+        return False
+    if inputs[0].hidden.device.type == "cpu":
+        return False
+    pin = torch.cuda.is_available()
+    for i, item in enumerate(inputs):
+        host = item.hidden.to("cpu")
+        inputs[i] = item._replace(hidden=host.pin_memory() if pin else host)
+    return True
 
 
 def kept_rows(x: torch.Tensor, mask: torch.Tensor, names: list[str]) -> torch.Tensor:

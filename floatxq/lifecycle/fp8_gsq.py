@@ -25,7 +25,7 @@ from torch import nn
 
 from floatxq.config import FP8Config
 from floatxq.lifecycle.calibration import CalibrationSet
-from floatxq.lifecycle.decoder import decoder_layers, device_of, output_embedding
+from floatxq.lifecycle.decoder import LayerHooks, decoder_layers, device_of, output_embedding
 from floatxq.lifecycle.fp8 import (
     LINEAR_ONLY,
     GSQModuleReport,
@@ -58,6 +58,8 @@ def quantize_fp8_calibrated(
     *,
     device: torch.device,
     on_module: Callable[[str], None] | None = None,
+    hooks: LayerHooks | None = None,
+    activation_budget: int | None = None,
 ) -> FP8RunReport:
     """Quantize ``model``'s planned linears to FP8 in place, GSQ weighted by calibration
     Hessians layer by layer (``config.gsq_calibration``).
@@ -69,6 +71,7 @@ def quantize_fp8_calibrated(
       device: the work device (one decoder layer, its Hessians and the activations at a time);
         each FP8 module is moved back to where its original lived.
       on_module: called with each module's name once it is quantized.
+      hooks, activation_budget: as :func:`~floatxq.lifecycle.gptq.quantize_gptq_model`'s.
 
     Returns:
       :class:`FP8RunReport` (a report per refined module).
@@ -124,6 +127,8 @@ def quantize_fp8_calibrated(
         reports += quantize_layerwise(
             model, [n for n in targets if n in inside], calibration, device=device,
             statistics=statistics, build=build, stand_in=DecodedStandIn, on_module=on_module,
+            hooks=hooks,
+            activation_budget=activation_budget,
         )  # fmt: skip
     except BaseException:
         for name, (module, home) in originals.items():

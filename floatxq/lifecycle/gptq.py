@@ -40,6 +40,7 @@ from floatxq.gptq.solve import GPTQSolveOptions, gptq_solve
 from floatxq.lifecycle.calibration import CalibrationSet
 from floatxq.lifecycle.decoder import (
     FINAL_NORM_NAMES,
+    LayerHooks,
     LayerInput,
     Stop,
     call_layer,
@@ -51,7 +52,9 @@ from floatxq.lifecycle.decoder import (
     kept_rows,
     layer_output,
     move_outside,
+    next_input,
     output_embedding,
+    spill_inputs,
 )
 from floatxq.lifecycle.gptq_replay import replay_outputs, replay_setup, replay_solve
 from floatxq.lifecycle.replay import RoundingMemo
@@ -480,6 +483,8 @@ def quantize_gptq_model(
     on_module: Callable[[str], None] | None = None,
     on_layer: Callable[[int, int], None] | None = None,
     reports: list[GPTQModuleReport] | None = None,
+    hooks: LayerHooks | None = None,
+    activation_budget: int | None = None,
 ) -> GPTQRunReport:
     """Quantize ``model`` with GPTQ in place, layer by layer (see the module docstring).
 
@@ -494,12 +499,19 @@ def quantize_gptq_model(
       on_layer: called with ``(index, count)`` once a layer is done.
       reports: a list each solved module's report is appended to as soon as it is solved (what
         a failed run did; the returned report holds the same); a new one when None.
+      hooks: for layers on the meta device (:class:`~floatxq.lifecycle.decoder.LayerHooks`):
+        each is read before it runs and handed off once solved; layers before ``hooks.start``'s
+        are not run.
+      activation_budget: the bytes of the work device the calibration activations may take;
+        beyond it they live in host memory, a batch copied over at a time (the same bytes).
+        None: no limit.
 
     Returns:
       :class:`GPTQRunReport`.
 
     Raises:
-      ValueError: any :func:`plan_gptq` refusal (raised before anything changes), non-finite
+      ValueError: any :func:`plan_gptq` refusal (raised before anything changes); an
+        ``activation_budget`` with an activation policy (its replay keeps them); non-finite
         calibration activations (naming the modules they reach), a module no batch reaches.
 
     On any exception the solved modules stay replaced by their ``GPTQLinear``, the others keep
@@ -516,6 +528,11 @@ def quantize_gptq_model(
     head = output_embedding(model)
     head_plan = targets.get(head[0]) if head is not None else None
     replay = replay_setup(model, config, targets, layers_name, layers, head_plan)
+    if replay is not None and activation_budget is not None:
+        raise ValueError(
+            "GPTQ: activation_budget is not taken with an activation policy, whose replay keeps "
+            "the calibration activations on the work device; leave it None"
+        )
     start = time.perf_counter()
     reports = [] if reports is None else reports
     activation_scales: dict[str, float] = {}
@@ -532,11 +549,20 @@ def quantize_gptq_model(
         with torch.no_grad():
             move_outside(model, skip, device)
             first = layers[0]
+            if hooks is not None:
+                hooks.enter(0)
             first.to(device)
             inputs = capture_inputs(model, first, calibration, device)
+            spill_inputs(inputs, activation_budget)
             move_outside(model, skip, outside_home)  # the embeddings are done with: off the device
+            begin = 0 if hooks is None else hooks.start(inputs)
             rows = calibration.tokens
             for index, layer in enumerate(layers):
+                if index < begin:
+                    layer.to(home[id(layer)])
+                    continue
+                if hooks is not None:
+                    hooks.enter(index)
                 layer.to(device)
                 prefix = f"{layers_name}.{index}."
                 names = [n for n in targets if n.startswith(prefix)]
@@ -558,7 +584,7 @@ def quantize_gptq_model(
                 if (not last or head_plan is not None) and replay is None:
                     for i, item in enumerate(inputs):
                         out = layer_output(call_layer(layer, item))
-                        inputs[i] = item._replace(hidden=out)
+                        inputs[i] = next_input(item, out)
                 elif not last:
                     replay_outputs(
                         layer, plan, inputs, replay.policy.global_scales, frozen, memo=memo
@@ -566,6 +592,8 @@ def quantize_gptq_model(
                 for name, built in solved.items():
                     model.set_submodule(name, built)
                 solved.clear()
+                if hooks is not None:
+                    hooks.leave(index, inputs)
                 layer.to(home[id(layer)])
                 if on_layer is not None:
                     on_layer(index, len(layers))
@@ -577,7 +605,9 @@ def quantize_gptq_model(
                 statistics = {"hessian": HESSIAN}
                 states = {"hessian": HESSIAN.init(features(module)[0], device=device)}
                 for item in inputs:
-                    states = fold_all(statistics, states, norm(item.hidden), mask=item.mask)
+                    states = fold_all(
+                        statistics, states, norm(item.hidden.to(device)), mask=item.mask
+                    )
                 hessian = _finalized(statistics, states, [name])["hessian"]
                 built, report = _solve_module(
                     name, module, hessian, head_plan.config, rows, None, device

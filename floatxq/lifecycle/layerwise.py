@@ -27,6 +27,7 @@ from torch import nn
 
 from floatxq.lifecycle.calibration import CalibrationSet
 from floatxq.lifecycle.decoder import (
+    LayerHooks,
     call_layer,
     capture_inputs,
     decoder_layers,
@@ -35,7 +36,9 @@ from floatxq.lifecycle.decoder import (
     final_norm,
     layer_output,
     move_outside,
+    next_input,
     output_embedding,
+    spill_inputs,
 )
 from floatxq.lifecycle.gptq import _finalized, _fold_group, _groups_by_input
 from floatxq.stats import Statistic, fold_all
@@ -90,9 +93,12 @@ def quantize_layerwise(
     build: Build,
     stand_in: Callable[[nn.Module], nn.Module],
     on_module: Callable[[str], None] | None = None,
+    hooks: LayerHooks | None = None,
+    activation_budget: int | None = None,
 ) -> list[Any]:
     """Replace ``names`` (linears of ``model``'s decoder layers, and its output embedding) by
-    ``build``'s modules, calibrated layer by layer; the reports in the order built.
+    ``build``'s modules, calibrated layer by layer; the reports in the order built. ``hooks``
+    and ``activation_budget``: as :func:`~floatxq.lifecycle.gptq.quantize_gptq_model`'s.
 
     Raises:
       ValueError: as ``build``; non-finite calibration activations (naming the modules).
@@ -124,10 +130,19 @@ def quantize_layerwise(
     try:
         with torch.no_grad():
             move_outside(model, skip, device)
+            if hooks is not None:
+                hooks.enter(0)
             layers[0].to(device)
             inputs = capture_inputs(model, layers[0], calibration, device)
+            spill_inputs(inputs, activation_budget)
             move_outside(model, skip, outside_home)
+            begin = 0 if hooks is None else hooks.start(inputs)
             for index, layer in enumerate(layers):
+                if index < begin:
+                    layer.to(home[id(layer)])
+                    continue
+                if hooks is not None:
+                    hooks.enter(index)
                 layer.to(device)
                 prefix = f"{layers_name}.{index}."
                 wanted = [(n, model.get_submodule(n)) for n in names if n.startswith(prefix)]
@@ -149,10 +164,13 @@ def quantize_layerwise(
                     del folded, states
                 if index < len(layers) - 1 or head_name is not None:
                     for i, item in enumerate(inputs):
-                        inputs[i] = item._replace(hidden=layer_output(call_layer(layer, item)))
+                        inputs[i] = next_input(item, layer_output(call_layer(layer, item)))
                 for name, built in solved.items():
                     model.set_submodule(name, built)
+                    originals[name].to(homes[name])  # kept for a rollback, off the work device
                 solved.clear()
+                if hooks is not None:
+                    hooks.leave(index, inputs)
                 layer.to(home[id(layer)])
             if head_name is not None and head is not None:
                 _head(model, head, inputs, layers_name, device, outside_home, statistics, replace)
@@ -192,7 +210,8 @@ def _head(
     needed = statistics([name])
     states = _states(needed, features(module)[0], device)
     for item in inputs:
-        hidden = norm(item.hidden) if norm is not None else item.hidden
+        hidden = item.hidden.to(device)
+        hidden = norm(hidden) if norm is not None else hidden
         states = fold_all(needed, states, hidden, mask=item.mask)
     folded = _finalized(needed, states, [name]) if needed else {}
     replace(name, module, folded, None)

@@ -151,6 +151,7 @@ class QuantizedModel:
         out: str | os.PathLike[str] | None = None,
         overwrite: bool = False,
         max_shard_size: int | str = "4GB",
+        activation_budget: int | str | None = None,
     ) -> "QuantizedModel":
         """Quantize the model's linear modules in place.
 
@@ -182,6 +183,9 @@ class QuantizedModel:
           out, overwrite, max_shard_size: ``offload="disk"`` only: the checkpoint written as
             layers finish (``docs/offload.md``), as :meth:`save` takes them; ``resume=True``
             finishes a run cut short.
+          activation_budget: calibrated methods: the bytes (or ``"8GB"``) of the work device the
+            calibration activations may take; beyond it they live in host memory, a batch copied
+            over at a time, with the same results. None: no limit.
 
         Raises:
           RuntimeError: no quantize_config, or the model is already quantized.
@@ -206,31 +210,32 @@ class QuantizedModel:
             raise RuntimeError("quantize: this model is already quantized")
         if not isinstance(resume, bool):
             raise TypeError(f"quantize: resume must be a bool, got {type(resume).__name__}")
+        options = {
+            "max_length": max_length,
+            "overflow": overflow,
+            "num_samples": num_samples,
+            "text_column": text_column,
+            "activation_budget": None
+            if activation_budget is None
+            else _parse_size(activation_budget),
+        }
         if self.offload is not None or out is not None:
+            prepared = None
+            if calibration is not None and self._calibrated():
+                prepared = self._prepared(calibration, batch_size, tokenizer, options)
             return self._quantize_offloaded(
-                out, layout, resume, overwrite, max_shard_size, progress
-            )
+                out, layout, resume, overwrite, max_shard_size, progress, prepared,
+                options["activation_budget"],
+            )  # fmt: skip
         self._check_resume(resume)
         if layout is not None:
             from floatxq.lifecycle.layout_check import check_layout
 
             self.save_layout = check_layout(self, None, layout, where="quantize")
         if isinstance(self.quantize_config, GPTQConfig):
-            options = {
-                "max_length": max_length,
-                "overflow": overflow,
-                "num_samples": num_samples,
-                "text_column": text_column,
-            }
             return self._quantize_gptq(calibration, batch_size, progress, tokenizer, options)
         nvfp4 = isinstance(self.quantize_config, NVFP4Config)
         if self.quantize_config.needs_calibration:
-            options = {
-                "max_length": max_length,
-                "overflow": overflow,
-                "num_samples": num_samples,
-                "text_column": text_column,
-            }
             return self._quantize_calibrated(calibration, batch_size, progress, tokenizer, options)
         kind = "NVFP4" if nvfp4 else "FP8"
         if calibration is not None:
@@ -268,9 +273,15 @@ class QuantizedModel:
         self.quantized = True
         return self
 
+    def _calibrated(self) -> bool:
+        """The method needs calibration data (GPTQ, NVFP4 GPTQ / W4A4, calibrated GSQ)."""
+        config = self.quantize_config
+        return isinstance(config, GPTQConfig) or bool(getattr(config, "needs_calibration", False))
+
     def _quantize_offloaded(
-        self, out: Any, layout: Any, resume: bool, overwrite: bool, size: Any, progress: Any
-    ) -> "QuantizedModel":
+        self, out: Any, layout: Any, resume: bool, overwrite: bool, size: Any, progress: Any,
+        calibration: Any, activation_budget: int | None,
+    ) -> "QuantizedModel":  # fmt: skip
         """``offload="disk"``: layer by layer from the shards, written to ``out`` as it goes
         (:func:`~floatxq.lifecycle.offload.quantize_offloaded`)."""
         from floatxq.lifecycle.offload import quantize_offloaded
@@ -294,14 +305,18 @@ class QuantizedModel:
                 self, out=out, layout=layout, resume=resume, overwrite=overwrite,
                 max_shard_bytes=_parse_size(size),
                 work_device=self.device or _default_work_device(self.model),
+                calibration=calibration, activation_budget=activation_budget,
                 on_layer=None if callback is None else lambda i, n: callback(f"layer {i}"),
             )  # fmt: skip
         finally:
             if bar is not None:
                 bar.close()
+        if bar is not None:  # the bar's closing line: time and peak memory
+            bar.write(report.describe())
         self.report = report
         self.quantize_seconds = report.seconds
         self.quantized = True
+        self.quantized_modules = list(report.names)
         return self
 
     def _check_resume(self, resume: bool) -> None:
@@ -391,7 +406,10 @@ class QuantizedModel:
         callback, bar = _progress(progress, total, "nvfp4 quantize" if nvfp4 else "fp8 gsq")
         start = time.perf_counter()
         try:
-            report = run(self.model, config, prepared, device=work, on_module=callback)  # type: ignore[arg-type]
+            report = run(
+                self.model, config, prepared, device=work, on_module=callback,  # type: ignore[arg-type]
+                activation_budget=options["activation_budget"],
+            )  # fmt: skip
         finally:
             if bar is not None:
                 bar.close()
@@ -439,7 +457,7 @@ class QuantizedModel:
                 else:
                     report = quantize_gptq_model(
                         self.model, config, prepared, device=work, on_module=callback,
-                        reports=reports,
+                        reports=reports, activation_budget=options["activation_budget"],
                     )  # fmt: skip
                     report = report._replace(modules=(*earlier, *report.modules))
             finally:

@@ -42,7 +42,7 @@ from floatxq.config import NVFP4Config
 from floatxq.dispatch.nvfp4_gptq import nvfp4_gptq_solve_auto
 from floatxq.kernels.nvfp4_qdq import nvfp4_activation_qdq
 from floatxq.lifecycle.calibration import CalibrationSet
-from floatxq.lifecycle.decoder import decoder_layers
+from floatxq.lifecycle.decoder import LayerHooks, decoder_layers
 from floatxq.lifecycle.gptq import _dense_weight
 from floatxq.lifecycle.layerwise import DecodedStandIn, quantize_layerwise
 from floatxq.lifecycle.nvfp4 import _own_amax, fused_amax, plan_nvfp4, round_trip_scale
@@ -167,6 +167,9 @@ def quantize_nvfp4_calibrated(
     *,
     device: torch.device,
     on_module: Callable[[str], None] | None = None,
+    hooks: LayerHooks | None = None,
+    activation_budget: int | None = None,
+    amax: dict[str, torch.Tensor] | None = None,
 ) -> NVFP4RunReport:
     """Quantize ``model``'s planned linears to NVFP4 in place, calibrated layer by layer.
 
@@ -177,6 +180,9 @@ def quantize_nvfp4_calibrated(
       device: the work device (one decoder layer, its statistics and the activations at a time);
         each NVFP4 module is moved back to where its original lived.
       on_module: called with each module's name once it is quantized.
+      hooks, activation_budget: as :func:`~floatxq.lifecycle.gptq.quantize_gptq_model`'s.
+      amax: each planned weight's ``max|W|`` (its fused siblings' under ``"fused"``), read
+        before when the layers are not held (None: from the model).
 
     Returns:
       :class:`NVFP4RunReport`.
@@ -192,7 +198,9 @@ def quantize_nvfp4_calibrated(
     plans = [p for p in plan_nvfp4(model, config) if p.config is not None]
     targets = {p.name: typing.cast(NVFP4Config, p.config) for p in plans}
     names = list(targets)
-    amax = fused_amax(model, names) if config.global_scale == "fused" else _own_amax(model, names)
+    if amax is None:
+        fused = config.global_scale == "fused"
+        amax = fused_amax(model, names) if fused else _own_amax(model, names)
     weight_scales = {
         n: round_trip_scale(nvfp4_global_scale(amax[n], recipe=targets[n].recipe)) for n in names
     }
@@ -205,7 +213,8 @@ def quantize_nvfp4_calibrated(
     reports = quantize_layerwise(
         model, names, calibration, device=device,
         statistics=lambda group: _statistics([targets[n] for n in group]),
-        build=build, stand_in=_stand_in, on_module=on_module,
+        build=build, stand_in=_stand_in, on_module=on_module, hooks=hooks,
+        activation_budget=activation_budget,
     )  # fmt: skip
     layers = len(decoder_layers(model)[1])
     return NVFP4RunReport(

@@ -19,8 +19,11 @@ norm, ``lm_head``, rotary tables. They are read when the model is loaded. Quanti
    A run cut short leaves a staging folder that ``quantize(..., resume=True)`` with the same
    settings finishes, skipping the layers already flushed.
 
-FP8 (GSQ weight-only included) and NVFP4 round to nearest run this way today; the calibrated
-methods (GPTQ, NVFP4 GPTQ / W4A4, calibrated GSQ) are refused with ``offload="disk"``.
+FP8 (GSQ weight-only included) and NVFP4 round to nearest run this way. The calibrated methods
+(GPTQ, NVFP4 GPTQ / W4A4, calibrated GSQ; :mod:`floatxq.lifecycle.offload_calibrated`) run
+their own lifecycle over the shell instead, hooked to read each layer before it runs and write
+it once solved; their long-lived tensors are written last (the output embedding is solved last).
+GPTQ with an activation policy is refused.
 """
 
 import resource
@@ -32,17 +35,30 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from floatxq.config import FP8Config, NVFP4Config
+from floatxq.config import FP8Config, GPTQConfig, NVFP4Config
 from floatxq.interop.checkpoint import SIDE_FILES, _unique_names
 from floatxq.interop.export import _export, _modules, normalize_layout
 from floatxq.interop.lazy_source import LazyCheckpoint, build_shell, materialize, release
-from floatxq.interop.payload import fp8_config_to_payload, nvfp4_config_to_payload
+from floatxq.interop.payload import (
+    fp8_config_to_payload,
+    gptq_config_to_payload,
+    nvfp4_config_to_payload,
+)
 from floatxq.interop.stream_save import write_checkpoint_streamed
 from floatxq.interop.stream_shards import ShardWriter, plan_shards
-from floatxq.lifecycle.decoder import decoder_layers
-from floatxq.lifecycle.fp8 import GSQModuleReport, _check_divisible, fp8_module, plan_fp8
+from floatxq.lifecycle import offload_calibrated
+from floatxq.lifecycle.calibration import CalibrationSet
+from floatxq.lifecycle.decoder import LayerHooks, LayerInput, decoder_layers
+from floatxq.lifecycle.fp8 import _check_divisible, fp8_module, plan_fp8
 from floatxq.lifecycle.nvfp4 import _own_amax, fused_amax, plan_nvfp4
 from floatxq.lifecycle.nvfp4 import _quantized as _nvfp4_quantized
+from floatxq.lifecycle.offload_calibrated import (
+    ActivationCheckpoint,
+    CalibratedMethod,
+    calibrated_method,
+    calibration_fingerprint,
+    weight_amax,
+)
 from floatxq.nn.fp4_linear import TorchFP4Linear
 from floatxq.nn.fp8_linear import TorchFP8Linear
 
@@ -77,11 +93,30 @@ class OffloadReport(NamedTuple):
 
     layers: int
     resumed_layers: int
-    modules: tuple[GSQModuleReport, ...]
+    modules: tuple[Any, ...]
+    """Each module's report as the method's lifecycle gives it (GSQ's, GPTQ's, NVFP4's);
+    weight-only FP8 without GSQ and NVFP4 round to nearest give none."""
     seconds: float
     peak_host_bytes: int
     peak_device_bytes: int | None
     out: Path
+    names: tuple[str, ...] = ()
+    """The quantized modules, in plan order."""
+    run: Any = None
+    """A calibrated method's run report (:class:`~floatxq.lifecycle.gptq.GPTQRunReport`, ...);
+    None for the weight-only ones."""
+
+    def describe(self) -> str:
+        """One line: layers quantized and resumed, time, peak host and device memory, output."""
+        device = (
+            "" if self.peak_device_bytes is None
+            else f", peak device memory {self.peak_device_bytes / 1e9:.2f} GB"
+        )  # fmt: skip
+        resumed = f" ({self.resumed_layers} resumed)" if self.resumed_layers else ""
+        return (
+            f"offloaded: {self.layers} decoder layers quantized{resumed} in {self.seconds:.1f} s; "
+            f"peak host memory {self.peak_host_bytes / 1e9:.2f} GB{device}; wrote {self.out}"
+        )
 
 
 def load_offloaded(path: Path, *, dtype: torch.dtype | None) -> tuple[nn.Module, OffloadSource]:
@@ -116,8 +151,6 @@ class _Method(NamedTuple):
     """The quantized module of an original, empty, on the meta device."""
     quantize: Callable[[nn.Module, list[str], dict[str, Any], torch.device], list[Any]]
     """Quantize these modules of the shell in place (their weights read); their reports."""
-    run: Callable[[], Any]
-    """The settings as JSON (a resumed run must give the same)."""
 
 
 def _fp8_method(config: FP8Config) -> _Method:
@@ -142,7 +175,7 @@ def _fp8_method(config: FP8Config) -> _Method:
             reports += [report] if report is not None else []
         return reports
 
-    return _Method(plans, empty, quantize, lambda: fp8_config_to_payload(config))
+    return _Method(plans, empty, quantize)
 
 
 def _nvfp4_method(config: NVFP4Config) -> _Method:
@@ -166,7 +199,7 @@ def _nvfp4_method(config: NVFP4Config) -> _Method:
             shell.set_submodule(module_name, built.to(home))
         return []
 
-    return _Method(plans, empty, quantize, lambda: nvfp4_config_to_payload(config))
+    return _Method(plans, empty, quantize)
 
 
 def _method(config: Any) -> _Method:
@@ -202,67 +235,69 @@ def quantize_offloaded(
     overwrite: bool,
     max_shard_bytes: int,
     work_device: torch.device,
+    calibration: CalibrationSet | None = None,
+    activation_budget: int | None = None,
     on_layer: Callable[[int, int], None] | None = None,
     on_module: Callable[[str], None] | None = None,
 ) -> OffloadReport:
     """Quantize an offloaded model (see the module docstring) and write it to ``out``.
 
     Raises:
-      ValueError: a method offloading does not run yet; as :func:`plan_fp8` and the save (a
-        layout that cannot hold the modules; ``out`` exists without ``overwrite``; a staging
-        folder without ``resume``, or ``resume`` with other settings).
+      ValueError: a method offloading does not run (GPTQ with an activation policy); a
+        calibrated method without ``calibration``; as the method's plan and the save (a layout
+        that cannot hold the modules; ``out`` exists without ``overwrite``; a staging folder
+        without ``resume``, or ``resume`` with other settings or calibration).
     """
     config = qm.quantize_config
     source: OffloadSource = qm.offload
-    method = _method(config)
+    calibrated = calibrated_method(config)
+    method = _method(config) if calibrated is None else None
+    if calibrated is not None and calibration is None:
+        raise ValueError(
+            "quantize: this method is calibrated (GPTQ, NVFP4 GPTQ or W4A4, calibrated GSQ) and "
+            "needs calibration data (strings or token-id tensors)"
+        )
     start = time.perf_counter()
     if work_device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(work_device)
     shell = qm.model
     name = normalize_layout(layout or "compressed-tensors")
-    plans = method.plans(shell)
+    plans = (method or calibrated).plans(shell)  # type: ignore[union-attr]
     layers_name, layers = decoder_layers(shell)
     inside = {n: cfg for n, cfg in plans if n.startswith(f"{layers_name}.")}
     outside = {n: shell.get_submodule(n) for n, _ in plans if n not in inside}
-    # outside the layers (lm_head=True): quantized now, on the CPU
-    reports: list[Any] = method.quantize(shell, list(outside), dict(plans), torch.device("cpu"))
-    originals = {n: shell.get_submodule(n) for n in inside}
-    for module_name, cfg in inside.items():  # the layers' target structure, on meta
-        shell.set_submodule(module_name, method.empty(originals[module_name], cfg))
-    planned = _export(shell, _modules(shell), config, name)
+    reports: list[Any] = []
+    if method is not None:  # outside the layers (lm_head=True): quantized now, on the CPU
+        reports += method.quantize(shell, list(outside), dict(plans), torch.device("cpu"))
+    swapped = dict(plans) if calibrated is not None else inside
+    originals = {n: shell.get_submodule(n) for n in swapped}
+    empty = (method or calibrated).empty  # type: ignore[union-attr]
+    empties = {n: empty(originals[n], cfg) for n, cfg in swapped.items()}
+    for module_name, module in empties.items():  # the target structure, on meta
+        shell.set_submodule(module_name, module)
+    try:
+        planned = _export(shell, _modules(shell), config, name)
+    finally:
+        if calibrated is not None:  # the lifecycle plans and runs over the originals
+            for module_name, module in originals.items():
+                shell.set_submodule(module_name, module)
     entries = _entries(planned.state)
     shards = plan_shards(entries, max_shard_bytes)
     hf = shell.config.to_dict()
     hf["quantization_config"] = planned.quantization_config
     run = {
-        "source": str(source.path), "layout": name, "config": method.run(),
+        "source": str(source.path), "layout": name, "config": config_payload(config),
         "dtype": str(source.dtype), "max_shard_bytes": max_shard_bytes,
     }  # fmt: skip
-    counts = {"done": 0, "resumed": 0}
-
-    def fill(writer: ShardWriter) -> None:
-        for entry, _, _ in entries:
-            if not entry.startswith(f"{layers_name}.") and entry not in writer.done:
-                writer.write(entry, planned.state[entry])
-        writer.flush()
-        for index in range(len(layers)):
-            prefix = f"{layers_name}.{index}."
-            names = [e for e, _, _ in entries if e.startswith(prefix)]
-            if names and all(n in writer.done for n in names):
-                counts["resumed"] += 1
-            else:
-                _quantize_layer(shell, index, source, inside, originals, work_device, reports,
-                                on_module, method)  # fmt: skip
-                exported = _export(shell, _modules(shell), config, name).state
-                for entry in names:
-                    writer.write(entry, exported[entry])
-                writer.flush()
-                del exported
-                release(shell, f"{layers_name}.{index}")
-                counts["done"] += 1
-            if on_layer is not None:
-                on_layer(index, len(layers))
-
+    if calibration is not None and calibrated is not None:
+        run["calibration"] = calibration_fingerprint(calibration)
+    walk = _Walk(shell, source, layers_name, len(layers), entries, config, name, on_layer)
+    if calibrated is None:
+        fill = walk.weight_only(planned.state, inside, originals, work_device, reports, on_module,
+                                method)  # fmt: skip
+    else:
+        fill = walk.calibrated(calibrated, calibration, empties, inside, resume, work_device,
+                               on_module, reports, activation_budget)  # fmt: skip
     extra = {n: source.path / n for n in SIDE_FILES if (source.path / n).is_file()}
     try:
         target = write_checkpoint_streamed(
@@ -270,9 +305,12 @@ def quantize_offloaded(
             extra_files=extra, json_files=planned.json_files, run=run, resume=resume,
             overwrite=overwrite,
         )  # fmt: skip
-    except BaseException:  # the shell as loaded: the layers' original modules, no storage
+    except BaseException:  # the shell as loaded: the original modules, no storage in the layers
         for module_name, module in originals.items():
-            release(module, "")
+            if module_name in inside:
+                release(module, "")
+            else:
+                module.to("cpu")
             shell.set_submodule(module_name, module)
         for index in range(len(layers)):
             release(shell, f"{layers_name}.{index}")
@@ -283,9 +321,142 @@ def quantize_offloaded(
         torch.cuda.max_memory_allocated(work_device) if work_device.type == "cuda" else None
     )
     return OffloadReport(
-        counts["done"], counts["resumed"], tuple(reports), time.perf_counter() - start,
-        _peak_host_bytes(), device_peak, target,
+        walk.counts["done"], walk.counts["resumed"], tuple(reports), time.perf_counter() - start,
+        _peak_host_bytes(), device_peak, target, tuple(n for n, _ in plans), walk.result,
     )  # fmt: skip
+
+
+def config_payload(config: Any) -> Any:
+    """The settings of a run as JSON (a resumed run must give the same)."""
+    if isinstance(config, GPTQConfig):
+        return gptq_config_to_payload(config)
+    if isinstance(config, NVFP4Config):
+        return nvfp4_config_to_payload(config)
+    return fp8_config_to_payload(config)
+
+
+class _Walk:
+    """One offloaded run's pass over the decoder layers, writing each as it is done."""
+
+    def __init__(
+        self, shell: nn.Module, source: OffloadSource, layers_name: str, count: int,
+        entries: list[tuple[str, torch.dtype, tuple[int, ...]]], config: Any, layout: str,
+        on_layer: Callable[[int, int], None] | None,
+    ) -> None:  # fmt: skip
+        self.shell, self.source, self.layers_name, self.count = shell, source, layers_name, count
+        self.entries, self.config, self.layout, self.on_layer = entries, config, layout, on_layer
+        self.counts = {"done": 0, "resumed": 0}
+        self.result: Any = None
+
+    def names(self, index: int) -> list[str]:
+        prefix = f"{self.layers_name}.{index}."
+        return [e for e, _, _ in self.entries if e.startswith(prefix)]
+
+    def write(self, writer: ShardWriter, names: list[str]) -> None:
+        """Export the shell and write ``names`` (those not yet done), then flush."""
+        todo = [e for e in names if e not in writer.done]
+        if todo:
+            exported = _export(self.shell, _modules(self.shell), self.config, self.layout).state
+            for entry in todo:
+                writer.write(entry, exported[entry])
+            del exported
+        writer.flush()
+
+    def outside(self) -> list[str]:
+        return [e for e, _, _ in self.entries if not e.startswith(f"{self.layers_name}.")]
+
+    def weight_only(
+        self, state: dict[str, torch.Tensor], inside: dict[str, Any],
+        originals: dict[str, nn.Module], work_device: torch.device, reports: list[Any],
+        on_module: Callable[[str], None] | None, method: Any,
+    ) -> Callable[[ShardWriter], None]:  # fmt: skip
+        """FP8 and NVFP4 round to nearest: the long-lived tensors first, then layer by layer."""
+
+        def fill(writer: ShardWriter) -> None:
+            for entry in self.outside():
+                if entry not in writer.done:
+                    writer.write(entry, state[entry])
+            writer.flush()
+            for index in range(self.count):
+                names = self.names(index)
+                if names and all(n in writer.done for n in names):
+                    self.counts["resumed"] += 1
+                else:
+                    _quantize_layer(self.shell, index, self.source, inside, originals,
+                                    work_device, reports, on_module, method)  # fmt: skip
+                    self.write(writer, names)
+                    release(self.shell, f"{self.layers_name}.{index}")
+                    self.counts["done"] += 1
+                if self.on_layer is not None:
+                    self.on_layer(index, self.count)
+
+        return fill
+
+    def calibrated(
+        self, calibrated: CalibratedMethod, calibration: Any, empties: dict[str, nn.Module],
+        inside: dict[str, Any], resume: bool, work_device: torch.device,
+        on_module: Callable[[str], None] | None, reports: list[Any], budget: int | None,
+    ) -> Callable[[ShardWriter], None]:  # fmt: skip
+        """GPTQ, NVFP4 GPTQ / W4A4, calibrated GSQ: the method's own lifecycle, hooked to read
+        each layer before it runs and write it once solved; the long-lived tensors last (the
+        output embedding is solved last)."""
+        shell, layers_name = self.shell, self.layers_name
+        held: set[int] = set()
+
+        def enter(index: int) -> None:
+            if index not in held:
+                materialize(shell, f"{layers_name}.{index}", self.source.checkpoint,
+                            device="cpu", dtype=self.source.dtype)  # fmt: skip
+                held.add(index)
+
+        def drop(index: int) -> None:
+            release(shell, f"{layers_name}.{index}")
+            held.discard(index)
+
+        def fill(writer: ShardWriter) -> None:
+            checkpoint = ActivationCheckpoint(
+                writer.directory, offload_calibrated.CHECKPOINT_SECONDS
+            )
+
+            def done(index: int) -> bool:
+                return all(n in writer.done for n in self.names(index))
+
+            def leave(index: int, inputs: list[LayerInput]) -> None:
+                prefix = f"{layers_name}.{index}."
+                if done(index):
+                    self.counts["resumed"] += 1
+                else:
+                    self.write(writer, self.names(index))
+                    self.counts["done"] += 1
+                for module_name in inside:  # the planned structure back, the solved freed
+                    if module_name.startswith(prefix):
+                        shell.set_submodule(module_name, empties[module_name])
+                drop(index)
+                if index < self.count - 1 and checkpoint.due():
+                    checkpoint.save(index + 1, inputs)
+                if self.on_layer is not None:
+                    self.on_layer(index, self.count)
+
+            def begin(inputs: list[LayerInput]) -> int:
+                first = checkpoint.restore(inputs, done) if resume else 0
+                self.counts["resumed"] += first
+                return first
+
+            amax = None
+            if calibrated.reads_amax:
+                by_layer = {i: [n for n in inside if n.startswith(f"{layers_name}.{i}.")]
+                            for i in range(self.count)}  # fmt: skip
+                fused = getattr(self.config, "global_scale", None) == "fused"
+                amax = weight_amax(shell, list(empties), by_layer, fused, enter, drop)
+            self.result = calibrated.run(
+                shell, calibration, device=work_device, hooks=LayerHooks(enter, leave, begin),
+                on_module=on_module, amax=amax, activation_budget=budget,
+            )  # fmt: skip
+            reports.extend(self.result.modules)
+            self.write(writer, self.outside())
+            checkpoint.remove()
+
+        return fill
 
 
 def _quantize_layer(
