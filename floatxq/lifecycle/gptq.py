@@ -493,34 +493,28 @@ def quantize_gptq_model(
         modules stay where they are between layers (CPU for large models).
       config: the :class:`~floatxq.config.GPTQConfig` (dynamic rules resolved per module).
       calibration: prepared batches (:func:`~floatxq.lifecycle.calibration.prepare_calibration`).
-      device: the work device: one decoder layer, its Hessians and the calibration activations
-        live there at a time.
-      on_module: called with each module's name once it is solved.
-      on_layer: called with ``(index, count)`` once a layer is done.
-      reports: a list each solved module's report is appended to as soon as it is solved (what
-        a failed run did; the returned report holds the same); a new one when None.
-      hooks: for layers on the meta device (:class:`~floatxq.lifecycle.decoder.LayerHooks`):
-        each is read before it runs and handed off once solved; layers before ``hooks.start``'s
-        are not run.
-      activation_budget: the bytes of the work device the calibration activations may take;
-        beyond it they live in host memory, a batch copied over at a time (the same bytes).
-        None: no limit.
+      device: the work device (one decoder layer, its Hessians, the activations at a time).
+      on_module, on_layer: called with each module's name once solved, ``(index, count)`` once
+        a layer is done.
+      reports: a list each module's report is appended to once solved (what a failed run did).
+      hooks: layers on the meta device, read before they run and handed off once solved
+        (:class:`~floatxq.lifecycle.decoder.LayerHooks`).
+      activation_budget: the work device's bytes for the calibration activations; beyond it
+        they live in host memory, a batch copied over at a time (the same bytes).
 
     Returns:
       :class:`GPTQRunReport`.
 
     Raises:
-      ValueError: any :func:`plan_gptq` refusal (raised before anything changes); an
-        ``activation_budget`` with an activation policy (its replay keeps them); non-finite
-        calibration activations (naming the modules they reach), a module no batch reaches.
+      ValueError: any :func:`plan_gptq` refusal (before anything changes); ``activation_budget``
+        with an activation policy; non-finite calibration activations (naming the modules they
+        reach), a module no batch reaches.
 
-    On any exception the solved modules stay replaced by their ``GPTQLinear``, the others keep
-    their original objects, every module returns where it lived (``docs/gptq.md``, "An
-    interrupted run"), then the exception propagates.
+    On any exception the solved modules stay ``GPTQLinear``, the others their originals, each
+    back where it lived (``docs/gptq.md``, "An interrupted run"); the exception propagates.
 
     Numerics: each module as :func:`floatxq.gptq_solve` on ``H = 2/N Σ xᵀx`` over the unpadded
-    calibration rows, x being its input in the model's dtype with the earlier modules of its
-    layer (and all earlier layers) already quantized.
+    calibration rows, x its input with the earlier modules and layers already quantized.
     """
     plans = plan_gptq(model, config)
     targets = {p.name: p for p in plans if p.config is not None}
