@@ -61,6 +61,10 @@ FLOAT32_MAX: float = float(torch.finfo(torch.float32).max)
 FLOAT32_SMALLEST_SUBNORMAL: float = 2.0**-149
 """Smallest positive float32, used where a direct scale would otherwise underflow to zero."""
 
+FP8_WEIGHT_BAND_ELEMENTS: int = 1 << 20
+"""Elements of one band of rows that :func:`floatxq.fp8_bands.quantize_fp8_weight_banded` converts
+to FP32 at a time (4 MiB per FP32 temporary; a whole 5632 x 2048 weight's are 46 MB each)."""
+
 GPTQ_BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
 """Code widths the GPTQ solver and checkpoints accept."""
 

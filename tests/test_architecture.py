@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "w4a": 1,
     "stats": 1,
     "fp8_activation": 1,
+    "fp8_bands": 1,
     "gsq": 1,
     # kernels, then the route choices
     "kernels": 2,

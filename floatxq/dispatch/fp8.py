@@ -24,6 +24,7 @@ from floatxq.formats import (
     FP8ScaleMethod,
 )
 from floatxq.fp8 import FP8Weight, quantize_fp8_weight
+from floatxq.fp8_bands import quantize_fp8_weight_banded
 from floatxq.kernels._triton import triton_unavailable_reason
 
 __all__ = [
@@ -439,8 +440,10 @@ def quantize_fp8_weight_auto(
     Returns:
       ``(FP8Weight, route, reason)``: ``route`` is ``"triton"`` (CUDA tensor, Triton imports),
       ``"mlx"`` (a CPU or MPS weight of at least ``MLX_ENCODER_MIN_ELEMENTS`` elements on Apple
-      Silicon with MLX's Metal backend; results on the CPU) or ``"torch"``; ``reason`` says why
-      the kernel was not taken (``None`` when it was). All routes give the same bytes.
+      Silicon with MLX's Metal backend; results on the CPU) or ``"torch"``
+      (:func:`~floatxq.fp8_bands.quantize_fp8_weight_banded`: a band of rows at a time, so its
+      FP32 temporaries stay a few MiB); ``reason`` says why the kernel was not taken (``None``
+      when it was). All routes give the same bytes.
 
     Raises:
       ValueError, TypeError: as :func:`floatxq.quantize_fp8_weight`.
@@ -471,4 +474,4 @@ def quantize_fp8_weight_auto(
         from floatxq.kernels.fp8_weight import quantize_fp8_weight_kernel
 
         return quantize_fp8_weight_kernel(weight, **kwargs), "triton", None
-    return quantize_fp8_weight(weight, **kwargs), "torch", reason
+    return quantize_fp8_weight_banded(weight, **kwargs), "torch", reason

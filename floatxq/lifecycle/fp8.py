@@ -19,6 +19,7 @@ from torch.nn.modules.conv import _ConvNd
 from floatxq.config import FP8Config
 from floatxq.dispatch import quantize_fp8_weight_auto, refine_fp8_codes_auto
 from floatxq.interop.export_gptq import output_embedding_names
+from floatxq.interop.lazy_source import _return_freed_memory
 from floatxq.lifecycle.swap import swap_modules
 from floatxq.nn.fp8_linear import TorchFP8Linear, _source_matrix
 
@@ -111,7 +112,10 @@ def fp8_module(
     its codes refined by GSQ when ``config.gsq`` selects ``name``, and the refinement's report.
 
     The baseline is :func:`floatxq.quantize_fp8_weight`'s (bit for bit); the refinement runs on
-    ``work_device`` (default: the module's), weighted by ``hessian`` when given.
+    ``work_device`` (default: the module's), weighted by ``hessian`` when given. The heap's free
+    pages go back to the OS before it returns (``malloc_trim``): the freed temporaries of one
+    module otherwise stay resident under the next ones (measured on a layer-by-layer FP8 run of
+    a TinyLlama-shaped model: peaks of 0.83-0.87 GiB in half the runs, 0.78-0.80 GiB with it).
 
     Raises:
       ValueError, TypeError: as :meth:`TorchFP8Linear.from_linear` and
@@ -125,6 +129,7 @@ def fp8_module(
             weight_scale_method=config.weight_scale_method,
             weight_block_size=config.weight_block_size,
         )
+        _return_freed_memory()
         return built, None
     start = time.perf_counter()
     matrix, conv = _source_matrix(module, where="quantize")
@@ -157,6 +162,8 @@ def fp8_module(
         result.codes.numel(),
         time.perf_counter() - start,
     )
+    del weight, q, h, result
+    _return_freed_memory()
     return built, report
 
 
