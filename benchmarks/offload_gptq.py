@@ -78,10 +78,12 @@ CHILD = textwrap.dedent(
         model.save(dst)
         saved = time.perf_counter()
     cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    run = model.report.run if mode == "offload" else model.report
+    solve = sum(m.seconds for m in run.modules)
     print(json.dumps({
         "seconds": saved - start, "load": loaded - start, "quantize": quantized - loaded,
         "save": saved - quantized, "baseline_rss": baseline, "peak_rss": status("VmHWM"),
-        "peak_cuda": cuda, "stamps": stamps,
+        "peak_cuda": cuda, "stamps": stamps, "solve_seconds": solve,
     }))
     """
 )
