@@ -84,7 +84,7 @@ def profile(device: torch.device, candidates: int = 5) -> dict:
         co = torch.randint(0, size, (cols, candidates), device=device, dtype=torch.int32)
         s = torch.tensor(0.7, **f64)
         for name, (soft, adam) in (("eager", (_soft_error, _adam_update)),
-                                   ("compiled", compiled_steps())):  # fmt: skip
+                                   ("compiled", compiled_steps(candidates))):  # fmt: skip
             p, err = soft(theta, table, ro, co, values, w, s)
             args = (theta, table, ro, co, values, w, s)
             row[f"soft_{name}"] = _ms(lambda f=soft, a=args: f(*a))

@@ -397,3 +397,29 @@ def test_the_calibrated_lifecycle_on_cuda_refines_every_module(calibrated):
     for report in gpu.report.modules:
         assert report.objective_after <= report.objective_before, report.name
     assert sum(r.changed for r in gpu.report.modules) > 0
+
+
+def test_a_compiled_step_half_turns_eager_once_dynamo_refuses_a_recompile(monkeypatch):
+    """The CUDA route's guard: a recompile refusal (Dynamo's per-function limit) makes the
+    half run eagerly from then on, with the eager function's result."""
+    import torch._dynamo.exc
+
+    from floatxq.kernels import gsq as kernels_gsq
+
+    calls = []
+
+    def half(x):
+        calls.append("eager")
+        return x + 1
+
+    guarded = kernels_gsq._Guarded(half)
+
+    def refusing(*args, **kwargs):
+        calls.append("compiled")
+        raise kernels_gsq._RECOMPILE_LIMIT("recompile limit")
+
+    guarded.compiled = refusing
+    assert guarded(torch.tensor(1.0)).item() == 2.0
+    assert guarded(torch.tensor(2.0)).item() == 3.0
+    assert calls == ["compiled", "eager", "eager"] and guarded.eager
+    assert issubclass(kernels_gsq._RECOMPILE_LIMIT, Exception) and torch._dynamo.exc

@@ -208,3 +208,20 @@ def test_the_cli_offloads_and_writes_the_in_memory_runs_files(tmp_path):
     _same_files(tmp_path / "memory", tmp_path / "offload")
     again = runner.invoke(app, [*common, "--offload", "--out", str(tmp_path / "offload")])
     assert again.exit_code != 0 and "already exists" in again.output
+
+
+def test_activation_budget_takes_zero_sizes_and_refuses_the_rest(tmp_path):
+    """``activation_budget``: 0 (everything in host memory; on the CPU nothing moves) runs and
+    writes the same files; a negative or unreadable budget is refused before any work."""
+    config, _ = CONFIGS["gptq"]
+    fq.load(TINY_LLAMA_DIR, quantize_config=config).quantize(
+        _samples(), progress=False, activation_budget=0
+    ).save(tmp_path / "zero")
+    fq.load(TINY_LLAMA_DIR, quantize_config=config).quantize(
+        _samples(), progress=False, activation_budget="1GB"
+    ).save(tmp_path / "sized")
+    _same_files(tmp_path / "zero", tmp_path / "sized")
+    for bad in (-1, "lots"):
+        model = fq.load(TINY_LLAMA_DIR, quantize_config=config)
+        with pytest.raises(ValueError, match="activation_budget"):
+            model.quantize(_samples(), progress=False, activation_budget=bad)

@@ -25,19 +25,39 @@ from floatxq.gsq import GSQResult, _adam_update, _refine, _soft_error, _StepFunc
 
 __all__ = ["refine_fp8_codes_compiled"]
 
-_COMPILED: list[_StepFunctions] = []
+_COMPILED: dict[int, _StepFunctions] = {}
+
+_RECOMPILE_LIMIT = getattr(
+    torch._dynamo.exc, "FailOnRecompileLimitHit", torch._dynamo.exc.Unsupported
+)
 
 
-def compiled_steps() -> _StepFunctions:
-    """The two step halves, compiled (once per process; the first calls pay the compile)."""
-    if not _COMPILED:
-        _COMPILED.append(
-            _StepFunctions(
-                torch.compile(_soft_error, fullgraph=True),
-                torch.compile(_adam_update, fullgraph=True),
-            )
-        )
-    return _COMPILED[0]
+class _Guarded:
+    """A compiled step half that turns eager for good once Dynamo refuses another recompile
+    (its limit is per code object: a process that refines many shapes, dtypes and devices
+    reaches it). The refusal comes before the graph runs, so nothing is half done; the eager
+    half computes the same expressions (see the module docstring on the bytes)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.compiled = torch.compile(fn, fullgraph=True)
+        self.eager = False
+
+    def __call__(self, *args, **kwargs):
+        if not self.eager:
+            try:
+                return self.compiled(*args, **kwargs)
+            except _RECOMPILE_LIMIT:
+                self.eager = True
+        return self.fn(*args, **kwargs)
+
+
+def compiled_steps(candidates: int) -> _StepFunctions:
+    """The two step halves compiled for ``candidates`` codes per weight (once per process and
+    candidate count; the first calls pay the compile)."""
+    if candidates not in _COMPILED:
+        _COMPILED[candidates] = _StepFunctions(_Guarded(_soft_error), _Guarded(_adam_update))
+    return _COMPILED[candidates]
 
 
 def refine_fp8_codes_compiled(
@@ -54,6 +74,8 @@ def refine_fp8_codes_compiled(
 
     Numerics: as :func:`floatxq.refine_fp8_codes` (FP64).
     """
+    candidates = (config or GSQConfig()).candidates
     return _refine(
-        weight, codes, scale_inv, hessian, config, compiled_steps(), "refine_fp8_codes_compiled"
-    )
+        weight, codes, scale_inv, hessian, config, compiled_steps(candidates),
+        "refine_fp8_codes_compiled",
+    )  # fmt: skip

@@ -215,9 +215,7 @@ class QuantizedModel:
             "overflow": overflow,
             "num_samples": num_samples,
             "text_column": text_column,
-            "activation_budget": None
-            if activation_budget is None
-            else _parse_size(activation_budget),
+            "activation_budget": _parse_budget(activation_budget),
         }
         if self.offload is not None or out is not None:
             prepared = None
@@ -654,6 +652,17 @@ def _finished_report(model: nn.Module, modules: tuple[Any, ...], calibration: An
     layers = len(decoder_layers(model)[1])
     samples, dropped, tokens = calibration.samples, calibration.dropped, calibration.tokens
     return GPTQRunReport(tuple(modules), layers, samples, dropped, tokens, 0.0)
+
+
+def _parse_budget(value: object) -> int | None:
+    """``quantize(activation_budget=...)``: None, 0 (every activation in host memory), or a
+    size as :func:`_parse_size` reads it."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == 0):
+        return None if value is None else 0
+    try:
+        return _parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"quantize: activation_budget: {exc}") from None
 
 
 def _parse_size(value: object) -> int:

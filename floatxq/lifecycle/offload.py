@@ -296,8 +296,8 @@ def quantize_offloaded(
         fill = walk.weight_only(planned.state, inside, originals, work_device, reports, on_module,
                                 method)  # fmt: skip
     else:
-        fill = walk.calibrated(calibrated, calibration, empties, inside, resume, work_device,
-                               on_module, reports, activation_budget)  # fmt: skip
+        fill = walk.calibrated(calibrated, calibration, empties, originals, inside, resume,
+                               work_device, on_module, reports, activation_budget)  # fmt: skip
     extra = {n: source.path / n for n in SIDE_FILES if (source.path / n).is_file()}
     try:
         target = write_checkpoint_streamed(
@@ -394,7 +394,8 @@ class _Walk:
 
     def calibrated(
         self, calibrated: CalibratedMethod, calibration: Any, empties: dict[str, nn.Module],
-        inside: dict[str, Any], resume: bool, work_device: torch.device,
+        originals: dict[str, nn.Module], inside: dict[str, Any], resume: bool,
+        work_device: torch.device,
         on_module: Callable[[str], None] | None, reports: list[Any], budget: int | None,
     ) -> Callable[[ShardWriter], None]:  # fmt: skip
         """GPTQ, NVFP4 GPTQ / W4A4, calibrated GSQ: the method's own lifecycle, hooked to read
@@ -431,6 +432,7 @@ class _Walk:
                 for module_name in inside:  # the planned structure back, the solved freed
                     if module_name.startswith(prefix):
                         shell.set_submodule(module_name, empties[module_name])
+                        release(originals[module_name], "")  # its storage: on the work device
                 drop(index)
                 if index < self.count - 1 and checkpoint.due():
                     checkpoint.save(index + 1, inputs)
