@@ -97,6 +97,7 @@ _OWNERS: dict[str, tuple[str, ...]] = {
         "HessianState",
         "hessian_finalize",
         "hessian_init",
+        "hessian_merge",
         "hessian_update",
     ),
     "floatxq.gptq.int4": (
@@ -419,6 +420,7 @@ __all__ = [
     "headroom_update",
     "hessian_finalize",
     "hessian_init",
+    "hessian_merge",
     "hessian_update",
     "infer_scale_layout",
     "inspect_checkpoint",

@@ -25,7 +25,7 @@ import torch
 
 from floatxq._checks import require_floating
 from floatxq._typing import Bool, Float, Float32, Tensor, checked_record
-from floatxq.gptq.hessian import hessian_finalize, hessian_init, hessian_update
+from floatxq.gptq.hessian import hessian_finalize, hessian_init, hessian_merge, hessian_update
 from floatxq.nvfp4.headroom import _kept_rows, headroom_amax, headroom_init, headroom_update
 
 
@@ -39,6 +39,9 @@ class Statistic(NamedTuple):
     in (``mask``: a bool keep-mask of ``x``'s leading shape)."""
     finalize: Callable[[Any], Any]
     """``finalize(state) -> value``: what the state measures."""
+    merge: Callable[[Any, Any], Any] | None = None
+    """``merge(a, b) -> state``: two folds over disjoint rows as one (the calibration split
+    across processes); None where the statistic cannot be merged."""
 
 
 @checked_record
@@ -98,10 +101,28 @@ def amax_finalize(state: AmaxState) -> Float32[Tensor, ""]:
     return state.amax
 
 
-HESSIAN = Statistic(hessian_init, hessian_update, hessian_finalize)
+def amax_merge(first: AmaxState, second: AmaxState) -> AmaxState:
+    """Two running ``max|x|`` over disjoint rows as one (a new state).
+
+    Raises:
+      TypeError: either is not an AmaxState.
+
+    Numerics: exact (a maximum; NaN propagates).
+
+    Example:
+      >>> amax_merge(AmaxState(torch.tensor(2.0)), AmaxState(torch.tensor(3.0))).amax.item()
+      3.0
+    """
+    for name, state in (("first", first), ("second", second)):
+        if not isinstance(state, AmaxState):
+            raise TypeError(f"amax_merge: {name} must be an AmaxState, got {type(state).__name__}")
+    return AmaxState(torch.maximum(first.amax, second.amax.to(first.amax.device)))
+
+
+HESSIAN = Statistic(hessian_init, hessian_update, hessian_finalize, hessian_merge)
 """``init(k, device=...)``; ``finalize`` raises ``ValueError`` on no rows or a non-finite sum."""
 
-RUNNING_AMAX = Statistic(amax_init, amax_update, amax_finalize)
+RUNNING_AMAX = Statistic(amax_init, amax_update, amax_finalize, amax_merge)
 """``init(device=...)``; ``finalize`` gives the FP32 ``max|x|``."""
 
 HEADROOM = Statistic(headroom_init, headroom_update, headroom_amax)
@@ -165,6 +186,7 @@ __all__ = [
     "Statistic",
     "amax_finalize",
     "amax_init",
+    "amax_merge",
     "amax_update",
     "finalize_all",
     "fold_all",

@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from floatxq.gptq.hessian import hessian_merge
 from floatxq.stats import (
     HEADROOM,
     HESSIAN,
@@ -28,6 +29,7 @@ from floatxq.stats import (
     Statistic,
     amax_finalize,
     amax_init,
+    amax_merge,
     amax_update,
     finalize_all,
     fold_all,
@@ -197,3 +199,50 @@ def test_a_mask_of_the_wrong_kind_or_shape_is_refused(case, name):
         unchecked(stat.update)(state, x, torch.ones(x.shape[0], dtype=torch.int64))
     with pytest.raises(ValueError, match="mask must have x's leading shape"):
         unchecked(stat.update)(state, x, torch.ones(x.shape[0] + 1, dtype=torch.bool))
+
+
+MERGEABLE = {"hessian": HESSIAN, "amax": RUNNING_AMAX}
+
+
+@given(row_batches(elements=INTEGER_ROWS), st.sampled_from(sorted(MERGEABLE)))
+def test_merging_folds_of_disjoint_parts_equals_folding_all_of_them(case, name):
+    """Exact sums: the parts' folds merged in any order equal the whole fold, bit for bit (the
+    calibration split across processes); the empty fold merges as the identity."""
+    x, cuts, order = case
+    stat = MERGEABLE[name]
+    whole = _fold(stat, _init(name, x.shape[1]), [x])
+    parts = [_fold(stat, _init(name, x.shape[1]), [b]) for b in _batches(x, cuts, order)]
+    merged = parts[0]
+    for part in parts[1:]:
+        merged = stat.merge(merged, part)
+    for got, want in zip(merged, whole, strict=True):
+        assert_bitwise_equal(got, want)
+    empty = _init(name, x.shape[1])
+    for got, want in zip(stat.merge(whole, empty), whole, strict=True):
+        assert_bitwise_equal(got, want)
+
+
+@given(row_batches(max_rows=8), st.integers(1, 7))
+def test_merged_hessians_differ_from_one_fold_only_by_fp32_reassociation(case, cut):
+    """Any values: a merge changes the sum by at most one FP32 rounding per entry per merge
+    against the float64 sum: ``|merged - exact| ≤ (n + 1)·ε·Σ|xᵀx|`` like the whole fold's."""
+    x, _, _ = case
+    x = x[torch.isfinite(x).all(dim=1)].clamp(-1e15, 1e15)  # finite products, no overflow
+    k = x.shape[1]
+    cut = min(cut, x.shape[0])
+    merged = hessian_merge(HESSIAN.update(HESSIAN.init(k), x[:cut]),
+                           HESSIAN.update(HESSIAN.init(k), x[cut:]))  # fmt: skip
+    exact = x.double().T @ x.double()
+    bound = (x.shape[0] + 2) * 2.0**-24 * (x.double().abs().T @ x.double().abs())
+    tiny = (x.shape[0] + 2) * 2.0**-149  # products and sums that underflow FP32
+    assert bool(((merged.xtx.double() - exact).abs() <= bound + tiny).all())
+    assert int(merged.rows) == x.shape[0]
+
+
+def test_merges_refuse_mismatched_states():
+    with pytest.raises(ValueError, match="k=16 and k=32"):
+        hessian_merge(HESSIAN.init(16), HESSIAN.init(32))
+    with pytest.raises(TypeError, match="HessianState"):
+        unchecked(hessian_merge)(HESSIAN.init(16), amax_init())
+    with pytest.raises(TypeError, match="second must be an AmaxState"):
+        unchecked(amax_merge)(amax_init(), HESSIAN.init(16))

@@ -8,7 +8,13 @@
 - :mod:`~floatxq.gptq.nvfp4_grid`: GPTQ onto the NVFP4 grid (a recipe's block scales held fixed).
 """
 
-from floatxq.gptq.hessian import HessianState, hessian_finalize, hessian_init, hessian_update
+from floatxq.gptq.hessian import (
+    HessianState,
+    hessian_finalize,
+    hessian_init,
+    hessian_merge,
+    hessian_update,
+)
 from floatxq.gptq.int4 import GPTQPacked, GPTQUnpacked, dequantize_gptq, pack_gptq, unpack_gptq
 from floatxq.gptq.nvfp4_grid import NVFP4GPTQSolution, nvfp4_gptq_solve
 from floatxq.gptq.solve import GPTQSolution, GPTQSolveOptions, gptq_solve, rtn_quantize
@@ -24,6 +30,7 @@ __all__ = [
     "gptq_solve",
     "hessian_finalize",
     "hessian_init",
+    "hessian_merge",
     "hessian_update",
     "nvfp4_gptq_solve",
     "pack_gptq",

@@ -13,7 +13,13 @@ import torch
 from floatxq._checks import require_floating
 from floatxq._typing import Bool, Float, Float32, Int64, Tensor, checked_record
 
-__all__ = ["HessianState", "hessian_finalize", "hessian_init", "hessian_update"]
+__all__ = [
+    "HessianState",
+    "hessian_finalize",
+    "hessian_init",
+    "hessian_merge",
+    "hessian_update",
+]
 
 
 @checked_record
@@ -103,6 +109,35 @@ def hessian_update(
         flat = flat[mask.reshape(-1).to(xtx.device)]
         count = torch.full((), flat.shape[0], dtype=torch.int64, device=xtx.device)
     return HessianState(xtx + flat.T @ flat, rows + count)
+
+
+def hessian_merge(first: HessianState, second: HessianState) -> HessianState:
+    """Two folds over disjoint rows as one: ``xtx`` and ``rows`` added (a new state).
+
+    Calibration split across processes folds each part, then merges the parts in a fixed order.
+
+    Raises:
+      TypeError: either is not a HessianState, or they are on different devices.
+      ValueError: their ``k`` differ.
+
+    Numerics: one FP32 addition per entry: equal to folding both parts' rows into one state up
+    to the reassociation of FP32 sums (``|Δ| ≤ ε·Σ|xᵀx|`` per entry per merge); ``rows`` exact.
+
+    Example:
+      >>> a = hessian_update(hessian_init(2), torch.tensor([[1.0, 2.0]]))
+      >>> b = hessian_update(hessian_init(2), torch.tensor([[3.0, 4.0]]))
+      >>> merged = hessian_merge(a, b)
+      >>> merged.xtx.tolist(), int(merged.rows)
+      ([[10.0, 14.0], [14.0, 20.0]], 2)
+    """
+    where = "hessian_merge"
+    xtx, rows = _check_state(first, where=where)
+    other, more = _check_state(second, where=where)
+    if other.shape != xtx.shape:
+        raise ValueError(f"{where}: the states hold k={xtx.shape[0]} and k={other.shape[0]}")
+    if other.device != xtx.device:
+        raise TypeError(f"{where}: the states are on {xtx.device} and {other.device}")
+    return HessianState(xtx + other, rows + more)
 
 
 def hessian_finalize(state: HessianState) -> Float32[Tensor, "k k"]:

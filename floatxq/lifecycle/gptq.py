@@ -56,6 +56,7 @@ from floatxq.lifecycle.decoder import (
     output_embedding,
     spill_inputs,
 )
+from floatxq.lifecycle.distributed import merge_in_batch_order, shard_batches
 from floatxq.lifecycle.gptq_replay import replay_outputs, replay_setup, replay_solve
 from floatxq.lifecycle.replay import RoundingMemo
 from floatxq.stats import HESSIAN, Statistic, finalize_all, fold_all
@@ -295,14 +296,22 @@ def _fold_group(
     inputs: list[LayerInput],
     statistics: Mapping[str, Statistic],
     states: Mapping[str, Any],
+    group: Any = None,
 ) -> dict[str, Any]:
     """Fold ``statistics`` over one input group's rows: run the layer up to the group's input on
-    every batch (padding dropped) and return each statistic's value."""
+    every batch (padding dropped) and return each statistic's value; with a process ``group``,
+    the processes' batches folded in batch order (:func:`merge_in_batch_order`: the one-process
+    bits)."""
     folded = dict(states)
     current: dict[str, torch.Tensor] = {}
+    per_batch: list[dict[str, Any]] | None = None if _first_rank(group) else []
 
     def hook(_module: nn.Module, args: tuple) -> None:
-        folded.update(fold_all(statistics, folded, kept_rows(args[0], current["mask"], names)))
+        rows = kept_rows(args[0], current["mask"], names)
+        if per_batch is None:
+            folded.update(fold_all(statistics, folded, rows))
+        else:  # each batch alone, added after the earlier processes' batches
+            per_batch.append(fold_all(statistics, states, rows))
         raise Stop
 
     handle = first.register_forward_pre_hook(hook)
@@ -313,7 +322,19 @@ def _fold_group(
                 call_layer(layer, item)
     finally:
         handle.remove()
+    if group is not None:
+        folded = merge_in_batch_order(statistics, folded if per_batch is None else None,
+                                      per_batch or [], group)  # fmt: skip
     return _finalized(statistics, folded, names)
+
+
+def _first_rank(group: Any) -> bool:
+    """No process group, or this process is its rank 0."""
+    if group is None:
+        return True
+    import torch.distributed as dist
+
+    return dist.get_rank(group) == 0
 
 
 def _finalized(
@@ -334,11 +355,29 @@ def _group_hessian(
     names: list[str],
     inputs: list[LayerInput],
     device: torch.device,
+    group: Any = None,
 ) -> torch.Tensor:
     """The Hessian of one input group (:data:`floatxq.stats.HESSIAN` folded over its rows)."""
     state = HESSIAN.init(features(first)[0], device=device)
-    folded = _fold_group(layer, first, names, inputs, {"hessian": HESSIAN}, {"hessian": state})
+    folded = _fold_group(
+        layer, first, names, inputs, {"hessian": HESSIAN}, {"hessian": state}, group
+    )
     return folded["hessian"]
+
+
+def _shared(calibration: CalibrationSet, group: Any, replay: bool) -> CalibrationSet:
+    """This process's contiguous share of the batches (the token count stays the whole's)."""
+    import torch.distributed as dist
+
+    if replay:
+        raise ValueError("GPTQ: a process group is not taken with an activation policy")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if len(calibration.batches) < world:
+        raise ValueError(
+            f"GPTQ: {len(calibration.batches)} calibration batches cannot be shared by {world} "
+            f"processes; give at least one batch per process"
+        )
+    return calibration._replace(batches=tuple(shard_batches(calibration.batches, rank, world)))
 
 
 def _dense_weight(module: nn.Module, device: torch.device) -> torch.Tensor:
@@ -432,6 +471,8 @@ class _LayerStep(NamedTuple):
     device: torch.device
     rows: int
     on_module: Callable[[str], None] | None
+    group: Any = None
+    """A ``torch.distributed`` process group whose processes share the calibration."""
 
     def solve(
         self,
@@ -448,7 +489,7 @@ class _LayerStep(NamedTuple):
         for group in groups:
             names = [n for n, _ in group]
             first = group[0][1]
-            hessian = _group_hessian(self.layer, first, names, self.inputs, self.device)
+            hessian = _group_hessian(self.layer, first, names, self.inputs, self.device, self.group)
             del first
             self.solve_group(group, hessian, configs, solved, reports)
             del hessian
@@ -485,6 +526,7 @@ def quantize_gptq_model(
     reports: list[GPTQModuleReport] | None = None,
     hooks: LayerHooks | None = None,
     activation_budget: int | None = None,
+    group: Any = None,
 ) -> GPTQRunReport:
     """Quantize ``model`` with GPTQ in place, layer by layer (see the module docstring).
 
@@ -497,10 +539,10 @@ def quantize_gptq_model(
       on_module, on_layer: called with each module's name once solved, ``(index, count)`` once
         a layer is done.
       reports: a list each module's report is appended to once solved (what a failed run did).
-      hooks: layers on the meta device, read before they run and handed off once solved
-        (:class:`~floatxq.lifecycle.decoder.LayerHooks`).
+      hooks: layers on the meta device, read before they run, handed off once solved.
       activation_budget: the work device's bytes for the calibration activations; beyond it
         they live in host memory, a batch copied over at a time (the same bytes).
+      group: a process group sharing the batches, Hessians folded in batch order across it.
 
     Returns:
       :class:`GPTQRunReport`.
@@ -522,6 +564,8 @@ def quantize_gptq_model(
     head = output_embedding(model)
     head_plan = targets.get(head[0]) if head is not None else None
     replay = replay_setup(model, config, targets, layers_name, layers, head_plan)
+    if group is not None:
+        calibration = _shared(calibration, group, replay is not None)
     if replay is not None and activation_budget is not None:
         raise ValueError(
             "GPTQ: activation_budget is not taken with an activation policy, whose replay keeps "
@@ -564,7 +608,7 @@ def quantize_gptq_model(
                 frozen: dict[str, float] = {}
                 memo = RoundingMemo()  # one layer's rounded operands, reused while unchanged
                 if names and plan is not None:
-                    step = _LayerStep(model, layer, index, inputs, device, rows, on_module)
+                    step = _LayerStep(model, layer, index, inputs, device, rows, on_module, group)
                     configs = {n: targets[n].config for n in names}
                     scales, frozen = replay_solve(
                         step, prefix, plan, configs, solved, replay.policy.global_scales,
@@ -572,7 +616,7 @@ def quantize_gptq_model(
                     )  # fmt: skip
                     activation_scales.update(scales)
                 elif names:
-                    step = _LayerStep(model, layer, index, inputs, device, rows, on_module)
+                    step = _LayerStep(model, layer, index, inputs, device, rows, on_module, group)
                     step.solve({n: targets[n].config for n in names}, solved, reports)
                 last = index == len(layers) - 1
                 if (not last or head_plan is not None) and replay is None:
@@ -598,9 +642,17 @@ def quantize_gptq_model(
                 module.to(device)
                 statistics = {"hessian": HESSIAN}
                 states = {"hessian": HESSIAN.init(features(module)[0], device=device)}
+                empty, per_batch = states, []
                 for item in inputs:
-                    states = fold_all(
-                        statistics, states, norm(item.hidden.to(device)), mask=item.mask
+                    hidden = norm(item.hidden.to(device))
+                    if _first_rank(group):
+                        states = fold_all(statistics, states, hidden, mask=item.mask)
+                    else:
+                        per_batch.append(fold_all(statistics, empty, hidden, mask=item.mask))
+                if group is not None:
+                    first = _first_rank(group)
+                    states = merge_in_batch_order(
+                        statistics, states if first else None, per_batch, group
                     )
                 hessian = _finalized(statistics, states, [name])["hessian"]
                 built, report = _solve_module(

@@ -1,0 +1,118 @@
+"""Calibration statistics across processes (``floatxq.lifecycle.distributed``): two CPU
+processes on the gloo backend fold their shares of the batches and merge them in rank order."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from floatxq.lifecycle.distributed import reduce_states, shard_batches
+from floatxq.stats import HEADROOM, HESSIAN, RUNNING_AMAX
+
+K = 32
+
+
+def _batches() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(5 + i, K, generator=gen) * (i + 1) for i in range(7)]
+
+
+def _fold(batches):
+    states = {"hessian": HESSIAN.init(K), "amax": RUNNING_AMAX.init()}
+    for x in batches:
+        states = {"hessian": HESSIAN.update(states["hessian"], x),
+                  "amax": RUNNING_AMAX.update(states["amax"], x)}  # fmt: skip
+    return states
+
+
+def _rank(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        mine = shard_batches(_batches(), rank, world)
+        merged = reduce_states({"hessian": HESSIAN, "amax": RUNNING_AMAX}, _fold(mine))
+        torch.save({k: tuple(v) for k, v in merged.items()}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_processes_merge_their_shares_into_the_one_process_statistics(tmp_path, world):
+    init = f"file://{tmp_path / 'rendezvous'}"
+    out = str(tmp_path / "states")
+    mp.spawn(_rank, args=(world, init, out), nprocs=world, join=True)
+    results = [torch.load(f"{out}.{r}") for r in range(world)]
+    for other in results[1:]:  # every process holds the same bits
+        for key in results[0]:
+            for a, b in zip(results[0][key], other[key], strict=True):
+                assert torch.equal(a, b)
+    whole = _fold(_batches())
+    xtx, rows = results[0]["hessian"]
+    assert int(rows) == int(whole["hessian"].rows)
+    assert torch.equal(results[0]["amax"][0], whole["amax"].amax)  # maxima: exact
+    if world == 1:  # no merge: the one-process fold, bit for bit
+        assert torch.equal(xtx, whole["hessian"].xtx)
+    x = torch.cat(_batches()).double()
+    bound = (x.shape[0] + world) * 2.0**-24 * (x.abs().T @ x.abs())
+    assert bool(((xtx.double() - x.T @ x).abs() <= bound).all())
+
+
+def test_shards_cover_the_batches_in_order_and_bad_input_is_refused():
+    for n in range(7):
+        for world in range(1, 5):
+            parts = [shard_batches(list(range(n)), r, world) for r in range(world)]
+            assert [b for part in parts for b in part] == list(range(n))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    with pytest.raises(ValueError, match="rank 2 of world 2"):
+        shard_batches([1, 2], 2, 2)
+    with pytest.raises(ValueError, match="has no merge"):
+        reduce_states({"headroom": HEADROOM}, {"headroom": HEADROOM.init()})
+    with pytest.raises(RuntimeError, match="not initialised"):
+        reduce_states({"amax": RUNNING_AMAX}, {"amax": RUNNING_AMAX.init()})
+
+
+def _gptq(group) -> dict:
+    """The tiny Llama's GPTQ run (this process's share of 8 batches with ``group``)."""
+    import floatxq as fq
+    from floatxq.lifecycle.calibration import prepare_calibration
+    from floatxq.lifecycle.gptq import quantize_gptq_model
+    from floatxq.nn.gptq_linear import GPTQLinear
+    from floatxq.tiny import TINY_LLAMA_DIR, calibration_samples
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # CPU kernels pick their blocking by thread count: one for all
+    try:
+        model = fq.load(TINY_LLAMA_DIR).model
+        samples = calibration_samples(num_samples=8, seq_len=64)
+        prepared = prepare_calibration(samples, batch_size=1)
+        config = fq.GPTQConfig(bits=4, group_size=32)
+        cpu = torch.device("cpu")
+        report = quantize_gptq_model(model, config, prepared, device=cpu, group=group)
+    finally:
+        torch.set_num_threads(threads)
+    codes = {n: m.qweight.clone() for n, m in model.named_modules() if isinstance(m, GPTQLinear)}
+    return {"loss": {m.name: m.loss for m in report.modules}, "codes": codes}
+
+
+def _gptq_rank(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.save(_gptq(dist.group.WORLD), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_solve_the_tiny_llama_as_one_does(tmp_path):
+    """GPTQ with the calibration shared by two gloo processes: the Hessians are folded in batch
+    order across them, so both solve exactly the codes and losses of one process's run."""
+    init = f"file://{tmp_path / 'rendezvous'}"
+    out = str(tmp_path / "gptq")
+    mp.spawn(_gptq_rank, args=(2, init, out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    one = _gptq(None)
+    assert ranks[0]["loss"] == ranks[1]["loss"]
+    for name, codes in ranks[0]["codes"].items():
+        assert torch.equal(codes, ranks[1]["codes"][name])
+    assert ranks[0]["loss"].keys() == one["loss"].keys() and len(one["loss"]) == 56
+    for name, codes in one["codes"].items():  # the one-process bits
+        assert torch.equal(codes, ranks[0]["codes"][name]), name
+    assert ranks[0]["loss"] == one["loss"]
