@@ -116,3 +116,48 @@ def test_two_processes_solve_the_tiny_llama_as_one_does(tmp_path):
     for name, codes in one["codes"].items():  # the one-process bits
         assert torch.equal(codes, ranks[0]["codes"][name]), name
     assert ranks[0]["loss"] == one["loss"]
+
+
+def _nvfp4(group) -> dict:
+    """The tiny Llama's NVFP4 GPTQ / W4A4 run (this process's share with ``group``)."""
+    import floatxq as fq
+    from floatxq.lifecycle.calibration import prepare_calibration
+    from floatxq.lifecycle.nvfp4_calibrated import quantize_nvfp4_calibrated
+    from floatxq.nn.fp4_linear import TorchFP4Linear
+    from floatxq.tiny import TINY_LLAMA_DIR, calibration_samples
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as _gptq
+    try:
+        model = fq.load(TINY_LLAMA_DIR).model
+        prepared = prepare_calibration(calibration_samples(num_samples=6, seq_len=64))
+        config = fq.NVFP4Config(method="gptq", activations="nvfp4")
+        cpu = torch.device("cpu")
+        quantize_nvfp4_calibrated(model, config, prepared, device=cpu, process_group=group)
+    finally:
+        torch.set_num_threads(threads)
+    return {n: dict(m.state_dict()) for n, m in model.named_modules()
+            if isinstance(m, TorchFP4Linear)}  # fmt: skip
+
+
+def _nvfp4_rank(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.save(_nvfp4(dist.group.WORLD), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_three_processes_calibrate_nvfp4_as_one_does(tmp_path):
+    """NVFP4 GPTQ with W4A4 input scales (the layer-by-layer driver): Hessians and activation
+    maxima folded in batch order across three processes give one process's buffers exactly."""
+    init = f"file://{tmp_path / 'rendezvous'}"
+    out = str(tmp_path / "nvfp4")
+    mp.spawn(_nvfp4_rank, args=(3, init, out), nprocs=3, join=True)
+    one = _nvfp4(None)
+    assert len(one) == 56
+    for rank in range(3):
+        got = torch.load(f"{out}.{rank}")
+        for name, buffers in one.items():
+            for key, value in buffers.items():
+                assert torch.equal(got[name][key], value), (rank, name, key)

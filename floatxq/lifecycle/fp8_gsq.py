@@ -60,6 +60,7 @@ def quantize_fp8_calibrated(
     on_module: Callable[[str], None] | None = None,
     hooks: LayerHooks | None = None,
     activation_budget: int | None = None,
+    process_group: Any = None,
 ) -> FP8RunReport:
     """Quantize ``model``'s planned linears to FP8 in place, GSQ weighted by calibration
     Hessians layer by layer (``config.gsq_calibration``).
@@ -72,6 +73,7 @@ def quantize_fp8_calibrated(
         each FP8 module is moved back to where its original lived.
       on_module: called with each module's name once it is quantized.
       hooks, activation_budget: as :func:`~floatxq.lifecycle.gptq.quantize_gptq_model`'s.
+      process_group: processes sharing the batches (its ``group``).
 
     Returns:
       :class:`FP8RunReport` (a report per refined module).
@@ -129,6 +131,7 @@ def quantize_fp8_calibrated(
             statistics=statistics, build=build, stand_in=DecodedStandIn, on_module=on_module,
             hooks=hooks,
             activation_budget=activation_budget,
+            process_group=process_group,
         )  # fmt: skip
     except BaseException:
         for name, (module, home) in originals.items():

@@ -40,7 +40,8 @@ from floatxq.lifecycle.decoder import (
     output_embedding,
     spill_inputs,
 )
-from floatxq.lifecycle.gptq import _finalized, _fold_group, _groups_by_input
+from floatxq.lifecycle.distributed import merge_in_batch_order
+from floatxq.lifecycle.gptq import _finalized, _first_rank, _fold_group, _groups_by_input, _shared
 from floatxq.stats import Statistic, fold_all
 
 __all__ = ["DecodedStandIn", "quantize_layerwise"]
@@ -95,10 +96,13 @@ def quantize_layerwise(
     on_module: Callable[[str], None] | None = None,
     hooks: LayerHooks | None = None,
     activation_budget: int | None = None,
+    process_group: Any = None,
 ) -> list[Any]:
     """Replace ``names`` (linears of ``model``'s decoder layers, and its output embedding) by
-    ``build``'s modules, calibrated layer by layer; the reports in the order built. ``hooks``
-    and ``activation_budget``: as :func:`~floatxq.lifecycle.gptq.quantize_gptq_model`'s.
+    ``build``'s modules, calibrated layer by layer; the reports in the order built. ``hooks``,
+    ``activation_budget`` and ``process_group``: as
+    :func:`~floatxq.lifecycle.gptq.quantize_gptq_model`'s ``hooks``, ``activation_budget`` and
+    ``group``.
 
     Raises:
       ValueError: as ``build``; non-finite calibration activations (naming the modules).
@@ -133,6 +137,8 @@ def quantize_layerwise(
             if hooks is not None:
                 hooks.enter(0)
             layers[0].to(device)
+            if process_group is not None:
+                calibration = _shared(calibration, process_group, False)
             inputs = capture_inputs(model, layers[0], calibration, device)
             spill_inputs(inputs, activation_budget)
             move_outside(model, skip, outside_home)
@@ -153,7 +159,9 @@ def quantize_layerwise(
                     needed = statistics(group_names)
                     states = _states(needed, features(group[0][1])[0], device)
                     folded = (
-                        _fold_group(layer, group[0][1], group_names, inputs, needed, states)
+                        _fold_group(
+                            layer, group[0][1], group_names, inputs, needed, states, process_group
+                        )
                         if needed
                         else {}
                     )
@@ -173,7 +181,8 @@ def quantize_layerwise(
                     hooks.leave(index, inputs)
                 layer.to(home[id(layer)])
             if head_name is not None and head is not None:
-                _head(model, head, inputs, layers_name, device, outside_home, statistics, replace)
+                _head(model, head, inputs, layers_name, device, outside_home, statistics, replace,
+                      process_group)  # fmt: skip
                 for name, built in solved.items():
                     model.set_submodule(name, built)
             del inputs
@@ -200,19 +209,27 @@ def _head(
     outside_home: torch.device,
     statistics: Statistics,
     replace: Callable[..., None],
+    process_group: Any = None,
 ) -> None:
-    """The output embedding, last, on the final norm's outputs."""
+    """The output embedding, last, on the final norm's outputs (folded in batch order across
+    ``process_group``)."""
     name, module = head
     norm = final_norm(model, layers_name)
     if norm is not None:
         norm.to(device)
     module.to(device)
     needed = statistics([name])
-    states = _states(needed, features(module)[0], device)
+    states = empty = _states(needed, features(module)[0], device)
+    first, per_batch = _first_rank(process_group), []
     for item in inputs:
         hidden = item.hidden.to(device)
         hidden = norm(hidden) if norm is not None else hidden
-        states = fold_all(needed, states, hidden, mask=item.mask)
+        if first:
+            states = fold_all(needed, states, hidden, mask=item.mask)
+        else:
+            per_batch.append(fold_all(needed, empty, hidden, mask=item.mask))
+    if process_group is not None and needed:
+        states = merge_in_batch_order(needed, states if first else None, per_batch, process_group)
     folded = _finalized(needed, states, [name]) if needed else {}
     replace(name, module, folded, None)
     module.to(outside_home)

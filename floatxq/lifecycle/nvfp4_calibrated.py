@@ -170,6 +170,7 @@ def quantize_nvfp4_calibrated(
     hooks: LayerHooks | None = None,
     activation_budget: int | None = None,
     amax: dict[str, torch.Tensor] | None = None,
+    process_group: Any = None,
 ) -> NVFP4RunReport:
     """Quantize ``model``'s planned linears to NVFP4 in place, calibrated layer by layer.
 
@@ -181,6 +182,7 @@ def quantize_nvfp4_calibrated(
         each NVFP4 module is moved back to where its original lived.
       on_module: called with each module's name once it is quantized.
       hooks, activation_budget: as :func:`~floatxq.lifecycle.gptq.quantize_gptq_model`'s.
+      process_group: processes sharing the batches (its ``group``).
       amax: each planned weight's ``max|W|`` (its fused siblings' under ``"fused"``), read
         before when the layers are not held (None: from the model).
 
@@ -215,6 +217,7 @@ def quantize_nvfp4_calibrated(
         statistics=lambda group: _statistics([targets[n] for n in group]),
         build=build, stand_in=_stand_in, on_module=on_module, hooks=hooks,
         activation_budget=activation_budget,
+        process_group=process_group,
     )  # fmt: skip
     layers = len(decoder_layers(model)[1])
     return NVFP4RunReport(
