@@ -1,12 +1,12 @@
-"""Calibration statistics across processes (``floatxq.lifecycle.distributed``): two CPU
-processes on the gloo backend fold their shares of the batches and merge them in rank order."""
+"""Calibration statistics across processes (``floatxq.lifecycle.distributed``): gloo processes
+on the CPU fold their shares of the batches in batch order, as one process folds them all."""
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from floatxq.lifecycle.distributed import reduce_states, shard_batches
+from floatxq.lifecycle.distributed import BatchFold, merge_in_batch_order, shard_batches
 from floatxq.stats import HEADROOM, HESSIAN, RUNNING_AMAX
 
 K = 32
@@ -25,22 +25,36 @@ def _fold(batches):
     return states
 
 
-def _rank(rank: int, world: int, init: str, out: str) -> None:
+def _folded(group) -> dict:
+    """This process's share of the batches through a :class:`BatchFold` over ``group``."""
+    stats = {"hessian": HESSIAN, "amax": RUNNING_AMAX}
+    fold = BatchFold(stats, {"hessian": HESSIAN.init(K), "amax": RUNNING_AMAX.init()}, group)
+    for x in shard_batches(_batches(), dist.get_rank(group), dist.get_world_size(group)):
+        fold.add(x)
+    return {k: tuple(v) for k, v in fold.states().items()}
+
+
+def _rank(rank: int, world: int, init: str, out: str, job) -> None:
+    """One gloo process: ``job(group)`` saved to ``out.RANK``."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        mine = shard_batches(_batches(), rank, world)
-        merged = reduce_states({"hessian": HESSIAN, "amax": RUNNING_AMAX}, _fold(mine))
-        torch.save({k: tuple(v) for k, v in merged.items()}, f"{out}.{rank}")
+        torch.save(job(dist.group.WORLD), f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_processes_merge_their_shares_into_the_one_process_statistics(tmp_path, world):
+def _spawn(tmp_path, job, world: int) -> list:
     init = f"file://{tmp_path / 'rendezvous'}"
-    out = str(tmp_path / "states")
-    mp.spawn(_rank, args=(world, init, out), nprocs=world, join=True)
-    results = [torch.load(f"{out}.{r}") for r in range(world)]
+    out = str(tmp_path / "result")
+    mp.spawn(_rank, args=(world, init, out, job), nprocs=world, join=True)
+    return [torch.load(f"{out}.{r}") for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_processes_fold_their_shares_into_the_one_process_statistics(tmp_path, world):
+    """Any value, any share: the batch-order fold across processes is the one-process fold
+    bit for bit (the same FP32 additions in the same order), on every process."""
+    results = _spawn(tmp_path, _folded, world)
     for other in results[1:]:  # every process holds the same bits
         for key in results[0]:
             for a, b in zip(results[0][key], other[key], strict=True):
@@ -48,12 +62,8 @@ def test_processes_merge_their_shares_into_the_one_process_statistics(tmp_path, 
     whole = _fold(_batches())
     xtx, rows = results[0]["hessian"]
     assert int(rows) == int(whole["hessian"].rows)
-    assert torch.equal(results[0]["amax"][0], whole["amax"].amax)  # maxima: exact
-    if world == 1:  # no merge: the one-process fold, bit for bit
-        assert torch.equal(xtx, whole["hessian"].xtx)
-    x = torch.cat(_batches()).double()
-    bound = (x.shape[0] + world) * 2.0**-24 * (x.abs().T @ x.abs())
-    assert bool(((xtx.double() - x.T @ x).abs() <= bound).all())
+    assert torch.equal(results[0]["amax"][0], whole["amax"].amax)
+    assert torch.equal(xtx, whole["hessian"].xtx)
 
 
 def test_shards_cover_the_batches_in_order_and_bad_input_is_refused():
@@ -65,9 +75,10 @@ def test_shards_cover_the_batches_in_order_and_bad_input_is_refused():
     with pytest.raises(ValueError, match="rank 2 of world 2"):
         shard_batches([1, 2], 2, 2)
     with pytest.raises(ValueError, match="has no merge"):
-        reduce_states({"headroom": HEADROOM}, {"headroom": HEADROOM.init()})
-    with pytest.raises(RuntimeError, match="not initialised"):
-        reduce_states({"amax": RUNNING_AMAX}, {"amax": RUNNING_AMAX.init()})
+        merge_in_batch_order({"headroom": HEADROOM}, {"headroom": HEADROOM.init()}, [])
+    fold = BatchFold({"amax": RUNNING_AMAX}, {"amax": RUNNING_AMAX.init()})  # no group: local
+    fold.add(torch.tensor([[1.0, -4.0]]))
+    assert fold.states()["amax"].amax.item() == 4.0
 
 
 def _gptq(group) -> dict:
@@ -93,21 +104,10 @@ def _gptq(group) -> dict:
     return {"loss": {m.name: m.loss for m in report.modules}, "codes": codes}
 
 
-def _gptq_rank(rank: int, world: int, init: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        torch.save(_gptq(dist.group.WORLD), f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
-
-
 def test_two_processes_solve_the_tiny_llama_as_one_does(tmp_path):
     """GPTQ with the calibration shared by two gloo processes: the Hessians are folded in batch
     order across them, so both solve exactly the codes and losses of one process's run."""
-    init = f"file://{tmp_path / 'rendezvous'}"
-    out = str(tmp_path / "gptq")
-    mp.spawn(_gptq_rank, args=(2, init, out), nprocs=2, join=True)
-    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    ranks = _spawn(tmp_path, _gptq, 2)
     one = _gptq(None)
     assert ranks[0]["loss"] == ranks[1]["loss"]
     for name, codes in ranks[0]["codes"].items():
@@ -140,24 +140,13 @@ def _nvfp4(group) -> dict:
             if isinstance(m, TorchFP4Linear)}  # fmt: skip
 
 
-def _nvfp4_rank(rank: int, world: int, init: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        torch.save(_nvfp4(dist.group.WORLD), f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
-
-
 def test_three_processes_calibrate_nvfp4_as_one_does(tmp_path):
     """NVFP4 GPTQ with W4A4 input scales (the layer-by-layer driver): Hessians and activation
     maxima folded in batch order across three processes give one process's buffers exactly."""
-    init = f"file://{tmp_path / 'rendezvous'}"
-    out = str(tmp_path / "nvfp4")
-    mp.spawn(_nvfp4_rank, args=(3, init, out), nprocs=3, join=True)
+    results = _spawn(tmp_path, _nvfp4, 3)
     one = _nvfp4(None)
     assert len(one) == 56
-    for rank in range(3):
-        got = torch.load(f"{out}.{rank}")
+    for rank, got in enumerate(results):
         for name, buffers in one.items():
             for key, value in buffers.items():
                 assert torch.equal(got[name][key], value), (rank, name, key)

@@ -1,13 +1,13 @@
-"""Calibration statistics across processes (``torch.distributed``): each process folds its part
-of the calibration batches, then the parts are merged in a fixed order.
+"""Calibration statistics across processes (``torch.distributed``): each process folds its
+contiguous share of the calibration batches (:func:`shard_batches`), and the folds are joined in
+batch order.
 
-:func:`reduce_states` gathers every process's state of each statistic (``all_gather`` of its
-tensors, in whatever backend the process group runs: NCCL on GPUs, gloo on CPUs) and merges them
-left to right in rank order with the statistic's own ``merge`` (:data:`floatxq.stats.HESSIAN`:
-``xtx`` and ``rows`` added; :data:`floatxq.stats.RUNNING_AMAX`: the maximum). Every process ends
-with the same bits. Against one process folding every batch in order, the Hessian differs only
-by the reassociation of FP32 sums (one addition per entry per extra process); maxima and counts
-are exact. :func:`shard_batches` gives a process its contiguous share of the batches.
+:func:`merge_in_batch_order` passes the running fold from rank to rank; each later rank adds its
+own batches' folds to it in order with the statistic's ``merge`` (:data:`floatxq.stats.HESSIAN`:
+``xtx`` and ``rows`` added; :data:`floatxq.stats.RUNNING_AMAX`: the maximum), so the result is
+the one-process fold bit for bit, and the last rank's goes to every process. A merge of whole
+per-process folds instead would reassociate the FP32 sums, and GPTQ's codes follow the last
+bits of its Hessian. :class:`BatchFold` is what the layer-by-layer drivers fold with.
 """
 
 from collections.abc import Mapping, Sequence
@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from floatxq.stats import Statistic
+from floatxq.stats import Statistic, fold_all
 
-__all__ = ["merge_in_batch_order", "reduce_states", "shard_batches"]
+__all__ = ["BatchFold", "merge_in_batch_order", "shard_batches"]
 
 T = TypeVar("T")
 
@@ -39,50 +39,6 @@ def shard_batches(batches: Sequence[T], rank: int, world: int) -> list[T]:
     base, extra = divmod(len(batches), world)
     start = rank * base + min(rank, extra)
     return list(batches[start : start + base + (rank < extra)])
-
-
-def _gather(tensor: torch.Tensor, world: int, group: Any) -> list[torch.Tensor]:
-    parts = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return parts
-
-
-def reduce_states(
-    statistics: Mapping[str, Statistic], states: Mapping[str, Any], group: Any = None
-) -> dict[str, Any]:
-    """Every process's states merged in rank order (the same result on every process).
-
-    Args:
-      statistics: the statistics by name, each with a ``merge``.
-      states: this process's state of each (a NamedTuple of tensors, as its ``init`` makes).
-      group: the process group (None: the default one, which must be initialised).
-
-    Raises:
-      ValueError: a statistic without ``merge``, or states named unlike the statistics.
-      RuntimeError: ``torch.distributed`` is not initialised.
-
-    Numerics: as each statistic's ``merge``, applied ``world - 1`` times left to right.
-    """
-    if set(states) != set(statistics):
-        raise ValueError(
-            f"reduce_states: states name {sorted(states)}, the statistics {sorted(statistics)}"
-        )
-    for name, statistic in statistics.items():
-        if statistic.merge is None:
-            raise ValueError(f"reduce_states: statistic {name!r} has no merge")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("reduce_states: torch.distributed is not initialised")
-    world = dist.get_world_size(group)
-    merged: dict[str, Any] = {}
-    for name in sorted(statistics):  # the same order on every process
-        state = states[name]
-        fields = [_gather(t, world, group) for t in state]
-        per_rank = [type(state)(*(f[r] for f in fields)) for r in range(world)]
-        result = per_rank[0]
-        for other in per_rank[1:]:
-            result = statistics[name].merge(result, other)  # type: ignore[misc]
-        merged[name] = result
-    return merged
 
 
 def _send_state(state: Any, dst: int, group: Any) -> None:
@@ -147,3 +103,33 @@ def merge_in_batch_order(
             fields.append(buf)
         merged[name] = type(state)(*fields)
     return merged
+
+
+class BatchFold:
+    """Batches folded into ``statistics`` (from the empty ``states``) as one process folds them
+    in order; with a process ``group``, every process's share joined in batch order
+    (:func:`merge_in_batch_order`): rank 0 folds as one process does, the others keep each
+    batch's fold until the running fold reaches them."""
+
+    def __init__(
+        self, statistics: Mapping[str, Statistic], states: Mapping[str, Any], group: Any = None
+    ) -> None:
+        self.statistics, self.empty, self.group = statistics, dict(states), group
+        self.first = group is None or dist.get_rank(group) == 0
+        self.folded = dict(states)
+        self.per_batch: list[dict[str, Any]] = []
+
+    def add(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Fold one batch's rows (``mask``: its keep-mask, as :func:`floatxq.stats.fold_all`)."""
+        if self.first:
+            self.folded = fold_all(self.statistics, self.folded, x, mask=mask)
+        else:
+            self.per_batch.append(fold_all(self.statistics, self.empty, x, mask=mask))
+
+    def states(self) -> dict[str, Any]:
+        """The fold of every batch (every process's, with a group)."""
+        if self.group is None or not self.statistics:
+            return self.folded
+        return merge_in_batch_order(
+            self.statistics, self.folded if self.first else None, self.per_batch, self.group
+        )

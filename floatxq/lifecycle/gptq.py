@@ -56,10 +56,10 @@ from floatxq.lifecycle.decoder import (
     output_embedding,
     spill_inputs,
 )
-from floatxq.lifecycle.distributed import merge_in_batch_order, shard_batches
+from floatxq.lifecycle.distributed import BatchFold, shard_batches
 from floatxq.lifecycle.gptq_replay import replay_outputs, replay_setup, replay_solve
 from floatxq.lifecycle.replay import RoundingMemo
-from floatxq.stats import HESSIAN, Statistic, finalize_all, fold_all
+from floatxq.stats import HESSIAN, Statistic, finalize_all
 
 PACKABLE_BITS: tuple[int, ...] = (2, 4, 8)
 """Bit widths a GPTQ checkpoint packs (32/bits values per int32 word)."""
@@ -300,18 +300,12 @@ def _fold_group(
 ) -> dict[str, Any]:
     """Fold ``statistics`` over one input group's rows: run the layer up to the group's input on
     every batch (padding dropped) and return each statistic's value; with a process ``group``,
-    the processes' batches folded in batch order (:func:`merge_in_batch_order`: the one-process
-    bits)."""
-    folded = dict(states)
+    the processes' batches folded in batch order (:class:`BatchFold`: the one-process bits)."""
+    fold = BatchFold(statistics, states, group)
     current: dict[str, torch.Tensor] = {}
-    per_batch: list[dict[str, Any]] | None = None if _first_rank(group) else []
 
     def hook(_module: nn.Module, args: tuple) -> None:
-        rows = kept_rows(args[0], current["mask"], names)
-        if per_batch is None:
-            folded.update(fold_all(statistics, folded, rows))
-        else:  # each batch alone, added after the earlier processes' batches
-            per_batch.append(fold_all(statistics, states, rows))
+        fold.add(kept_rows(args[0], current["mask"], names))
         raise Stop
 
     handle = first.register_forward_pre_hook(hook)
@@ -322,19 +316,7 @@ def _fold_group(
                 call_layer(layer, item)
     finally:
         handle.remove()
-    if group is not None:
-        folded = merge_in_batch_order(statistics, folded if per_batch is None else None,
-                                      per_batch or [], group)  # fmt: skip
-    return _finalized(statistics, folded, names)
-
-
-def _first_rank(group: Any) -> bool:
-    """No process group, or this process is its rank 0."""
-    if group is None:
-        return True
-    import torch.distributed as dist
-
-    return dist.get_rank(group) == 0
+    return _finalized(statistics, fold.states(), names)
 
 
 def _finalized(
@@ -642,19 +624,10 @@ def quantize_gptq_model(
                 module.to(device)
                 statistics = {"hessian": HESSIAN}
                 states = {"hessian": HESSIAN.init(features(module)[0], device=device)}
-                empty, per_batch = states, []
+                fold = BatchFold(statistics, states, group)
                 for item in inputs:
-                    hidden = norm(item.hidden.to(device))
-                    if _first_rank(group):
-                        states = fold_all(statistics, states, hidden, mask=item.mask)
-                    else:
-                        per_batch.append(fold_all(statistics, empty, hidden, mask=item.mask))
-                if group is not None:
-                    first = _first_rank(group)
-                    states = merge_in_batch_order(
-                        statistics, states if first else None, per_batch, group
-                    )
-                hessian = _finalized(statistics, states, [name])["hessian"]
+                    fold.add(norm(item.hidden.to(device)), mask=item.mask)
+                hessian = _finalized(statistics, fold.states(), [name])["hessian"]
                 built, report = _solve_module(
                     name, module, hessian, head_plan.config, rows, None, device
                 )

@@ -40,9 +40,9 @@ from floatxq.lifecycle.decoder import (
     output_embedding,
     spill_inputs,
 )
-from floatxq.lifecycle.distributed import merge_in_batch_order
-from floatxq.lifecycle.gptq import _finalized, _first_rank, _fold_group, _groups_by_input, _shared
-from floatxq.stats import Statistic, fold_all
+from floatxq.lifecycle.distributed import BatchFold
+from floatxq.lifecycle.gptq import _finalized, _fold_group, _groups_by_input, _shared
+from floatxq.stats import Statistic
 
 __all__ = ["DecodedStandIn", "quantize_layerwise"]
 
@@ -219,18 +219,11 @@ def _head(
         norm.to(device)
     module.to(device)
     needed = statistics([name])
-    states = empty = _states(needed, features(module)[0], device)
-    first, per_batch = _first_rank(process_group), []
+    fold = BatchFold(needed, _states(needed, features(module)[0], device), process_group)
     for item in inputs:
         hidden = item.hidden.to(device)
-        hidden = norm(hidden) if norm is not None else hidden
-        if first:
-            states = fold_all(needed, states, hidden, mask=item.mask)
-        else:
-            per_batch.append(fold_all(needed, empty, hidden, mask=item.mask))
-    if process_group is not None and needed:
-        states = merge_in_batch_order(needed, states if first else None, per_batch, process_group)
-    folded = _finalized(needed, states, [name]) if needed else {}
+        fold.add(norm(hidden) if norm is not None else hidden, mask=item.mask)
+    folded = _finalized(needed, fold.states(), [name]) if needed else {}
     replace(name, module, folded, None)
     module.to(outside_home)
     if norm is not None:

@@ -49,18 +49,20 @@ from floatxq.interop.stream_shards import ShardWriter, plan_shards
 from floatxq.lifecycle import offload_calibrated
 from floatxq.lifecycle.calibration import CalibrationSet
 from floatxq.lifecycle.decoder import LayerHooks, LayerInput, decoder_layers
-from floatxq.lifecycle.fp8 import _check_divisible, fp8_module, plan_fp8
-from floatxq.lifecycle.nvfp4 import _own_amax, fused_amax, plan_nvfp4
+from floatxq.lifecycle.fp8 import fp8_module
+from floatxq.lifecycle.nvfp4 import _own_amax, fused_amax
 from floatxq.lifecycle.nvfp4 import _quantized as _nvfp4_quantized
 from floatxq.lifecycle.offload_calibrated import (
     ActivationCheckpoint,
     CalibratedMethod,
     calibrated_method,
     calibration_fingerprint,
+    fp8_empty,
+    fp8_plans,
+    nvfp4_empty,
+    nvfp4_plans,
     weight_amax,
 )
-from floatxq.nn.fp4_linear import TorchFP4Linear
-from floatxq.nn.fp8_linear import TorchFP8Linear
 
 __all__ = [
     "OFFLOAD_MODES",
@@ -154,18 +156,6 @@ class _Method(NamedTuple):
 
 
 def _fp8_method(config: FP8Config) -> _Method:
-    def plans(shell: nn.Module) -> list[tuple[str, Any]]:
-        found = [(p.name, p.config) for p in plan_fp8(shell, config) if p.config is not None]
-        for module_name, cfg in found:
-            _check_divisible(module_name, shell.get_submodule(module_name), cfg)
-        return found
-
-    def empty(original: nn.Module, cfg: Any) -> nn.Module:
-        return TorchFP8Linear.empty_like(
-            original, format=cfg.format, weight_scale_method=cfg.weight_scale_method,
-            weight_block_size=cfg.weight_block_size, device="meta",
-        )  # fmt: skip
-
     def quantize(shell: nn.Module, names: list[str], cfgs: dict, work: torch.device) -> list:
         reports = []
         for module_name in names:
@@ -175,20 +165,10 @@ def _fp8_method(config: FP8Config) -> _Method:
             reports += [report] if report is not None else []
         return reports
 
-    return _Method(plans, empty, quantize)
+    return _Method(fp8_plans(config), fp8_empty, quantize)
 
 
 def _nvfp4_method(config: NVFP4Config) -> _Method:
-    def plans(shell: nn.Module) -> list[tuple[str, Any]]:
-        return [(p.name, p.config) for p in plan_nvfp4(shell, config) if p.config is not None]
-
-    def empty(original: nn.Module, cfg: Any) -> nn.Module:
-        out_features, in_features = original.weight.shape
-        return TorchFP4Linear(
-            in_features, out_features, bias=original.bias is not None,
-            dtype=original.weight.dtype, device="meta",
-        )  # fmt: skip
-
     def quantize(shell: nn.Module, names: list[str], cfgs: dict, work: torch.device) -> list:
         fused = config.global_scale == "fused"  # siblings share a layer: all read by now
         amax = fused_amax(shell, names) if fused else _own_amax(shell, names)
@@ -199,7 +179,7 @@ def _nvfp4_method(config: NVFP4Config) -> _Method:
             shell.set_submodule(module_name, built.to(home))
         return []
 
-    return _Method(plans, empty, quantize)
+    return _Method(nvfp4_plans(config), nvfp4_empty, quantize)
 
 
 def _method(config: Any) -> _Method:

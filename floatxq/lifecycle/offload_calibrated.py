@@ -44,6 +44,10 @@ __all__ = [
     "CalibratedMethod",
     "calibrated_method",
     "calibration_fingerprint",
+    "fp8_empty",
+    "fp8_plans",
+    "nvfp4_empty",
+    "nvfp4_plans",
 ]
 
 CHECKPOINT_SECONDS = 600.0
@@ -100,27 +104,26 @@ def _gptq_method(config: GPTQConfig) -> CalibratedMethod:
     return CalibratedMethod(plans, _gptq_empty, run, False)
 
 
-def _nvfp4_method(config: NVFP4Config) -> CalibratedMethod:
-    from floatxq.lifecycle.nvfp4_calibrated import quantize_nvfp4_calibrated
+def nvfp4_plans(config: NVFP4Config) -> Callable[[nn.Module], list[tuple[str, Any]]]:
+    """NVFP4's planned modules of a shell with their resolved settings."""
 
     def plans(shell: nn.Module) -> list[tuple[str, Any]]:
         return [(p.name, p.config) for p in plan_nvfp4(shell, config) if p.config is not None]
 
-    def empty(original: nn.Module, cfg: NVFP4Config) -> nn.Module:
-        out_features, in_features = original.weight.shape
-        return TorchFP4Linear(
-            in_features, out_features, bias=original.bias is not None,
-            dtype=original.weight.dtype, device="meta", input_scale=cfg.activations is not None,
-        )  # fmt: skip
-
-    def run(shell: nn.Module, calibration: CalibrationSet, **kw: Any) -> Any:
-        return quantize_nvfp4_calibrated(shell, config, calibration, **kw)
-
-    return CalibratedMethod(plans, empty, run, True)
+    return plans
 
 
-def _fp8_method(config: FP8Config) -> CalibratedMethod:
-    from floatxq.lifecycle.fp8_gsq import quantize_fp8_calibrated
+def nvfp4_empty(original: nn.Module, cfg: NVFP4Config) -> nn.Module:
+    """An original's ``TorchFP4Linear``, empty on meta (an input scale under W4A4)."""
+    out_features, in_features = original.weight.shape
+    return TorchFP4Linear(
+        in_features, out_features, bias=original.bias is not None,
+        dtype=original.weight.dtype, device="meta", input_scale=cfg.activations is not None,
+    )  # fmt: skip
+
+
+def fp8_plans(config: FP8Config) -> Callable[[nn.Module], list[tuple[str, Any]]]:
+    """FP8's planned modules of a shell with their resolved settings (block sizes checked)."""
 
     def plans(shell: nn.Module) -> list[tuple[str, Any]]:
         found = [(p.name, p.config) for p in plan_fp8(shell, config) if p.config is not None]
@@ -128,17 +131,34 @@ def _fp8_method(config: FP8Config) -> CalibratedMethod:
             _check_divisible(module_name, shell.get_submodule(module_name), cfg)
         return found
 
-    def empty(original: nn.Module, cfg: FP8Config) -> nn.Module:
-        return TorchFP8Linear.empty_like(
-            original, format=cfg.format, weight_scale_method=cfg.weight_scale_method,
-            weight_block_size=cfg.weight_block_size, device="meta",
-        )  # fmt: skip
+    return plans
+
+
+def fp8_empty(original: nn.Module, cfg: FP8Config) -> nn.Module:
+    """An original's ``TorchFP8Linear``, empty on meta."""
+    return TorchFP8Linear.empty_like(
+        original, format=cfg.format, weight_scale_method=cfg.weight_scale_method,
+        weight_block_size=cfg.weight_block_size, device="meta",
+    )  # fmt: skip
+
+
+def _nvfp4_method(config: NVFP4Config) -> CalibratedMethod:
+    from floatxq.lifecycle.nvfp4_calibrated import quantize_nvfp4_calibrated
+
+    def run(shell: nn.Module, calibration: CalibrationSet, **kw: Any) -> Any:
+        return quantize_nvfp4_calibrated(shell, config, calibration, **kw)
+
+    return CalibratedMethod(nvfp4_plans(config), nvfp4_empty, run, True)
+
+
+def _fp8_method(config: FP8Config) -> CalibratedMethod:
+    from floatxq.lifecycle.fp8_gsq import quantize_fp8_calibrated
 
     def run(shell: nn.Module, calibration: CalibrationSet, **kw: Any) -> Any:
         kw.pop("amax")
         return quantize_fp8_calibrated(shell, config, calibration, **kw)
 
-    return CalibratedMethod(plans, empty, run, False)
+    return CalibratedMethod(fp8_plans(config), fp8_empty, run, False)
 
 
 def calibrated_method(config: Any) -> CalibratedMethod | None:
