@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from floatxq.lifecycle.distributed import BatchFold, merge_in_batch_order, shard_batches
+from floatxq.lifecycle.distributed import BatchFold, ProcessShare, shard_batches
 from floatxq.stats import HEADROOM, HESSIAN, RUNNING_AMAX
 
 K = 32
@@ -28,8 +28,10 @@ def _fold(batches):
 def _folded(group) -> dict:
     """This process's share of the batches through a :class:`BatchFold` over ``group``."""
     stats = {"hessian": HESSIAN, "amax": RUNNING_AMAX}
-    fold = BatchFold(stats, {"hessian": HESSIAN.init(K), "amax": RUNNING_AMAX.init()}, group)
-    for x in shard_batches(_batches(), dist.get_rank(group), dist.get_world_size(group)):
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    share = ProcessShare(group, rank, world, len(_batches()))
+    fold = BatchFold(stats, {"hessian": HESSIAN.init(K), "amax": RUNNING_AMAX.init()}, share)
+    for x in shard_batches(_batches(), rank, world):
         fold.add(x)
     return {k: tuple(v) for k, v in fold.states().items()}
 
@@ -70,12 +72,14 @@ def test_shards_cover_the_batches_in_order_and_bad_input_is_refused():
     for n in range(7):
         for world in range(1, 5):
             parts = [shard_batches(list(range(n)), r, world) for r in range(world)]
-            assert [b for part in parts for b in part] == list(range(n))
+            assert sorted(b for part in parts for b in part) == list(range(n))
+            assert all(b % world == r for r, part in enumerate(parts) for b in part)
             assert max(map(len, parts)) - min(map(len, parts)) <= 1
     with pytest.raises(ValueError, match="rank 2 of world 2"):
         shard_batches([1, 2], 2, 2)
     with pytest.raises(ValueError, match="has no merge"):
-        merge_in_batch_order({"headroom": HEADROOM}, {"headroom": HEADROOM.init()}, [])
+        share = ProcessShare(None, 0, 2, 4)
+        BatchFold({"headroom": HEADROOM}, {"headroom": HEADROOM.init()}, share)
     fold = BatchFold({"amax": RUNNING_AMAX}, {"amax": RUNNING_AMAX.init()})  # no group: local
     fold.add(torch.tensor([[1.0, -4.0]]))
     assert fold.states()["amax"].amax.item() == 4.0
@@ -97,7 +101,7 @@ def _gptq(group) -> dict:
         prepared = prepare_calibration(samples, batch_size=1)
         config = fq.GPTQConfig(bits=4, group_size=32)
         cpu = torch.device("cpu")
-        report = quantize_gptq_model(model, config, prepared, device=cpu, group=group)
+        report = quantize_gptq_model(model, config, prepared, device=cpu, process_group=group)
     finally:
         torch.set_num_threads(threads)
     codes = {n: m.qweight.clone() for n, m in model.named_modules() if isinstance(m, GPTQLinear)}

@@ -1,135 +1,301 @@
-"""Calibration statistics across processes (``torch.distributed``): each process folds its
-contiguous share of the calibration batches (:func:`shard_batches`), and the folds are joined in
-batch order.
+"""A calibrated run shared by the processes of a ``torch.distributed`` group (one per GPU, as
+``torchrun`` starts them): the calibration batches dealt out, the statistics folded in the one
+process's batch order, the module solves spread over the processes and their results broadcast.
 
-:func:`merge_in_batch_order` passes the running fold from rank to rank; each later rank adds its
-own batches' folds to it in order with the statistic's ``merge`` (:data:`floatxq.stats.HESSIAN`:
-``xtx`` and ``rows`` added; :data:`floatxq.stats.RUNNING_AMAX`: the maximum), so the result is
-the one-process fold bit for bit, and the last rank's goes to every process. A merge of whole
-per-process folds instead would reassociate the FP32 sums, and GPTQ's codes follow the last
-bits of its Hessian. :class:`BatchFold` is what the layer-by-layer drivers fold with.
+- :func:`share_calibration` deals batch ``b`` to process ``b % world`` (:func:`shard_batches`)
+  and returns the :class:`ProcessShare` the drivers pass on.
+- :class:`BatchFold` folds them: each process folds its batch into an empty state, takes the
+  running fold of every batch before it from the previous process, adds its own
+  (``Statistic.merge``: for :data:`floatxq.stats.HESSIAN` one FP32 addition, which is exactly the
+  one-process ``xtx + xᵀx``) and passes it on; the owner of the last batch broadcasts the whole.
+  So the fold is the one-process fold bit for bit, while every process holds at most one state
+  more than one process does and the products (the expensive part) run in parallel. A merge of
+  whole per-process folds instead would reassociate the FP32 sums, and GPTQ's codes follow the
+  last bits of its Hessian.
+- :func:`spread` solves each of a group of modules on one process (:func:`owners`: the largest
+  first, each to the least loaded) and broadcasts every built module and its report to all
+  (:func:`broadcast_module`), so every process continues with the same model.
+
+Over gloo, CUDA tensors travel through host memory (gloo sends only CPU tensors).
 """
 
-from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+import copy
+import pickle
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from floatxq.lifecycle.calibration import CalibrationSet
 from floatxq.stats import Statistic, fold_all
 
-__all__ = ["BatchFold", "merge_in_batch_order", "shard_batches"]
+__all__ = [
+    "BatchFold",
+    "ProcessShare",
+    "broadcast_module",
+    "owners",
+    "shard_batches",
+    "share_calibration",
+    "spread",
+]
 
 T = TypeVar("T")
 
 
+class ProcessShare(NamedTuple):
+    """This process's part in a run whose calibration a process group shares."""
+
+    group: Any
+    """The ``torch.distributed`` process group (None: the default one)."""
+    rank: int
+    """This process's rank in ``group``."""
+    world: int
+    """The group's size."""
+    batches: int
+    """The whole calibration's batch count (batch ``b`` is process ``b % world``'s)."""
+
+    def global_rank(self, rank: int) -> int:
+        """``rank`` of the group as the default group numbers it (what send/recv take)."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
 def shard_batches(batches: Sequence[T], rank: int, world: int) -> list[T]:
-    """Process ``rank``'s contiguous share of ``batches`` (the first ``len % world`` processes
-    take one more); concatenated in rank order they are ``batches``.
+    """Process ``rank``'s batches: every ``world``-th from the ``rank``-th, so batch ``b`` is
+    process ``b % world``'s and the shares differ by at most one.
 
     Raises:
       ValueError: ``world`` < 1 or ``rank`` outside ``[0, world)``.
 
     Example:
       >>> [shard_batches(list(range(5)), r, 2) for r in range(2)]
-      [[0, 1, 2], [3, 4]]
+      [[0, 2, 4], [1, 3]]
     """
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"shard_batches: rank {rank} of world {world} is not a process")
-    base, extra = divmod(len(batches), world)
-    start = rank * base + min(rank, extra)
-    return list(batches[start : start + base + (rank < extra)])
+    return list(batches[rank::world])
 
 
-def _send_state(state: Any, dst: int, group: Any) -> None:
+def share_calibration(
+    calibration: CalibrationSet, group: Any, *, where: str
+) -> tuple[CalibrationSet, ProcessShare]:
+    """This process's batches of ``calibration`` (the sample and token counts stay the whole's)
+    and its :class:`ProcessShare` of ``group``.
+
+    Raises:
+      ValueError: fewer batches than processes.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    total = len(calibration.batches)
+    if total < world:
+        raise ValueError(
+            f"{where}: {total} calibration batches cannot be shared by {world} processes; give "
+            f"at least one batch per process (more samples or a smaller batch_size)"
+        )
+    mine = calibration._replace(batches=tuple(shard_batches(calibration.batches, rank, world)))
+    return mine, ProcessShare(group, rank, world, total)
+
+
+def _gloo(share: ProcessShare) -> bool:
+    return dist.get_backend(share.group) == "gloo"
+
+
+def _send(state: Any, dst: int, share: ProcessShare) -> None:
     for tensor in state:
-        dist.send(tensor.contiguous(), dst=dst, group=group)
+        out = tensor.cpu() if tensor.is_cuda and _gloo(share) else tensor.contiguous()
+        dist.send(out, dst=share.global_rank(dst), group=share.group)
 
 
-def _recv_state(like: Any, src: int, group: Any) -> Any:
+def _recv(like: Any, src: int, share: ProcessShare) -> Any:
     fields = []
     for tensor in like:
-        buf = torch.empty_like(tensor)
-        dist.recv(buf, src=src, group=group)
-        fields.append(buf)
+        staged = tensor.is_cuda and _gloo(share)
+        buf = torch.empty(tensor.shape, dtype=tensor.dtype) if staged else torch.empty_like(tensor)
+        dist.recv(buf, src=share.global_rank(src), group=share.group)
+        fields.append(buf.to(tensor.device) if staged else buf)
     return type(like)(*fields)
 
 
-def merge_in_batch_order(
-    statistics: Mapping[str, Statistic],
-    folded: Mapping[str, Any] | None,
-    per_batch: Sequence[Mapping[str, Any]],
-    group: Any = None,
-) -> dict[str, Any]:
-    """The one-process fold of every batch, in batch order, bit for bit, from processes holding
-    contiguous shares: each process's batches are added to the running fold of the ones before
-    it, which passes from rank to rank; the last rank's result goes to all.
-
-    Args:
-      statistics: the statistics by name, each with a ``merge``.
-      folded: rank 0's fold of its batches (it needs nothing before them); None elsewhere.
-      per_batch: on other ranks, each of its batches folded into an empty state, in order
-        (``merge(prefix, fold(empty, batch))`` is then the one-process ``fold(prefix, batch)``:
-        the empty state adds exact zeros).
-      group: the process group (None: the default one).
-
-    Raises:
-      ValueError: a statistic without ``merge``; rank 0 without ``folded``, another with it.
-
-    Numerics: exactly the one-process fold's (the same FP32 additions in the same order).
-    """
-    for name, statistic in statistics.items():
-        if statistic.merge is None:
-            raise ValueError(f"merge_in_batch_order: statistic {name!r} has no merge")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if (rank == 0) != (folded is not None):
-        raise ValueError("merge_in_batch_order: rank 0 gives its fold, the others per batch")
-    to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    merged: dict[str, Any] = {}
-    for name in sorted(statistics):
-        statistic = statistics[name]
-        if rank == 0:
-            state = folded[name]  # type: ignore[index]
-        else:
-            state = _recv_state(per_batch[0][name], to_global(rank - 1), group)
-            for batch in per_batch:
-                state = statistic.merge(state, batch[name])  # type: ignore[misc]
-        if rank < world - 1:
-            _send_state(state, to_global(rank + 1), group)
-        fields = []
-        for tensor in state:
-            buf = tensor.contiguous().clone()
-            dist.broadcast(buf, src=to_global(world - 1), group=group)
-            fields.append(buf)
-        merged[name] = type(state)(*fields)
-    return merged
+def _broadcast_into(tensor: torch.Tensor, src: int, share: ProcessShare) -> torch.Tensor:
+    """``tensor`` (contiguous) filled in place with ``src``'s bytes (any dtype: FP8 too)."""
+    if tensor.numel() == 0:
+        return tensor
+    data = tensor.reshape(-1).view(torch.uint8)
+    if tensor.is_cuda and _gloo(share):
+        staged = data.cpu()
+        dist.broadcast(staged, src=share.global_rank(src), group=share.group)
+        data.copy_(staged)
+    else:
+        dist.broadcast(data, src=share.global_rank(src), group=share.group)
+    return tensor
 
 
 class BatchFold:
     """Batches folded into ``statistics`` (from the empty ``states``) as one process folds them
-    in order; with a process ``group``, every process's share joined in batch order
-    (:func:`merge_in_batch_order`): rank 0 folds as one process does, the others keep each
-    batch's fold until the running fold reaches them."""
+    in order. With a :class:`ProcessShare`, each process adds its batches (in order) and the
+    running fold passes from process to process in batch order (the module docstring), so
+    :meth:`states` is the one-process fold bit for bit on every process.
+
+    Raises:
+      ValueError: a statistic without ``merge`` under a share of more than one process.
+    """
 
     def __init__(
-        self, statistics: Mapping[str, Statistic], states: Mapping[str, Any], group: Any = None
+        self,
+        statistics: Mapping[str, Statistic],
+        states: Mapping[str, Any],
+        share: ProcessShare | None = None,
     ) -> None:
-        self.statistics, self.empty, self.group = statistics, dict(states), group
-        self.first = group is None or dist.get_rank(group) == 0
+        self.statistics, self.empty, self.share = dict(statistics), dict(states), share
+        self.shared = share is not None and share.world > 1 and bool(statistics)
+        if self.shared:
+            for name, statistic in statistics.items():
+                if statistic.merge is None:
+                    raise ValueError(f"BatchFold: statistic {name!r} has no merge")
         self.folded = dict(states)
-        self.per_batch: list[dict[str, Any]] = []
+        self.batch = share.rank if share is not None else 0  # the next add's batch index
 
     def add(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """Fold one batch's rows (``mask``: its keep-mask, as :func:`floatxq.stats.fold_all`)."""
-        if self.first:
+        """Fold one batch's rows (``mask``: its keep-mask, as :func:`floatxq.stats.fold_all`);
+        with a share, this process's next batch."""
+        if not self.shared:
             self.folded = fold_all(self.statistics, self.folded, x, mask=mask)
-        else:
-            self.per_batch.append(fold_all(self.statistics, self.empty, x, mask=mask))
+            return
+        share = self.share
+        assert share is not None
+        batch, self.batch = self.batch, self.batch + share.world
+        own = fold_all(self.statistics, self.empty, x, mask=mask)
+        if batch > 0:  # the running fold of batches 0 .. batch-1, from the process before
+            before = share.rank - 1 if share.rank else share.world - 1
+            merged = {}
+            for name in sorted(self.statistics):
+                prefix = _recv(own[name], before, share)
+                merged[name] = self.statistics[name].merge(prefix, own[name])  # type: ignore[misc]
+            own = merged
+        if batch < share.batches - 1:
+            for name in sorted(self.statistics):
+                _send(own[name], (share.rank + 1) % share.world, share)
+        self.folded = own
 
     def states(self) -> dict[str, Any]:
-        """The fold of every batch (every process's, with a group)."""
-        if self.group is None or not self.statistics:
+        """The fold of every batch (every process's, with a share: the last batch's owner
+        broadcasts it)."""
+        if not self.shared:
             return self.folded
-        return merge_in_batch_order(
-            self.statistics, self.folded if self.first else None, self.per_batch, self.group
-        )
+        share = self.share
+        assert share is not None
+        last = (share.batches - 1) % share.world
+        source = self.folded if share.rank == last else self.empty
+        merged: dict[str, Any] = {}
+        for name in sorted(self.statistics):
+            fields = [_broadcast_into(t.contiguous().clone(), last, share) for t in source[name]]
+            merged[name] = type(source[name])(*fields)
+        return merged
+
+
+def owners(costs: Sequence[float], world: int) -> list[int]:
+    """Which process solves each item: the costliest first, each to the least loaded process
+    (the lowest rank among equals), so every process computes the same answer.
+
+    Raises:
+      ValueError: ``world`` < 1.
+
+    Example:
+      >>> owners([4.0, 1.0, 1.0], 2)
+      [0, 1, 1]
+    """
+    if world < 1:
+        raise ValueError(f"owners: world must be at least 1, got {world}")
+    load = [0.0] * world
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = rank
+        load[rank] += costs[i]
+    return owner
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def _skeleton(module: nn.Module) -> nn.Module:
+    """``module``'s structure on the meta device (no values copied)."""
+    memo: dict[int, Any] = {}
+    for _, tensor in _named_tensors(module):
+        meta = tensor.detach().to("meta")
+        if isinstance(tensor, nn.Parameter):
+            meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = meta
+    skeleton = copy.deepcopy(module, memo)
+    for sub in skeleton.modules():
+        for key, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                raise TypeError(
+                    f"broadcast_module: {type(sub).__name__}.{key} is a tensor that is neither a "
+                    f"parameter nor a buffer; it cannot be sent"
+                )
+    return skeleton
+
+
+def _to_cpu(value: Any) -> Any:
+    """Tensors inside a report moved to the CPU (a pickled CUDA tensor names its sender's GPU)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_to_cpu(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def broadcast_module(
+    built: tuple[nn.Module, Any] | None, src: int, share: ProcessShare, device: torch.device
+) -> tuple[nn.Module, Any]:
+    """Process ``src``'s ``(module, report)`` on every process: its structure and report
+    pickled (tensors in the report on the CPU), its parameters and buffers broadcast as bytes
+    into new tensors on ``device``; ``src`` returns its own.
+
+    Raises:
+      ValueError: ``built`` is None on ``src`` or given elsewhere.
+      TypeError: the module holds a tensor that is neither a parameter nor a buffer.
+    """
+    if (share.rank == src) != (built is not None):
+        raise ValueError("broadcast_module: the source process gives its module, no other")
+    on = device if device.type == "cuda" and not _gloo(share) else None
+    payload: list[Any] = [None]
+    if built is not None:
+        module, report = built
+        payload = [pickle.dumps((_skeleton(module), _to_cpu(report)))]
+    dist.broadcast_object_list(payload, src=share.global_rank(src), group=share.group, device=on)
+    if built is not None:
+        for _, tensor in _named_tensors(built[0]):
+            _broadcast_into(tensor.detach().contiguous(), src, share)
+        return built
+    skeleton, report = pickle.loads(payload[0])
+    module = skeleton.to_empty(device=device)
+    for _, tensor in _named_tensors(module):
+        _broadcast_into(tensor.detach(), src, share)
+    return module, report
+
+
+def spread(
+    costs: Sequence[float],
+    solve: Callable[[int], tuple[nn.Module, Any]],
+    share: ProcessShare | None,
+    device: torch.device,
+) -> Iterator[tuple[nn.Module, Any]]:
+    """Item ``i``'s ``solve(i) -> (module, report)``, in order: without a share each solved
+    here as it is asked for; with one, each solved by its owner (:func:`owners`), this
+    process's first, then every result broadcast from its owner (:func:`broadcast_module`).
+    """
+    if share is None or share.world == 1:
+        yield from (solve(i) for i in range(len(costs)))
+        return
+    owner = owners(costs, share.world)
+    mine = {i: solve(i) for i in range(len(costs)) if owner[i] == share.rank}
+    for i in range(len(costs)):
+        yield broadcast_module(mine.pop(i, None), owner[i], share, device)

@@ -56,7 +56,7 @@ from floatxq.lifecycle.decoder import (
     output_embedding,
     spill_inputs,
 )
-from floatxq.lifecycle.distributed import BatchFold, shard_batches
+from floatxq.lifecycle.distributed import BatchFold, ProcessShare, share_calibration, spread
 from floatxq.lifecycle.gptq_replay import replay_outputs, replay_setup, replay_solve
 from floatxq.lifecycle.replay import RoundingMemo
 from floatxq.stats import HESSIAN, Statistic, finalize_all
@@ -296,12 +296,12 @@ def _fold_group(
     inputs: list[LayerInput],
     statistics: Mapping[str, Statistic],
     states: Mapping[str, Any],
-    group: Any = None,
+    share: ProcessShare | None = None,
 ) -> dict[str, Any]:
     """Fold ``statistics`` over one input group's rows: run the layer up to the group's input on
-    every batch (padding dropped) and return each statistic's value; with a process ``group``,
-    the processes' batches folded in batch order (:class:`BatchFold`: the one-process bits)."""
-    fold = BatchFold(statistics, states, group)
+    every batch (padding dropped) and return each statistic's value; with a ``share``, every
+    process's batches folded in batch order (:class:`BatchFold`: the one-process bits)."""
+    fold = BatchFold(statistics, states, share)
     current: dict[str, torch.Tensor] = {}
 
     def hook(_module: nn.Module, args: tuple) -> None:
@@ -337,29 +337,14 @@ def _group_hessian(
     names: list[str],
     inputs: list[LayerInput],
     device: torch.device,
-    group: Any = None,
+    share: ProcessShare | None = None,
 ) -> torch.Tensor:
     """The Hessian of one input group (:data:`floatxq.stats.HESSIAN` folded over its rows)."""
     state = HESSIAN.init(features(first)[0], device=device)
     folded = _fold_group(
-        layer, first, names, inputs, {"hessian": HESSIAN}, {"hessian": state}, group
+        layer, first, names, inputs, {"hessian": HESSIAN}, {"hessian": state}, share
     )
     return folded["hessian"]
-
-
-def _shared(calibration: CalibrationSet, group: Any, replay: bool) -> CalibrationSet:
-    """This process's contiguous share of the batches (the token count stays the whole's)."""
-    import torch.distributed as dist
-
-    if replay:
-        raise ValueError("GPTQ: a process group is not taken with an activation policy")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if len(calibration.batches) < world:
-        raise ValueError(
-            f"GPTQ: {len(calibration.batches)} calibration batches cannot be shared by {world} "
-            f"processes; give at least one batch per process"
-        )
-    return calibration._replace(batches=tuple(shard_batches(calibration.batches, rank, world)))
 
 
 def _dense_weight(module: nn.Module, device: torch.device) -> torch.Tensor:
@@ -371,6 +356,13 @@ def _dense_weight(module: nn.Module, device: torch.device) -> torch.Tensor:
     if not isinstance(module, nn.Linear):  # transformers' Conv1D: (in, out)
         weight = weight.T
     return weight.to(device=device, dtype=torch.float32)
+
+
+def _solve_cost(module: nn.Module) -> float:
+    """A module's solve work in the units :func:`~floatxq.lifecycle.distributed.owners` balances:
+    ``out · in²`` (the block updates; the inverse's ``in³`` is shared by a group)."""
+    k, n = features(module)
+    return float(n) * k * k
 
 
 def _solve_module(
@@ -453,8 +445,8 @@ class _LayerStep(NamedTuple):
     device: torch.device
     rows: int
     on_module: Callable[[str], None] | None
-    group: Any = None
-    """A ``torch.distributed`` process group whose processes share the calibration."""
+    share: ProcessShare | None = None
+    """This process's part when a process group shares the calibration."""
 
     def solve(
         self,
@@ -471,7 +463,7 @@ class _LayerStep(NamedTuple):
         for group in groups:
             names = [n for n, _ in group]
             first = group[0][1]
-            hessian = _group_hessian(self.layer, first, names, self.inputs, self.device, self.group)
+            hessian = _group_hessian(self.layer, first, names, self.inputs, self.device, self.share)
             del first
             self.solve_group(group, hessian, configs, solved, reports)
             del hessian
@@ -484,6 +476,24 @@ class _LayerStep(NamedTuple):
         solved: dict[str, nn.Module],
         reports: list[GPTQModuleReport],
     ) -> None:
+        if self.share is not None and self.share.world > 1:  # each solved once, sent to all
+
+            def solve(i: int) -> tuple[nn.Module, GPTQModuleReport]:
+                name, module = group[i]
+                config = configs[name]
+                return _solve_module(
+                    name, module, hessian, config, self.rows, self.index, self.device
+                )
+
+            costs = [_solve_cost(module) for _, module in group]
+            results = spread(costs, solve, self.share, self.device)
+            for (name, _), (built, report) in zip(list(group), results, strict=True):
+                solved[name] = built
+                self.model.set_submodule(name, _DecodedStandIn(built))
+                reports.append(report)
+                if self.on_module is not None:
+                    self.on_module(name)
+            group.clear()
         while group:  # popped, so the replaced module is released once it is solved
             name, module = group.pop(0)
             built, report = _solve_module(
@@ -508,7 +518,7 @@ def quantize_gptq_model(
     reports: list[GPTQModuleReport] | None = None,
     hooks: LayerHooks | None = None,
     activation_budget: int | None = None,
-    group: Any = None,
+    process_group: Any = None,
 ) -> GPTQRunReport:
     """Quantize ``model`` with GPTQ in place, layer by layer (see the module docstring).
 
@@ -524,7 +534,9 @@ def quantize_gptq_model(
       hooks: layers on the meta device, read before they run, handed off once solved.
       activation_budget: the work device's bytes for the calibration activations; beyond it
         they live in host memory, a batch copied over at a time (the same bytes).
-      group: a process group sharing the batches, Hessians folded in batch order across it.
+      process_group: a ``torch.distributed`` group sharing the run
+        (:mod:`~floatxq.lifecycle.distributed`): batches dealt out, Hessians folded in batch
+        order across it, the solves spread and broadcast; every process ends with the model.
 
     Returns:
       :class:`GPTQRunReport`.
@@ -546,8 +558,11 @@ def quantize_gptq_model(
     head = output_embedding(model)
     head_plan = targets.get(head[0]) if head is not None else None
     replay = replay_setup(model, config, targets, layers_name, layers, head_plan)
-    if group is not None:
-        calibration = _shared(calibration, group, replay is not None)
+    share = None
+    if process_group is not None:
+        if replay is not None:
+            raise ValueError("GPTQ: a process group is not taken with an activation policy")
+        calibration, share = share_calibration(calibration, process_group, where="GPTQ")
     if replay is not None and activation_budget is not None:
         raise ValueError(
             "GPTQ: activation_budget is not taken with an activation policy, whose replay keeps "
@@ -590,7 +605,7 @@ def quantize_gptq_model(
                 frozen: dict[str, float] = {}
                 memo = RoundingMemo()  # one layer's rounded operands, reused while unchanged
                 if names and plan is not None:
-                    step = _LayerStep(model, layer, index, inputs, device, rows, on_module, group)
+                    step = _LayerStep(model, layer, index, inputs, device, rows, on_module, share)
                     configs = {n: targets[n].config for n in names}
                     scales, frozen = replay_solve(
                         step, prefix, plan, configs, solved, replay.policy.global_scales,
@@ -598,7 +613,7 @@ def quantize_gptq_model(
                     )  # fmt: skip
                     activation_scales.update(scales)
                 elif names:
-                    step = _LayerStep(model, layer, index, inputs, device, rows, on_module, group)
+                    step = _LayerStep(model, layer, index, inputs, device, rows, on_module, share)
                     step.solve({n: targets[n].config for n in names}, solved, reports)
                 last = index == len(layers) - 1
                 if (not last or head_plan is not None) and replay is None:
@@ -624,13 +639,14 @@ def quantize_gptq_model(
                 module.to(device)
                 statistics = {"hessian": HESSIAN}
                 states = {"hessian": HESSIAN.init(features(module)[0], device=device)}
-                fold = BatchFold(statistics, states, group)
+                fold = BatchFold(statistics, states, share)
                 for item in inputs:
                     fold.add(norm(item.hidden.to(device)), mask=item.mask)
                 hessian = _finalized(statistics, fold.states(), [name])["hessian"]
-                built, report = _solve_module(
+                solve = lambda _: _solve_module(
                     name, module, hessian, head_plan.config, rows, None, device
                 )
+                built, report = next(spread([0.0], solve, share, device))
                 model.set_submodule(name, built.to(outside_home))
                 reports.append(report)
                 if on_module is not None:

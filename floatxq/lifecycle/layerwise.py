@@ -40,8 +40,8 @@ from floatxq.lifecycle.decoder import (
     output_embedding,
     spill_inputs,
 )
-from floatxq.lifecycle.distributed import BatchFold
-from floatxq.lifecycle.gptq import _finalized, _fold_group, _groups_by_input, _shared
+from floatxq.lifecycle.distributed import BatchFold, ProcessShare, share_calibration, spread
+from floatxq.lifecycle.gptq import _finalized, _fold_group, _groups_by_input
 from floatxq.stats import Statistic
 
 __all__ = ["DecodedStandIn", "quantize_layerwise"]
@@ -120,9 +120,32 @@ def quantize_layerwise(
     )
     was_training = model.training
     solved: dict[str, nn.Module] = {}  # a layer's modules while it runs on stand-ins
+    share: ProcessShare | None = None
 
     def replace(name: str, module: nn.Module, folded: Mapping[str, Any], index: int | None) -> None:
-        built, report = build(name, module, folded, index)
+        install(name, module, build(name, module, folded, index))
+
+    def replace_all(
+        group: list[tuple[str, nn.Module]], folded: Mapping[str, Any], index: int | None
+    ) -> None:
+        """``group``'s modules built (each once, sent to all, with a share), emptied as done."""
+        if share is None or share.world == 1:
+            while group:  # popped, so the replaced module is released once it is built
+                name, module = group.pop(0)
+                replace(name, module, folded, index)
+                del module
+            return
+        members = list(group)
+        group.clear()
+        costs = [float(features(m)[0]) * features(m)[1] for _, m in members]
+        results = spread(
+            costs, lambda i: build(*members[i], folded, index), share, device
+        )  # fmt: skip
+        for (name, module), result in zip(members, results, strict=True):
+            install(name, module, result)
+
+    def install(name: str, module: nn.Module, result: tuple[nn.Module, Any]) -> None:
+        built, report = result
         originals[name] = module
         solved[name] = built
         model.set_submodule(name, stand_in(built))
@@ -138,7 +161,9 @@ def quantize_layerwise(
                 hooks.enter(0)
             layers[0].to(device)
             if process_group is not None:
-                calibration = _shared(calibration, process_group, False)
+                calibration, share = share_calibration(
+                    calibration, process_group, where="quantize"
+                )  # fmt: skip
             inputs = capture_inputs(model, layers[0], calibration, device)
             spill_inputs(inputs, activation_budget)
             move_outside(model, skip, outside_home)
@@ -159,16 +184,11 @@ def quantize_layerwise(
                     needed = statistics(group_names)
                     states = _states(needed, features(group[0][1])[0], device)
                     folded = (
-                        _fold_group(
-                            layer, group[0][1], group_names, inputs, needed, states, process_group
-                        )
+                        _fold_group(layer, group[0][1], group_names, inputs, needed, states, share)
                         if needed
                         else {}
                     )
-                    while group:
-                        name, module = group.pop(0)
-                        replace(name, module, folded, index)
-                        del module
+                    replace_all(group, folded, index)
                     del folded, states
                 if index < len(layers) - 1 or head_name is not None:
                     for i, item in enumerate(inputs):
@@ -181,8 +201,8 @@ def quantize_layerwise(
                     hooks.leave(index, inputs)
                 layer.to(home[id(layer)])
             if head_name is not None and head is not None:
-                _head(model, head, inputs, layers_name, device, outside_home, statistics, replace,
-                      process_group)  # fmt: skip
+                _head(model, head, inputs, layers_name, device, outside_home, statistics,
+                      replace_all, share)  # fmt: skip
                 for name, built in solved.items():
                     model.set_submodule(name, built)
             del inputs
@@ -208,23 +228,23 @@ def _head(
     device: torch.device,
     outside_home: torch.device,
     statistics: Statistics,
-    replace: Callable[..., None],
-    process_group: Any = None,
+    replace_all: Callable[..., None],
+    share: ProcessShare | None = None,
 ) -> None:
     """The output embedding, last, on the final norm's outputs (folded in batch order across
-    ``process_group``)."""
+    the ``share``'s processes)."""
     name, module = head
     norm = final_norm(model, layers_name)
     if norm is not None:
         norm.to(device)
     module.to(device)
     needed = statistics([name])
-    fold = BatchFold(needed, _states(needed, features(module)[0], device), process_group)
+    fold = BatchFold(needed, _states(needed, features(module)[0], device), share)
     for item in inputs:
         hidden = item.hidden.to(device)
         fold.add(norm(hidden) if norm is not None else hidden, mask=item.mask)
     folded = _finalized(needed, fold.states(), [name]) if needed else {}
-    replace(name, module, folded, None)
+    replace_all([(name, module)], folded, None)
     module.to(outside_home)
     if norm is not None:
         norm.to(outside_home)
