@@ -528,15 +528,13 @@ def quantize_gptq_model(
       config: the :class:`~floatxq.config.GPTQConfig` (dynamic rules resolved per module).
       calibration: prepared batches (:func:`~floatxq.lifecycle.calibration.prepare_calibration`).
       device: the work device (one decoder layer, its Hessians, the activations at a time).
-      on_module, on_layer: called with each module's name once solved, ``(index, count)`` once
-        a layer is done.
+      on_module, on_layer: called with a module's name once solved, ``(index, count)`` per layer.
       reports: a list each module's report is appended to once solved (what a failed run did).
       hooks: layers on the meta device, read before they run, handed off once solved.
       activation_budget: the work device's bytes for the calibration activations; beyond it
         they live in host memory, a batch copied over at a time (the same bytes).
-      process_group: a ``torch.distributed`` group sharing the run
-        (:mod:`~floatxq.lifecycle.distributed`): batches dealt out, Hessians folded in batch
-        order across it, the solves spread and broadcast; every process ends with the model.
+      process_group: a ``torch.distributed`` group sharing the run (the same bits as one
+        process: :mod:`~floatxq.lifecycle.distributed`).
 
     Returns:
       :class:`GPTQRunReport`.
