@@ -93,8 +93,12 @@ def _gptq(group) -> dict:
     from floatxq.nn.gptq_linear import GPTQLinear
     from floatxq.tiny import TINY_LLAMA_DIR, calibration_samples
 
+    import floatxq.lifecycle.gptq as gptq
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # CPU kernels pick their blocking by thread count: one for all
+    real, solved = gptq._solve_module, []
+    gptq._solve_module = lambda name, *args: solved.append(name) or real(name, *args)
     try:
         model = fq.load(TINY_LLAMA_DIR).model
         samples = calibration_samples(num_samples=8, seq_len=64)
@@ -104,8 +108,9 @@ def _gptq(group) -> dict:
         report = quantize_gptq_model(model, config, prepared, device=cpu, process_group=group)
     finally:
         torch.set_num_threads(threads)
+        gptq._solve_module = real
     codes = {n: m.qweight.clone() for n, m in model.named_modules() if isinstance(m, GPTQLinear)}
-    return {"loss": {m.name: m.loss for m in report.modules}, "codes": codes}
+    return {"loss": {m.name: m.loss for m in report.modules}, "codes": codes, "solved": solved}
 
 
 def test_two_processes_solve_the_tiny_llama_as_one_does(tmp_path):
@@ -120,6 +125,9 @@ def test_two_processes_solve_the_tiny_llama_as_one_does(tmp_path):
     for name, codes in one["codes"].items():  # the one-process bits
         assert torch.equal(codes, ranks[0]["codes"][name]), name
     assert ranks[0]["loss"] == one["loss"]
+    # each module solved once, by one process; q | k, v and gate | up split, o and down alone
+    assert sorted(ranks[0]["solved"] + ranks[1]["solved"]) == sorted(one["solved"])
+    assert len(ranks[0]["solved"]) == 32 and len(ranks[1]["solved"]) == 24
 
 
 def _nvfp4(group) -> dict:

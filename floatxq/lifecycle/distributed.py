@@ -35,10 +35,12 @@ __all__ = [
     "BatchFold",
     "ProcessShare",
     "broadcast_module",
+    "check_process_group",
     "owners",
     "shard_batches",
     "share_calibration",
     "spread",
+    "torchrun_setup",
 ]
 
 T = TypeVar("T")
@@ -299,3 +301,60 @@ def spread(
     mine = {i: solve(i) for i in range(len(costs)) if owner[i] == share.rank}
     for i in range(len(costs)):
         yield broadcast_module(mine.pop(i, None), owner[i], share, device)
+
+
+def check_process_group(group: Any, *, where: str) -> Any:
+    """``group`` if it is a ``torch.distributed`` process group of an initialised run (None
+    passes through).
+
+    Raises:
+      RuntimeError: ``torch.distributed`` is not initialised.
+      TypeError: ``group`` is not a process group.
+    """
+    if group is None:
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{where}: process_group needs torch.distributed initialised first (under torchrun: "
+            f"floatxq.torchrun_setup(), or torch.distributed.init_process_group)"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{where}: process_group must be a torch.distributed ProcessGroup (e.g. "
+            f"torch.distributed.group.WORLD), got {type(group).__name__}"
+        )
+    return group
+
+
+def torchrun_setup(backend: str | None = None) -> tuple[Any, torch.device]:
+    """Join the run ``torchrun`` started (its ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` and
+    rendezvous variables): the default process group initialised if it is not yet (``nccl``
+    with CUDA, else ``gloo``, unless ``backend``), this process's GPU made the current device.
+    Returns the group to pass as ``quantize(..., process_group=...)`` and the work device
+    (``cuda:LOCAL_RANK``, or the CPU without CUDA).
+
+    Raises:
+      RuntimeError: not started by ``torchrun`` (no ``WORLD_SIZE`` / ``LOCAL_RANK``), or more
+        local processes than GPUs.
+    """
+    import os
+
+    if "WORLD_SIZE" not in os.environ or "LOCAL_RANK" not in os.environ:
+        raise RuntimeError(
+            "torchrun_setup: WORLD_SIZE and LOCAL_RANK are not set; start the script with "
+            "torchrun --nproc-per-node N script.py"
+        )
+    local = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"torchrun_setup: local rank {local} has no GPU ({torch.cuda.device_count()} "
+                f"visible); start at most that many processes per node"
+            )
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        chosen = backend or ("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(chosen, device_id=device if chosen == "nccl" else None)
+    return dist.group.WORLD, device

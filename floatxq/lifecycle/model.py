@@ -26,6 +26,7 @@ from floatxq.interop.checkpoint import (
     write_checkpoint,
 )
 from floatxq.interop.export import DEFAULT_LAYOUT, export_layout
+from floatxq.lifecycle.distributed import check_process_group
 from floatxq.lifecycle.fp8 import quantize_fp8_modules
 from floatxq.lifecycle.w4a_install import install_activation_stream, install_w4a_modules
 from floatxq.nn.fp8_linear import TorchFP8Linear
@@ -152,6 +153,7 @@ class QuantizedModel:
         overwrite: bool = False,
         max_shard_size: int | str = "4GB",
         activation_budget: int | str | None = None,
+        process_group: Any = None,
     ) -> "QuantizedModel":
         """Quantize the model's linear modules in place.
 
@@ -186,6 +188,11 @@ class QuantizedModel:
           activation_budget: calibrated methods: the bytes (or ``"8GB"``) of the work device the
             calibration activations may take; beyond it they live in host memory, a batch copied
             over at a time, with the same results. None: no limit.
+          process_group: a ``torch.distributed`` group (one process per GPU, as ``torchrun``
+            starts them: :func:`~floatxq.lifecycle.distributed.torchrun_setup`) sharing the work:
+            calibration batches dealt out, statistics folded in one process's order, module
+            solves spread; every process ends with the model one process alone gives
+            (``docs/distributed.md``).
 
         Raises:
           RuntimeError: no quantize_config, or the model is already quantized.
@@ -216,14 +223,17 @@ class QuantizedModel:
             "num_samples": num_samples,
             "text_column": text_column,
             "activation_budget": _parse_budget(activation_budget),
+            "process_group": check_process_group(process_group, where="quantize"),
         }
+        if process_group is not None and progress is True:  # one bar: the first process's
+            progress = torch.distributed.get_rank(process_group) == 0
         if self.offload is not None or out is not None:
             prepared = None
             if calibration is not None and self._calibrated():
                 prepared = self._prepared(calibration, batch_size, tokenizer, options)
             return self._quantize_offloaded(
                 out, layout, resume, overwrite, max_shard_size, progress, prepared,
-                options["activation_budget"],
+                options["activation_budget"], options["process_group"],
             )  # fmt: skip
         self._check_resume(resume)
         if layout is not None:
@@ -253,6 +263,8 @@ class QuantizedModel:
         start = time.perf_counter()
         # NVFP4 and GSQ compute on the work device (CUDA when there is one), each module going back
         extra: dict[str, Any] = {"work_device": self.device or _default_work_device(self.model)}
+        if options["process_group"] is not None:
+            extra["process_group"] = options["process_group"]
         gsq_reports: list[Any] = []
         if not nvfp4:
             extra["reports"] = gsq_reports
@@ -278,7 +290,7 @@ class QuantizedModel:
 
     def _quantize_offloaded(
         self, out: Any, layout: Any, resume: bool, overwrite: bool, size: Any, progress: Any,
-        calibration: Any, activation_budget: int | None,
+        calibration: Any, activation_budget: int | None, process_group: Any,
     ) -> "QuantizedModel":  # fmt: skip
         """``offload="disk"``: layer by layer from the shards, written to ``out`` as it goes
         (:func:`~floatxq.lifecycle.offload.quantize_offloaded`)."""
@@ -304,7 +316,7 @@ class QuantizedModel:
                 max_shard_bytes=_parse_size(size),
                 work_device=self.device or _default_work_device(self.model),
                 calibration=calibration, activation_budget=activation_budget,
-                on_layer=None if callback is None else lambda i, n: callback(f"layer {i}"),
+                process_group=process_group, on_layer=None if callback is None else lambda i, n: callback(f"layer {i}"),
             )  # fmt: skip
         finally:
             if bar is not None:
@@ -407,6 +419,7 @@ class QuantizedModel:
             report = run(
                 self.model, config, prepared, device=work, on_module=callback,  # type: ignore[arg-type]
                 activation_budget=options["activation_budget"],
+                process_group=options["process_group"],
             )  # fmt: skip
         finally:
             if bar is not None:
@@ -456,6 +469,7 @@ class QuantizedModel:
                     report = quantize_gptq_model(
                         self.model, config, prepared, device=work, on_module=callback,
                         reports=reports, activation_budget=options["activation_budget"],
+                        process_group=options["process_group"],
                     )  # fmt: skip
                     report = report._replace(modules=(*earlier, *report.modules))
             finally:
@@ -720,11 +734,13 @@ def _progress(progress: Any, total: int, desc: str):
 
 def _default_work_device(model: nn.Module) -> torch.device:
     """Where GPTQ works when ``load`` was given no device: the model's CUDA device if it is
-    on one, else the first CUDA device when there is one, else the CPU."""
+    on one, else the current CUDA device when there is one, else the CPU."""
     first = next(model.parameters(), None)
     if first is not None and first.device.type == "cuda":
         return first.device
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if torch.cuda.is_available():  # the current one: torch.cuda.set_device picks it per process
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class _LazyTokenizer:

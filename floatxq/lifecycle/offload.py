@@ -219,6 +219,7 @@ def quantize_offloaded(
     activation_budget: int | None = None,
     on_layer: Callable[[int, int], None] | None = None,
     on_module: Callable[[str], None] | None = None,
+    process_group: Any = None,
 ) -> OffloadReport:
     """Quantize an offloaded model (see the module docstring) and write it to ``out``.
 
@@ -226,7 +227,11 @@ def quantize_offloaded(
       ValueError: a method offloading does not run (GPTQ with an activation policy); a
         calibrated method without ``calibration``; as the method's plan and the save (a layout
         that cannot hold the modules; ``out`` exists without ``overwrite``; a staging folder
-        without ``resume``, or ``resume`` with other settings or calibration).
+        without ``resume``, or ``resume`` with other settings or calibration); with a
+        ``process_group``, a weight-only method or ``resume``.
+
+    With a ``process_group`` (calibrated methods) every process reads the layers and shares
+    the calibration; the group's first process writes ``out``, the others wait for it.
     """
     config = qm.quantize_config
     source: OffloadSource = qm.offload
@@ -237,6 +242,7 @@ def quantize_offloaded(
             "quantize: this method is calibrated (GPTQ, NVFP4 GPTQ or W4A4, calibrated GSQ) and "
             "needs calibration data (strings or token-id tensors)"
         )
+    writes = _check_shared(process_group, calibrated is not None, resume)
     start = time.perf_counter()
     if work_device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(work_device)
@@ -277,14 +283,24 @@ def quantize_offloaded(
                                 method)  # fmt: skip
     else:
         fill = walk.calibrated(calibrated, calibration, empties, originals, inside, resume,
-                               work_device, on_module, reports, activation_budget)  # fmt: skip
+                               work_device, on_module, reports, activation_budget,
+                               process_group)  # fmt: skip
     extra = {n: source.path / n for n in SIDE_FILES if (source.path / n).is_file()}
     try:
-        target = write_checkpoint_streamed(
-            out, shards, fill, config=hf, quantize_config=planned.quantize_config,
-            extra_files=extra, json_files=planned.json_files, run=run, resume=resume,
-            overwrite=overwrite,
-        )  # fmt: skip
+        if writes:
+            target = write_checkpoint_streamed(
+                out, shards, fill, config=hf, quantize_config=planned.quantize_config,
+                extra_files=extra, json_files=planned.json_files, run=run, resume=resume,
+                overwrite=overwrite,
+            )  # fmt: skip
+        else:  # another process of the group writes: this one only computes
+            fill(None)
+            target = Path(out)
+        if process_group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=process_group)  # returns once the writer has finished
+
     except BaseException:  # the shell as loaded: the original modules, no storage in the layers
         for module_name, module in originals.items():
             if module_name in inside:
@@ -304,6 +320,26 @@ def quantize_offloaded(
         walk.counts["done"], walk.counts["resumed"], tuple(reports), time.perf_counter() - start,
         _peak_host_bytes(), device_peak, target, tuple(n for n, _ in plans), walk.result,
     )  # fmt: skip
+
+
+def _check_shared(group: Any, calibrated: bool, resume: bool) -> bool:
+    """Whether this process writes the checkpoint (the group's first, or the only one); a
+    group is refused for what it does not share."""
+    if group is None:
+        return True
+    if not calibrated:
+        raise ValueError(
+            "quantize: an offloaded weight-only run (FP8 / NVFP4 round to nearest) reads and "
+            "writes at disk speed and is not shared by a process group; run it in one process"
+        )
+    if resume:
+        raise ValueError(
+            "quantize: resume=True is not taken with process_group; finish the run in one "
+            "process (it resumes from what the group wrote)"
+        )
+    import torch.distributed as dist
+
+    return dist.get_rank(group) == 0
 
 
 def config_payload(config: Any) -> Any:
@@ -332,8 +368,11 @@ class _Walk:
         prefix = f"{self.layers_name}.{index}."
         return [e for e, _, _ in self.entries if e.startswith(prefix)]
 
-    def write(self, writer: ShardWriter, names: list[str]) -> None:
-        """Export the shell and write ``names`` (those not yet done), then flush."""
+    def write(self, writer: ShardWriter | None, names: list[str]) -> None:
+        """Export the shell and write ``names`` (those not yet done), then flush (nothing
+        without a writer: another process writes)."""
+        if writer is None:
+            return
         todo = [e for e in names if e not in writer.done]
         if todo:
             exported = _export(self.shell, _modules(self.shell), self.config, self.layout).state
@@ -377,7 +416,8 @@ class _Walk:
         originals: dict[str, nn.Module], inside: dict[str, Any], resume: bool,
         work_device: torch.device,
         on_module: Callable[[str], None] | None, reports: list[Any], budget: int | None,
-    ) -> Callable[[ShardWriter], None]:  # fmt: skip
+        group: Any = None,
+    ) -> Callable[[ShardWriter | None], None]:  # fmt: skip
         """GPTQ, NVFP4 GPTQ / W4A4, calibrated GSQ: the method's own lifecycle, hooked to read
         each layer before it runs and write it once solved; the long-lived tensors last (the
         output embedding is solved last)."""
@@ -394,13 +434,14 @@ class _Walk:
             release(shell, f"{layers_name}.{index}")
             held.discard(index)
 
-        def fill(writer: ShardWriter) -> None:
-            checkpoint = ActivationCheckpoint(
-                writer.directory, offload_calibrated.CHECKPOINT_SECONDS
-            )
+        def fill(writer: ShardWriter | None) -> None:
+            checkpoint = None  # a group's run is not resumed: no activation checkpoints
+            if group is None and writer is not None:
+                seconds = offload_calibrated.CHECKPOINT_SECONDS
+                checkpoint = ActivationCheckpoint(writer.directory, seconds)
 
             def done(index: int) -> bool:
-                return all(n in writer.done for n in self.names(index))
+                return writer is not None and all(n in writer.done for n in self.names(index))
 
             def leave(index: int, inputs: list[LayerInput]) -> None:
                 prefix = f"{layers_name}.{index}."
@@ -414,13 +455,13 @@ class _Walk:
                         shell.set_submodule(module_name, empties[module_name])
                         release(originals[module_name], "")  # its storage: on the work device
                 drop(index)
-                if index < self.count - 1 and checkpoint.due():
+                if checkpoint is not None and index < self.count - 1 and checkpoint.due():
                     checkpoint.save(index + 1, inputs)
                 if self.on_layer is not None:
                     self.on_layer(index, self.count)
 
             def begin(inputs: list[LayerInput]) -> int:
-                first = checkpoint.restore(inputs, done) if resume else 0
+                first = checkpoint.restore(inputs, done) if resume and checkpoint else 0
                 self.counts["resumed"] += first
                 return first
 
@@ -433,10 +474,12 @@ class _Walk:
             self.result = calibrated.run(
                 shell, calibration, device=work_device, hooks=LayerHooks(enter, leave, begin),
                 on_module=on_module, amax=amax, activation_budget=budget,
+                process_group=group,
             )  # fmt: skip
             reports.extend(self.result.modules)
             self.write(writer, self.outside())
-            checkpoint.remove()
+            if checkpoint is not None:
+                checkpoint.remove()
 
         return fill
 

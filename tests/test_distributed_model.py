@@ -1,0 +1,107 @@
+"""``QuantizedModel.quantize(..., process_group=...)``: two gloo processes on the CPU share the
+calibrated methods, in memory and offloaded to disk, and write exactly one process's files."""
+
+import filecmp
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import floatxq as fq
+from floatxq.tiny import TINY_LLAMA_DIR, calibration_samples
+
+CONFIGS = {
+    "gptq": (fq.GPTQConfig(bits=4, group_size=32), None),
+    "gptq-v2-asym-lm_head": (
+        fq.GPTQConfig(bits=4, group_size=32, sym=False, format="gptq_v2", lm_head=True),
+        "gptq",
+    ),
+    "w4a4-fused": (fq.NVFP4Config(method="gptq", activations="nvfp4", global_scale="fused"), None),
+    "gsq-calibrated": (
+        fq.FP8Config(gsq=fq.GSQConfig(steps=10, modules=[r".*down_proj"]), gsq_calibration=True),
+        None,
+    ),
+}
+
+
+def _samples():
+    return calibration_samples(num_samples=6, seq_len=64)
+
+
+def _runs(out: Path, group) -> None:
+    """Every config in memory (the first process saves) and offloaded (it writes), into
+    ``out/KEY/{memory,offload}``."""
+    first = group is None or dist.get_rank(group) == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # CPU kernels block their work by thread count: one everywhere
+    try:
+        for key, (config, layout) in CONFIGS.items():
+            model = fq.load(TINY_LLAMA_DIR, quantize_config=config)
+            model.quantize(_samples(), progress=False, process_group=group)
+            if first:
+                model.save(out / key / "memory", layout=layout)
+            offloaded = fq.load(TINY_LLAMA_DIR, quantize_config=config, offload="disk")
+            offloaded.quantize(
+                _samples(), out=out / key / "offload", layout=layout, progress=False,
+                process_group=group,
+            )  # fmt: skip
+            assert (out / key / "offload").is_dir()  # every process returns once it is written
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _rank(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        _runs(Path(out), dist.group.WORLD)
+        one = calibration_samples(num_samples=1, seq_len=64)
+        model = fq.load(TINY_LLAMA_DIR, quantize_config=fq.GPTQConfig(bits=4, group_size=32))
+        with pytest.raises(ValueError, match="1 calibration batches cannot be shared by 2"):
+            model.quantize(one, progress=False, process_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def _same_files(a: Path, b: Path) -> None:
+    names = sorted(os.listdir(a))
+    assert names == sorted(os.listdir(b))
+    for name in names:
+        assert filecmp.cmp(a / name, b / name, shallow=False), (a, name)
+
+
+def test_two_processes_write_one_processs_files(tmp_path):
+    """GPTQ (plain; asymmetric v2 with lm_head), NVFP4 GPTQ with W4A4 input scales and calibrated
+    GSQ: shared by two processes, in memory and offloaded, the files are one process's."""
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_rank, args=(2, init, str(tmp_path / "two")), nprocs=2, join=True)
+    _runs(tmp_path / "one", None)
+    for key in CONFIGS:
+        for kind in ("memory", "offload"):
+            _same_files(tmp_path / "one" / key / kind, tmp_path / "two" / key / kind)
+
+
+def test_a_group_is_refused_where_it_cannot_be_used(tmp_path):
+    config = fq.GPTQConfig(bits=4, group_size=32)
+    with pytest.raises(RuntimeError, match="needs torch.distributed initialised first"):
+        fq.load(TINY_LLAMA_DIR, quantize_config=config).quantize(_samples(), process_group=3)
+    init = f"file://{tmp_path / 'rendezvous'}"
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        offloaded = fq.load(TINY_LLAMA_DIR, quantize_config=config, offload="disk")
+        with pytest.raises(ValueError, match="resume=True is not taken with process_group"):
+            offloaded.quantize(_samples(), out=tmp_path / "x", resume=True, process_group=group)
+        fp8 = fq.load(TINY_LLAMA_DIR, quantize_config=fq.FP8Config(), offload="disk")
+        with pytest.raises(ValueError, match="not shared by a process group"):
+            fp8.quantize(out=tmp_path / "y", process_group=group)
+        model = fq.load(TINY_LLAMA_DIR, quantize_config=config)
+        with pytest.raises(TypeError, match="must be a torch.distributed ProcessGroup"):
+            model.quantize(_samples(), process_group="world")
+        few = calibration_samples(num_samples=1, seq_len=64)
+        gptq = fq.load(TINY_LLAMA_DIR, quantize_config=config)
+        gptq.quantize(few, progress=False, process_group=group)  # one process: one batch is enough
+    finally:
+        dist.destroy_process_group()
