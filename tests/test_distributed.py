@@ -88,12 +88,11 @@ def test_shards_cover_the_batches_in_order_and_bad_input_is_refused():
 def _gptq(group) -> dict:
     """The tiny Llama's GPTQ run (this process's share of 8 batches with ``group``)."""
     import floatxq as fq
+    import floatxq.lifecycle.gptq as gptq
     from floatxq.lifecycle.calibration import prepare_calibration
     from floatxq.lifecycle.gptq import quantize_gptq_model
     from floatxq.nn.gptq_linear import GPTQLinear
     from floatxq.tiny import TINY_LLAMA_DIR, calibration_samples
-
-    import floatxq.lifecycle.gptq as gptq
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # CPU kernels pick their blocking by thread count: one for all

@@ -316,7 +316,8 @@ class QuantizedModel:
                 max_shard_bytes=_parse_size(size),
                 work_device=self.device or _default_work_device(self.model),
                 calibration=calibration, activation_budget=activation_budget,
-                process_group=process_group, on_layer=None if callback is None else lambda i, n: callback(f"layer {i}"),
+                process_group=process_group,
+                on_layer=None if callback is None else lambda i, n: callback(f"layer {i}"),
             )  # fmt: skip
         finally:
             if bar is not None:
