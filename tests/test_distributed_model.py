@@ -105,3 +105,30 @@ def test_a_group_is_refused_where_it_cannot_be_used(tmp_path):
         gptq.quantize(few, progress=False, process_group=group)  # one process: one batch is enough
     finally:
         dist.destroy_process_group()
+
+
+def test_torchrun_setup_joins_the_run_torchrun_describes(monkeypatch):
+    """``torchrun_setup`` reads torchrun's variables (here a one-process run on the CPU: gloo)
+    and refuses a script torchrun did not start."""
+    import socket
+
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="start the script with torchrun"):
+        fq.torchrun_setup()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    group, device = fq.torchrun_setup()
+    try:
+        assert device == torch.device("cpu")
+        assert dist.get_backend(group) == "gloo" and dist.get_world_size(group) == 1
+        again, _ = fq.torchrun_setup()  # already joined: the same group
+        assert again is group
+    finally:
+        dist.destroy_process_group()

@@ -29,6 +29,7 @@ from floatxq.interop.payload import (
 )
 from floatxq.lifecycle.activation_summary import activation_summary
 from floatxq.lifecycle.calibration import load_calibration_file, prepare_calibration
+from floatxq.lifecycle.distributed import torchrun_setup
 from floatxq.lifecycle.evaluate import EvalReport, evaluate_lm
 from floatxq.lifecycle.gptq import gptq_solve_options
 from floatxq.lifecycle.layout_check import check_layout
@@ -89,6 +90,7 @@ __all__ = [
     "resolve_model",
     "set_stream_global_scales",
     "stream_boundary_quantizers",
+    "torchrun_setup",
     "uninstall_w4a_llama_stream",
     "uninstall_w4a_stream",
     "w4a_stream_policy",

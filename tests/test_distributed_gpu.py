@@ -1,0 +1,71 @@
+"""A calibrated run shared by processes on CUDA: two processes on one GPU (gloo, CUDA tensors
+staged through host memory) and, where there are two GPUs, one per GPU over NCCL; both give one
+process's codes bit for bit."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.gpu
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _job(group, device: torch.device) -> dict:
+    """GPTQ and NVFP4 GPTQ with W4A4 scales of the tiny Llama on ``device``: every buffer."""
+    import floatxq as fq
+    from floatxq.lifecycle.calibration import prepare_calibration
+    from floatxq.lifecycle.gptq import quantize_gptq_model
+    from floatxq.lifecycle.nvfp4_calibrated import quantize_nvfp4_calibrated
+    from floatxq.tiny import TINY_LLAMA_DIR, calibration_samples
+
+    prepared = prepare_calibration(calibration_samples(num_samples=8, seq_len=64))
+    out = {}
+    model = fq.load(TINY_LLAMA_DIR).model
+    config = fq.GPTQConfig(bits=4, group_size=32)
+    quantize_gptq_model(model, config, prepared, device=device, process_group=group)
+    out["gptq"] = {k: v.cpu() for k, v in model.state_dict().items()}
+    model = fq.load(TINY_LLAMA_DIR).model
+    config = fq.NVFP4Config(method="gptq", activations="nvfp4")
+    quantize_nvfp4_calibrated(model, config, prepared, device=device, process_group=group)
+    out["nvfp4"] = {k: v.cpu() for k, v in model.state_dict().items()}
+    return out
+
+
+def _rank(rank: int, world: int, init: str, out: str, backend: str, same_gpu: bool) -> None:
+    device = torch.device("cuda", 0 if same_gpu else rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    try:
+        torch.save(_job(dist.group.WORLD, device), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "backend,same_gpu",
+    [
+        ("gloo", True),
+        pytest.param(
+            "nccl",
+            False,
+            marks=pytest.mark.skipif(
+                torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                reason="needs two GPUs",
+            ),
+        ),
+    ],
+)
+def test_two_processes_on_cuda_give_one_processs_buffers(tmp_path, backend, same_gpu):
+    init = f"file://{tmp_path / 'rendezvous'}"
+    out = str(tmp_path / "result")
+    mp.spawn(_rank, args=(2, init, out, backend, same_gpu), nprocs=2, join=True)
+    one = _job(None, torch.device("cuda", 0))
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        for method, state in one.items():
+            assert got[method].keys() == state.keys()
+            for key, value in state.items():
+                assert torch.equal(got[method][key], value), (rank, method, key)
