@@ -160,3 +160,27 @@ def test_processes_build_each_module_once_and_end_with_one_process_bytes(tmp_pat
         assert result["failure"]["unchanged"]
         assert result["failure"]["called"] == failure["called"]
     assert failure["error"] == ("ValueError", f"quantize: module {VICTIM!r}: refused for the test")
+
+
+def test_a_failure_travels_as_its_type_and_message():
+    """What the other processes raise for a build that failed on its owner: the same type and
+    message, or a RuntimeError naming the type where the type cannot travel or be rebuilt."""
+    import pickle
+
+    from floatxq.lifecycle.distributed import _Failure
+
+    class Local(ValueError):
+        pass
+
+    class TwoArguments(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a}/{b}")
+
+    sent = pickle.loads(pickle.dumps(_Failure.of(TypeError("quantize: module 'x': no"))))
+    error = sent.error(2)
+    assert type(error) is TypeError and str(error) == "quantize: module 'x': no"
+    assert error.__notes__ == ["(raised by process 2, which built this module)"]
+    local = pickle.loads(pickle.dumps(_Failure.of(Local("bad")))).error(0)
+    assert type(local) is RuntimeError and str(local) == "Local: bad"
+    odd = _Failure(TwoArguments, "1/2").error(0)
+    assert type(odd) is RuntimeError and str(odd) == "TwoArguments: 1/2"

@@ -186,16 +186,15 @@ def quantize_fp8_modules(
     FP8 module stays there; other modules are untouched. Every target's shape is checked before
     the first one is changed, so a bad block size leaves the model as it was.
 
-    With a ``torch.distributed`` ``process_group`` of several processes, each module is built
-    by one of them (balanced by ``out·in``, times the refinement's candidates and steps under
-    GSQ) and sent to all: every process ends with the one-process model bit for bit, the same
-    ``reports`` in the same order, and ``on_module`` called for every module.
+    With a ``torch.distributed`` ``process_group``, each module is built by one process
+    (balanced by ``out·in``, times GSQ's candidates and steps) and sent to all: every process
+    ends with the one-process model, ``reports`` and ``on_module`` calls, bit for bit.
 
     Any exception during the swaps (``KeyboardInterrupt`` included) rolls back: every replaced
     module is put back (the same object, its tensors moved back to the devices they were on,
     so bit for bit) before the exception propagates. The originals are referenced until the
-    run ends either way, so this costs no memory. With a group, a build that fails on its
-    process fails on every process (the same type and message), and each rolls back.
+    run ends either way, so this costs no memory. A build that fails on its process fails on
+    every process of a group (the same type and message), and each rolls back.
 
     Returns:
       the names of the quantized modules, in model order.
