@@ -254,12 +254,43 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+class _Failure(NamedTuple):
+    """A build that raised on its owner, sent in place of the module so every process raises."""
+
+    kind: type[Exception]
+    message: str
+
+    @classmethod
+    def of(cls, error: Exception) -> "_Failure":
+        kind = type(error)
+        try:  # a class pickles by its import path: a local one cannot travel
+            pickle.dumps(kind)
+        except Exception:
+            return cls(RuntimeError, f"{kind.__name__}: {error}")
+        return cls(kind, str(error))
+
+    def error(self, src: int) -> Exception:
+        """The exception to raise here: the owner's type and message (RuntimeError naming the
+        type where the type does not take one message)."""
+        try:
+            error = self.kind(self.message)
+        except Exception:
+            error = RuntimeError(f"{self.kind.__name__}: {self.message}")
+        error.add_note(f"(raised by process {src}, which built this module)")
+        return error
+
+
 def broadcast_module(
-    built: tuple[nn.Module, Any] | None, src: int, share: ProcessShare, device: torch.device
+    built: tuple[nn.Module, Any] | Exception | None,
+    src: int,
+    share: ProcessShare,
+    device: torch.device,
 ) -> tuple[nn.Module, Any]:
     """Process ``src``'s ``(module, report)`` on every process: its structure and report
     pickled (tensors in the report on the CPU), its parameters and buffers broadcast as bytes
-    into new tensors on ``device``; ``src`` returns its own.
+    into new tensors on ``device``; ``src`` returns its own. An exception given by ``src``
+    (its build failed) is raised on every process instead: ``src`` raises its own, the others
+    one of the same type and message.
 
     Raises:
       ValueError: ``built`` is None on ``src`` or given elsewhere.
@@ -269,15 +300,22 @@ def broadcast_module(
         raise ValueError("broadcast_module: the source process gives its module, no other")
     on = device if device.type == "cuda" and not _gloo(share) else None
     payload: list[Any] = [None]
-    if built is not None:
+    if isinstance(built, Exception):
+        payload = [pickle.dumps(_Failure.of(built))]
+    elif built is not None:
         module, report = built
         payload = [pickle.dumps((_skeleton(module), _to_cpu(report)))]
     dist.broadcast_object_list(payload, src=share.global_rank(src), group=share.group, device=on)
+    if isinstance(built, Exception):
+        raise built
     if built is not None:
         for _, tensor in _named_tensors(built[0]):
             _broadcast_into(tensor.detach().contiguous(), src, share)
         return built
-    skeleton, report = pickle.loads(payload[0])
+    received = pickle.loads(payload[0])
+    if isinstance(received, _Failure):
+        raise received.error(src)
+    skeleton, report = received
     module = skeleton.to_empty(device=device)
     for _, tensor in _named_tensors(module):
         _broadcast_into(tensor.detach(), src, share)
@@ -293,12 +331,25 @@ def spread(
     """Item ``i``'s ``solve(i) -> (module, report)``, in order: without a share each solved
     here as it is asked for; with one, each solved by its owner (:func:`owners`), this
     process's first, then every result broadcast from its owner (:func:`broadcast_module`).
+
+    Raises:
+      Exception: the first of this process's solves that raised stops its solves and is sent in
+        place of that item's module; every process raises it when the item's turn comes (the
+        owner its own, the others one of its type and message), after yielding the items
+        before it, so all stop at the same item.
     """
     if share is None or share.world == 1:
         yield from (solve(i) for i in range(len(costs)))
         return
     owner = owners(costs, share.world)
-    mine = {i: solve(i) for i in range(len(costs)) if owner[i] == share.rank}
+    mine: dict[int, tuple[nn.Module, Any] | Exception] = {}
+    for i in range(len(costs)):
+        if owner[i] == share.rank:
+            try:
+                mine[i] = solve(i)
+            except Exception as error:  # sent in place of the module: the others stop too
+                mine[i] = error
+                break
     for i in range(len(costs)):
         yield broadcast_module(mine.pop(i, None), owner[i], share, device)
 

@@ -10,7 +10,7 @@ Calibrated GSQ runs layer by layer in :mod:`floatxq.lifecycle.fp8_gsq` on these 
 import time
 import typing
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -175,6 +175,7 @@ def quantize_fp8_modules(
     on_module: Callable[[str], None] | None = None,
     work_device: torch.device | None = None,
     reports: list[GSQModuleReport] | None = None,
+    process_group: Any = None,
 ) -> list[str]:
     """Replace every planned module of ``model`` by a ``TorchFP8Linear``, one module at a time.
 
@@ -185,10 +186,15 @@ def quantize_fp8_modules(
     FP8 module stays there; other modules are untouched. Every target's shape is checked before
     the first one is changed, so a bad block size leaves the model as it was.
 
+    With a ``torch.distributed`` ``process_group``, each module is built by one process
+    (balanced by ``out·in``, times GSQ's candidates and steps) and sent to all: every process
+    ends with the one-process model, ``reports`` and ``on_module`` calls, bit for bit.
+
     Any exception during the swaps (``KeyboardInterrupt`` included) rolls back: every replaced
     module is put back (the same object, its tensors moved back to the devices they were on,
     so bit for bit) before the exception propagates. The originals are referenced until the
-    run ends either way, so this costs no memory.
+    run ends either way, so this costs no memory. A build that fails on its process fails on
+    every process of a group (the same type and message), and each rolls back.
 
     Returns:
       the names of the quantized modules, in model order.
@@ -205,11 +211,23 @@ def quantize_fp8_modules(
     for plan in plans:
         _check_divisible(plan.name, modules[plan.name], plan.config)  # type: ignore[arg-type]
     configs = {plan.name: typing.cast(FP8Config, plan.config) for plan in plans}
+    names = list(configs)
+    costs = [_build_cost(n, modules[n], configs[n]) for n in names]
+    places = [device or modules[n].weight.device for n in names]
+    del modules
 
-    def build(name: str, source: nn.Module) -> nn.Module:
-        built, report = fp8_module(name, source, configs[name], work_device=work_device)
-        if report is not None and reports is not None:
-            reports.append(report)
-        return built
+    def build(name: str, source: nn.Module) -> tuple[nn.Module, GSQModuleReport | None]:
+        return fp8_module(name, source, configs[name], work_device=work_device)
 
-    return swap_modules(model, list(configs), build, device=device, on_module=on_module)
+    return swap_modules(
+        model, names, build, device=device, on_module=on_module,
+        reports=reports if reports is not None else [], process_group=process_group,
+        costs=costs, places=places,
+    )  # fmt: skip
+
+
+def _build_cost(name: str, module: nn.Module, config: FP8Config) -> float:
+    """``module``'s weight size, times GSQ's candidates and steps where it refines ``name``."""
+    size = float(module.weight.numel())
+    gsq = config.gsq
+    return size * gsq.candidates * gsq.steps if gsq is not None and gsq.selects(name) else size

@@ -14,7 +14,7 @@ a ``g`` reads back bit for bit.
 
 import typing
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -123,6 +123,7 @@ def quantize_nvfp4_modules(
     device: torch.device | None = None,
     work_device: torch.device | None = None,
     on_module: Callable[[str], None] | None = None,
+    process_group: Any = None,
 ) -> list[str]:
     """Replace every planned linear of ``model`` by a ``TorchFP4Linear``, one at a time.
 
@@ -130,6 +131,13 @@ def quantize_nvfp4_modules(
     is quantized; the NVFP4 module stays on ``device``, or goes back where the weight lived.
     Any exception during the swaps (``KeyboardInterrupt`` included) puts every replaced module
     back, its tensors on the devices they were on, before it propagates.
+
+    With a ``torch.distributed`` ``process_group`` of several processes, each linear is built
+    by one of them (balanced by ``out·in``) and sent to all, so every process ends with the
+    one-process model bit for bit and ``on_module`` called for every module; a build that fails
+    fails on every process (the same type and message), and each puts its modules back. The
+    global scales need no messages: every process computes the same maxima from its own copy of
+    the weights.
 
     Returns:
       the names of the quantized modules, in model order.
@@ -148,13 +156,17 @@ def quantize_nvfp4_modules(
     recipes = {p.name: typing.cast(NVFP4Config, p.config).recipe for p in plans}
     modules = dict(model.named_modules())
     homes = {n: device or modules[n].weight.device for n in names}
+    costs = [float(modules[n].weight.numel()) for n in names]
     del modules
 
     def build(name: str, source: nn.Module) -> nn.Module:
         return _quantized(source, amax[name], recipes[name]).to(homes[name])
 
     work = device if device is not None else work_device
-    return swap_modules(model, names, build, device=work, on_module=on_module)
+    return swap_modules(
+        model, names, build, device=work, on_module=on_module, process_group=process_group,
+        costs=costs, places=[homes[n] for n in names],
+    )  # fmt: skip
 
 
 def _quantized(linear: nn.Module, amax: torch.Tensor, recipe: str) -> TorchFP4Linear:
