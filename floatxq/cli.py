@@ -12,6 +12,7 @@ The argument checks and the error lines are :mod:`floatxq.cli_checks`'s.
 """
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -92,6 +93,34 @@ def _source_model(
         model, device=device, quantize_config=quantize_config, revision=revision,
         offload="disk" if offload else None,
     )  # fmt: skip
+
+
+def _torchrun_group(device: str | None) -> tuple[Any, str | None]:
+    """Under ``torchrun`` with more than one process (``WORLD_SIZE`` > 1): the process group
+    that shares the run (:func:`~floatxq.lifecycle.distributed.torchrun_setup`) and this
+    process's device: its GPU (``cuda:LOCAL_RANK``) unless ``--device`` names a non-CUDA one
+    (then every process works there, over gloo). Otherwise ``(None, device)``."""
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if not world.isdigit():
+        if world:
+            raise fail(f"WORLD_SIZE={shown(world)} is not a process count (torchrun sets it)")
+        return None, device
+    if int(world) <= 1:
+        return None, device
+    import torch
+
+    from floatxq.lifecycle.distributed import torchrun_setup
+
+    chosen = torch.device(device) if device is not None else None
+    if chosen is not None and chosen.type == "cuda" and chosen.index is not None:
+        raise fail(
+            f"--device {device} names one GPU; under torchrun each process works on its own "
+            f"(cuda:LOCAL_RANK): pass --device cuda or no --device"
+        )
+    elsewhere = chosen is not None and chosen.type != "cuda"
+    with reported(DEVICE_ERRORS):
+        group, work = torchrun_setup(backend="gloo" if elsewhere else None)
+    return group, device if elsewhere or work.type == "cpu" else str(work)
 
 
 def _calibration(
@@ -311,6 +340,9 @@ def quantize(
         check_at_least("--batch-size", batch_size, 1)
         if calibration != TINY and not Path(calibration).is_file():
             raise fail(f"--calibration {calibration!r} is neither 'tiny' nor a readable file")
+    group, device = _torchrun_group(device)  # one process per GPU: they share the run
+    first = group is None or group.rank() == 0  # the process that saves and prints
+    processes = 1 if group is None else group.size()
     if layout is None:
         layout = "gptq" if policy is not None else "compressed-tensors"
     with reported(DEVICE_ERRORS):
@@ -373,10 +405,19 @@ def quantize(
         start = time.perf_counter()
         if offload:
             options.update(out=out, overwrite=overwrite, resume=resume)
-        source.quantize(cal, batch_size=batch_size, progress=not _quiet(), layout=layout, **options)
-        written = (
-            source.report.out if offload else source.save(out, layout=layout, overwrite=overwrite)
-        )
+        source.quantize(
+            cal, batch_size=batch_size, progress=not _quiet(), layout=layout,
+            process_group=group, **options,
+        )  # fmt: skip
+        written = source.report.out if offload else out
+        if first and not offload:
+            written = source.save(out, layout=layout, overwrite=overwrite)
+    if group is not None:
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
+    if not first:
+        return
     if isinstance(config, floatxq.GPTQConfig):
         what = f"gptq {config.bits}-bit, group {config.group_size}"
     elif isinstance(config, floatxq.NVFP4Config):
@@ -392,6 +433,7 @@ def quantize(
     if as_json:
         _echo_json({
             "out": str(written), "layout": layout, "scheme": what, "seconds": seconds,
+            "processes": processes,
             "modules": list(source.quantized_modules),
             "gptq": report.to_dict() if hasattr(report, "to_dict") else None,
             "gsq": cli_gsq.gsq_report_dict(report) if gsq else None,
@@ -399,7 +441,8 @@ def quantize(
         return
     typer.echo(
         f"quantized {len(source.quantized_modules)} modules ({what}) in "
-        f"{seconds:.1f} s -> {written} (layout {layout})"
+        f"{seconds:.1f} s{f' by {processes} processes' if processes > 1 else ''} -> {written} "
+        f"(layout {layout})"
     )
     if gsq:
         typer.echo(cli_gsq.gsq_summary(report))
