@@ -97,9 +97,10 @@ def _source_model(
 
 def _torchrun_group(device: str | None) -> tuple[Any, str | None]:
     """Under ``torchrun`` with more than one process (``WORLD_SIZE`` > 1): the process group
-    that shares the run (:func:`~floatxq.lifecycle.distributed.torchrun_setup`) and this
-    process's device: its GPU (``cuda:LOCAL_RANK``) unless ``--device`` names a non-CUDA one
-    (then every process works there, over gloo). Otherwise ``(None, device)``."""
+    that shares the run (:func:`~floatxq.lifecycle.distributed.torchrun_setup`) and the
+    ``--device`` this process passes on: ``cuda:LOCAL_RANK`` for ``cuda``, a non-CUDA one as it
+    is (every process works there, over gloo), none as none (the work then goes to the current
+    CUDA device, this process's). Otherwise ``(None, device)``."""
     world = os.environ.get("WORLD_SIZE", "").strip()
     if not world.isdigit():
         if world:
@@ -120,7 +121,8 @@ def _torchrun_group(device: str | None) -> tuple[Any, str | None]:
     elsewhere = chosen is not None and chosen.type != "cuda"
     with reported(DEVICE_ERRORS):
         group, work = torchrun_setup(backend="gloo" if elsewhere else None)
-    return group, device if elsewhere or work.type == "cpu" else str(work)
+    # no --device: load's default, where the work goes to the current CUDA device (just set)
+    return group, str(work) if chosen is not None and not elsewhere else device
 
 
 def _calibration(

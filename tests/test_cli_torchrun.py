@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
+from floatxq import cli
 from floatxq.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +65,7 @@ def _same_files(a: Path, b: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("offload", [False, True], ids=["memory", "offload"])
 def test_two_processes_write_the_one_process_commands_files(tmp_path, offload):
-    extra = ["--offload"] if offload else []
+    extra = ["--offload", "--device", "cpu"] if offload else []  # cpu: gloo, whatever the host
     one = _cli([*GPTQ, *extra, "--out", str(tmp_path / "one")], 1)
     two = _cli([*GPTQ, *extra, "--out", str(tmp_path / "two")], 2)
     _same_files(tmp_path / "one", tmp_path / "two")
@@ -88,3 +90,15 @@ def test_a_world_size_that_is_no_count_is_refused(tmp_path, monkeypatch):
     assert result.exit_code == 2
     assert "error: WORLD_SIZE='two' is not a process count" in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_one_gpu_for_every_process_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(typer.Exit):
+        cli._torchrun_group("cuda:1")
+    assert (
+        "error: --device cuda:1 names one GPU; under torchrun each process"
+        in capsys.readouterr().err
+    )
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert cli._torchrun_group("cuda:1") == (None, "cuda:1")  # one process: as it was
