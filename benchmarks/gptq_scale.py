@@ -96,6 +96,21 @@ def build_model(
     return model.eval()
 
 
+def llama_config(
+    *, layers: int = 32, hidden: int = 4096, intermediate: int = 14336, heads: int = 32,
+    kv_heads: int = 8, vocab: int = 128256,
+) -> transformers.LlamaConfig:  # fmt: skip
+    """Llama-3-8B's configuration (the defaults), or a smaller one of the same form: untied
+    ``lm_head``, rope theta 500000, 8192 positions, RMS norm eps 1e-5."""
+    return transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, num_hidden_layers=layers, vocab_size=vocab,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=False, rms_norm_eps=1e-5,
+    )  # fmt: skip
+
+
 def _stamp(stamps: dict[str, float], module_name: str, start: float) -> None:
     """Record when ``module_name`` was quantized; print a line as each decoder layer ends."""
     stamps[module_name] = now = time.perf_counter()
@@ -144,12 +159,9 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write the JSON record here")
     args = parser.parse_args()
     device = torch.device(args.device)
-    config = transformers.LlamaConfig(
-        hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        num_hidden_layers=args.layers, vocab_size=args.vocab, max_position_embeddings=8192,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        tie_word_embeddings=False, rms_norm_eps=1e-5,
+    config = llama_config(
+        layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
+        kv_heads=args.kv_heads, vocab=args.vocab,
     )  # fmt: skip
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(

@@ -8,18 +8,29 @@ devices) are caught around the calls that can raise them, keeping the library's 
 
 Importing this module is cheap (``floatxq`` loads its names on first use): torch and
 transformers are imported inside the commands, so ``--help`` and ``--version`` answer at once.
+The argument checks and the error lines are :mod:`floatxq.cli_checks`'s.
 """
 
-import contextlib
 import json
+import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import click
 import typer
+
+from floatxq.cli_checks import (
+    DEVICE_ERRORS,
+    INPUT_ERRORS,
+    activation_policy,
+    check_at_least,
+    check_device,
+    check_png,
+    fail,
+    reported,
+    shown,
+)
 
 app = typer.Typer(
     add_completion=False,
@@ -36,31 +47,6 @@ TINY = "tiny"
 GENERATED_SOURCES: tuple[str, ...] = ("normal", "student_t3", "outliers")
 LM_EVAL_EXTRA = "lm-eval"
 """The extra that installs lm-eval (``pip install 'floatxq[lm-eval]'``) for ``eval --tasks``."""
-
-# What the library raises on bad user input (CheckpointError is a ValueError; OSError covers
-# PermissionError, FileNotFoundError and FileExistsError). RuntimeError joins them only around
-# model work on a device (torch's device errors, an already-quantized model).
-INPUT_ERRORS: tuple[type[Exception], ...] = (ValueError, TypeError, OSError)
-DEVICE_ERRORS: tuple[type[Exception], ...] = (*INPUT_ERRORS, RuntimeError)
-# An exit already decided (``_fail`` printed its line): typer's and click's Exit and Abort are
-# RuntimeErrors, so ``DEVICE_ERRORS`` would catch them and print a second ``error: Exit`` line.
-DECIDED_EXITS: tuple[type[Exception], ...] = (
-    typer.Exit,
-    typer.Abort,
-    click.exceptions.Exit,
-    click.exceptions.Abort,
-)
-
-
-def _fail(message: str) -> "typer.Exit":
-    """Print ``error: <message>`` on one line of stderr; the caller raises the returned Exit."""
-    typer.echo(f"error: {' '.join(message.split())}", err=True)
-    return typer.Exit(code=2)
-
-
-def _fail_from(exc: Exception) -> "typer.Exit":
-    """``_fail`` with a library exception's own message (its type name when it has none)."""
-    return _fail(str(exc).strip() or type(exc).__name__)
 
 
 # Set by the global options (``_root``) before each command runs.
@@ -94,61 +80,6 @@ def _version(value: bool) -> bool:
     return value
 
 
-@contextlib.contextmanager
-def _reported(kinds: tuple[type[Exception], ...] = INPUT_ERRORS) -> Iterator[None]:
-    """Around library calls: an exception of ``kinds`` becomes one ``error:`` line and exit 2;
-    an exit already decided inside (a ``_fail``) passes through as it is."""
-    try:
-        yield
-    except DECIDED_EXITS:
-        raise
-    except kinds as exc:
-        raise _fail_from(exc) from None
-
-
-def _shown(text: str, limit: int = 60) -> str:
-    """``text`` cut to ``limit`` characters for a message (user input can be megabytes)."""
-    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
-
-
-def _check_device(device: str | None) -> None:
-    """Refuse a ``--device`` that torch cannot parse or that this machine does not have."""
-    if device is None:
-        return
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise _fail(
-            f"--device {device!r} is not a torch device; accepted: cpu, cuda, cuda:N, mps"
-        ) from None
-    if dev.type == "cpu":
-        return
-    if dev.type == "meta":
-        raise _fail("--device meta holds no data to quantize or evaluate; use cpu or cuda")
-    backend = getattr(torch, dev.type, None)
-    is_available = getattr(backend, "is_available", None)
-    if not callable(is_available) or not is_available():
-        raise _fail(f"--device {device!r}: torch sees no {dev.type} device on this machine")
-    count = getattr(backend, "device_count", None)
-    if dev.index is not None and callable(count) and dev.index >= count():
-        raise _fail(f"--device {device!r}: this machine has {count()} {dev.type} device(s)")
-
-
-def _check_at_least(option: str, value: int, minimum: int) -> None:
-    if value < minimum:
-        raise _fail(f"{option} must be at least {minimum}, got {value}")
-
-
-def _check_png(png: Path) -> None:
-    """Refuse a chart path that cannot be written, before the work that precedes the chart."""
-    if png.is_dir():
-        raise _fail(f"--png {png} is a directory; give a file name")
-    if not png.parent.is_dir():
-        raise _fail(f"--png {png}: the directory {png.parent} does not exist")
-
-
 def _source_model(
     model: str, *, device: str | None, quantize_config=None, revision: str | None = None,
     offload: bool = False,
@@ -162,6 +93,36 @@ def _source_model(
         model, device=device, quantize_config=quantize_config, revision=revision,
         offload="disk" if offload else None,
     )  # fmt: skip
+
+
+def _torchrun_group(device: str | None) -> tuple[Any, str | None]:
+    """Under ``torchrun`` with more than one process (``WORLD_SIZE`` > 1): the process group
+    that shares the run (:func:`~floatxq.lifecycle.distributed.torchrun_setup`) and the
+    ``--device`` this process passes on: ``cuda:LOCAL_RANK`` for ``cuda``, a non-CUDA one as it
+    is (every process works there, over gloo), none as none (the work then goes to the current
+    CUDA device, this process's). Otherwise ``(None, device)``."""
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if not world.isdigit():
+        if world:
+            raise fail(f"WORLD_SIZE={shown(world)} is not a process count (torchrun sets it)")
+        return None, device
+    if int(world) <= 1:
+        return None, device
+    import torch
+
+    from floatxq.lifecycle.distributed import torchrun_setup
+
+    chosen = torch.device(device) if device is not None else None
+    if chosen is not None and chosen.type == "cuda" and chosen.index is not None:
+        raise fail(
+            f"--device {device} names one GPU; under torchrun each process works on its own "
+            f"(cuda:LOCAL_RANK): pass --device cuda or no --device"
+        )
+    elsewhere = chosen is not None and chosen.type != "cuda"
+    with reported(DEVICE_ERRORS):
+        group, work = torchrun_setup(backend="gloo" if elsewhere else None)
+    # no --device: load's default, where the work goes to the current CUDA device (just set)
+    return group, str(work) if chosen is not None and not elsewhere else device
 
 
 def _calibration(
@@ -181,14 +142,14 @@ def _calibration(
 
     path = Path(spec)
     if not path.is_file():
-        raise _fail(f"--calibration {spec!r} is neither 'tiny' nor a readable file")
+        raise fail(f"--calibration {spec!r} is neither 'tiny' nor a readable file")
     try:
         rows = load_calibration_file(path, text_column=text_column, lines=False)
     except (*INPUT_ERRORS, ImportError) as exc:  # ImportError: .parquet without pyarrow
         # the library names the file; the command line names the option that gave it
-        raise _fail(f"--calibration {str(exc).removeprefix('calibration file ')}") from None
+        raise fail(f"--calibration {str(exc).removeprefix('calibration file ')}") from None
     if not rows:
-        raise _fail(f"--calibration {spec}: the file holds no samples")
+        raise fail(f"--calibration {spec}: the file holds no samples")
     options = {"max_length": seq_len, "overflow": "chunk", "num_samples": samples}
     return rows, options
 
@@ -216,8 +177,8 @@ def demo(
     png: Path = typer.Option(Path("floatxq-demo.png"), help="Where to write the chart."),
 ) -> None:
     """Every quantization path on the built-in trained tiny Llama: quality, size, time, chart."""
-    _check_at_least("--windows", windows, 1)
-    _check_png(png)
+    check_at_least("--windows", windows, 1)
+    check_png(png)
     from floatxq.demo import plot_demo, run_demo
 
     _info("floatxq demo: the tiny Llama (6.4M parameters, trained on stdlib docstrings)")
@@ -238,7 +199,7 @@ def demo(
             f"{100 * r.top1_agreement:>6.2f}% {r.bytes / 1e6:>8.2f} {r.seconds:>8.2f}"
         )
     try:
-        with _reported():
+        with reported():
             plot_demo(report, str(png))
         typer.echo(f"\nchart: {png}")
     except ImportError:
@@ -349,20 +310,20 @@ def quantize(
 
     chosen = method.strip().lower()
     if chosen not in ("fp8", "gptq", "nvfp4"):
-        raise _fail(f"unsupported --method {method!r}; accepted: fp8, gptq, nvfp4")
-    _check_device(device)
+        raise fail(f"unsupported --method {method!r}; accepted: fp8, gptq, nvfp4")
+    check_device(device)
     if out.exists() and not overwrite:
-        raise _fail(f"--out {out} already exists; choose a new directory or pass --overwrite")
+        raise fail(f"--out {out} already exists; choose a new directory or pass --overwrite")
     cal = None
-    policy = _activation_policy(activation) if activation is not None else None
+    policy = activation_policy(activation) if activation is not None else None
     if policy is not None and chosen != "gptq":
-        raise _fail("--activation applies to --method gptq only (W4A runs GPTQ weights)")
+        raise fail("--activation applies to --method gptq only (W4A runs GPTQ weights)")
     if chosen != "nvfp4" and (activations is not None or nvfp4_gptq):
-        raise _fail("--activations and --gptq apply to --method nvfp4 only")
+        raise fail("--activations and --gptq apply to --method nvfp4 only")
     settings = {"steps": gsq_steps, "candidates": gsq_candidates, "seed": gsq_seed}
     from floatxq import cli_gsq
 
-    with _reported():
+    with reported():
         gsq_config = cli_gsq.gsq_config(chosen, gsq, gsq_calibration, settings)
     calibrated = chosen == "gptq" or (chosen == "nvfp4" and (nvfp4_gptq or activations is not None))
     calibrated = calibrated or gsq_calibration
@@ -371,19 +332,22 @@ def quantize(
             what = {"gptq": "gptq", "fp8": "fp8 with --gsq-calibration"}.get(
                 chosen, "nvfp4 with --gptq or --activations"
             )
-            raise _fail(
+            raise fail(
                 f"--method {what} needs --calibration (tiny, or a .txt, .jsonl, .json or "
                 f".parquet file)"
             )
-        _check_at_least("--samples", samples, 1)
+        check_at_least("--samples", samples, 1)
         if seq_len is not None:
-            _check_at_least("--seq-len", seq_len, 2)
-        _check_at_least("--batch-size", batch_size, 1)
+            check_at_least("--seq-len", seq_len, 2)
+        check_at_least("--batch-size", batch_size, 1)
         if calibration != TINY and not Path(calibration).is_file():
-            raise _fail(f"--calibration {calibration!r} is neither 'tiny' nor a readable file")
+            raise fail(f"--calibration {calibration!r} is neither 'tiny' nor a readable file")
+    group, device = _torchrun_group(device)  # one process per GPU: they share the run
+    first = group is None or group.rank() == 0  # the process that saves and prints
+    processes = 1 if group is None else group.size()
     if layout is None:
         layout = "gptq" if policy is not None else "compressed-tensors"
-    with _reported(DEVICE_ERRORS):
+    with reported(DEVICE_ERRORS):
         layout = normalize_layout(layout)
         dynamic = {f"-:{pattern}": {} for pattern in exclude or ()} or None
         if chosen == "gptq":
@@ -419,10 +383,10 @@ def quantize(
             revision=revision, offload=offload,
         )  # fmt: skip
     if source.quantized:
-        raise _fail(f"quantize: {model} is already quantized; pass the unquantized model")
+        raise fail(f"quantize: {model} is already quantized; pass the unquantized model")
     from floatxq.lifecycle.layout_check import check_layout
 
-    with _reported(DEVICE_ERRORS):  # method x layout x modules, before calibration and solve
+    with reported(DEVICE_ERRORS):  # method x layout x modules, before calibration and solve
         check_layout(source, config, layout, where="quantize")
     options: dict[str, Any] = {}
     if calibrated:
@@ -430,7 +394,7 @@ def quantize(
         positions = getattr(getattr(source.model, "config", None), "max_position_embeddings", None)
         positions = positions if isinstance(positions, int) and positions > 0 else None
         if seq_len is not None and positions is not None and seq_len > positions:
-            raise _fail(
+            raise fail(
                 f"--seq-len {seq_len} is longer than {model}'s max_position_embeddings "
                 f"({positions})"
             )
@@ -438,15 +402,24 @@ def quantize(
         cal, options = _calibration(
             calibration, samples=samples, seq_len=window, text_column=text_column
         )
-    with _reported(DEVICE_ERRORS):
+    with reported(DEVICE_ERRORS):
         source.quantize_config = config
         start = time.perf_counter()
         if offload:
             options.update(out=out, overwrite=overwrite, resume=resume)
-        source.quantize(cal, batch_size=batch_size, progress=not _quiet(), layout=layout, **options)
-        written = (
-            source.report.out if offload else source.save(out, layout=layout, overwrite=overwrite)
-        )
+        source.quantize(
+            cal, batch_size=batch_size, progress=not _quiet(), layout=layout,
+            process_group=group, **options,
+        )  # fmt: skip
+        written = source.report.out if offload else out
+        if first and not offload:
+            written = source.save(out, layout=layout, overwrite=overwrite)
+    if group is not None:
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
+    if not first:
+        return
     if isinstance(config, floatxq.GPTQConfig):
         what = f"gptq {config.bits}-bit, group {config.group_size}"
     elif isinstance(config, floatxq.NVFP4Config):
@@ -462,6 +435,7 @@ def quantize(
     if as_json:
         _echo_json({
             "out": str(written), "layout": layout, "scheme": what, "seconds": seconds,
+            "processes": processes,
             "modules": list(source.quantized_modules),
             "gptq": report.to_dict() if hasattr(report, "to_dict") else None,
             "gsq": cli_gsq.gsq_report_dict(report) if gsq else None,
@@ -469,35 +443,13 @@ def quantize(
         return
     typer.echo(
         f"quantized {len(source.quantized_modules)} modules ({what}) in "
-        f"{seconds:.1f} s -> {written} (layout {layout})"
+        f"{seconds:.1f} s{f' by {processes} processes' if processes > 1 else ''} -> {written} "
+        f"(layout {layout})"
     )
     if gsq:
         typer.echo(cli_gsq.gsq_summary(report))
         for module in report.modules:
             _info(cli_gsq.gsq_module_line(module))
-
-
-def _activation_policy(spec: str) -> Any:
-    """``--activation``: a mode name or the policy's JSON (read by ``bounded_json_loads``: no
-    deep nesting, huge integers or non-finite numbers)."""
-    import floatxq
-    from floatxq._checks import bounded_json_loads
-
-    text = spec.strip()
-    if text[:1] in ("{", "["):
-        try:
-            value = bounded_json_loads(text, where="--activation")
-        except ValueError as exc:
-            detail = str(exc).removeprefix("--activation: ")
-            raise _fail(
-                f"--activation {_shown(spec)} is not JSON floatxq accepts: {detail}"
-            ) from None
-    else:
-        value = text.lower()
-    try:
-        return floatxq.ActivationConfig.from_value(value)
-    except (TypeError, ValueError) as exc:
-        raise _fail(f"--activation {_shown(spec)}: {exc}") from None
 
 
 @app.command()
@@ -513,7 +465,7 @@ def inspect(
     from floatxq.interop.inspect import inspect_checkpoint
     from floatxq.interop.layouts import READ_LAYOUTS, SCALE_CONVENTIONS
 
-    with _reported():
+    with reported():
         if not Path(path).exists():  # a name: the built-in model or a Hub id
             from floatxq.lifecycle.loading import resolve_model
 
@@ -589,31 +541,31 @@ def eval_(
     """
     from floatxq.lifecycle.evaluate import evaluate_lm, heldout_windows, text_windows
 
-    _check_at_least("--windows", windows, 1)
-    _check_at_least("--seq-len", seq_len, 2)
-    _check_device(device)
+    check_at_least("--windows", windows, 1)
+    check_at_least("--seq-len", seq_len, 2)
+    check_device(device)
     task_names = _lm_eval_tasks(tasks, model, task_limit) if tasks is not None else None
     if text is not None:
         try:
             own_text = text.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise _fail(f"--text {text}: cannot read it as UTF-8 text ({exc})") from None
-    with _reported(DEVICE_ERRORS):
+            raise fail(f"--text {text}: cannot read it as UTF-8 text ({exc})") from None
+    with reported(DEVICE_ERRORS):
         loaded = _source_model(model, device=device)
         candidate = loaded.model
         ref = _source_model(reference, device=device).model if reference else None
     for name, m in ((model, candidate), (reference, ref)):
         limit = getattr(getattr(m, "config", None), "max_position_embeddings", None)
         if isinstance(limit, int) and seq_len > limit:
-            raise _fail(
+            raise fail(
                 f"--seq-len {seq_len} is longer than {name}'s max_position_embeddings ({limit})"
             )
-    with _reported(DEVICE_ERRORS):
+    with reported(DEVICE_ERRORS):
         vocab = int(getattr(getattr(candidate, "config", None), "vocab_size", 0) or 0)
         if ref is not None:  # named before the windows: they are tokenized for the candidate
             theirs = getattr(getattr(ref, "config", None), "vocab_size", None)
             if isinstance(theirs, int) and vocab and theirs != vocab:
-                raise _fail(
+                raise fail(
                     f"eval: {model} has a vocabulary of {vocab} tokens (vocab_size) and "
                     f"--reference {reference} {theirs}; KL and top-1 need a reference of the "
                     f"same vocabulary (the same tokenizer)"
@@ -665,17 +617,17 @@ def _lm_eval_tasks(tasks: str, model: str, limit: int | None) -> list[str]:
     """``--tasks``' names, checked before any work: lm-eval installed, a tokenizer to give it."""
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
-        raise _fail(f"--tasks {_shown(tasks)} names no task; e.g. --tasks hellaswag,arc_easy")
+        raise fail(f"--tasks {shown(tasks)} names no task; e.g. --tasks hellaswag,arc_easy")
     if limit is not None:
-        _check_at_least("--limit", limit, 1)
+        check_at_least("--limit", limit, 1)
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        raise _fail(
+        raise fail(
             f"--tasks needs lm-eval, which is not installed: pip install 'floatxq[{LM_EVAL_EXTRA}]'"
         ) from None
     if model == TINY:
-        raise _fail("--tasks needs a model directory with a tokenizer; 'tiny' reads bytes")
+        raise fail("--tasks needs a model directory with a tokenizer; 'tiny' reads bytes")
     return names
 
 
@@ -719,19 +671,19 @@ def recipes(
 
     if source in GENERATED_SOURCES:
         if tensor is not None:
-            raise _fail(f"--tensor names a tensor of a checkpoint --source, not of {source!r}")
+            raise fail(f"--tensor names a tensor of a checkpoint --source, not of {source!r}")
         if size < 1 or size % NVFP4_BLOCK:
-            raise _fail(f"--size must be a positive multiple of {NVFP4_BLOCK}, got {size}")
+            raise fail(f"--size must be a positive multiple of {NVFP4_BLOCK}, got {size}")
     elif not Path(source).is_dir():
         accepted = ", ".join(GENERATED_SOURCES)
-        raise _fail(f"--source {source!r} is neither {accepted} nor a checkpoint directory")
+        raise fail(f"--source {source!r} is neither {accepted} nor a checkpoint directory")
     if png is not None:
-        _check_png(png)
+        check_png(png)
         try:
             import matplotlib
         except ImportError:
-            raise _fail("--png needs matplotlib: pip install 'floatxq[plot]'") from None
-    with _reported():
+            raise fail("--png needs matplotlib: pip install 'floatxq[plot]'") from None
+    with reported():
         x = _recipe_input(source, tensor, size)
         report = floatxq.recipes_report(x)
     if as_json:
@@ -753,7 +705,7 @@ def recipes(
         ax.set_title(f"NVFP4 recipes: {source} {tuple(x.shape)}")
         fig.tight_layout()
         try:  # without a suffix matplotlib would write png + ".png" instead of png
-            with _reported():
+            with reported():
                 fig.savefig(png, dpi=110, format=png.suffix[1:].lower() or "png")
         finally:
             plt.close(fig)

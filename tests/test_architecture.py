@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "lifecycle": 6,
     # the shell: free to import anything
     "cli": 7,
+    "cli_checks": 7,
     "cli_gsq": 7,
     "demo": 7,
     "testing": 7,
