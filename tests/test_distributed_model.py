@@ -1,5 +1,6 @@
 """``QuantizedModel.quantize(..., process_group=...)``: two gloo processes on the CPU share the
-calibrated methods, in memory and offloaded to disk, and write exactly one process's files."""
+calibrated methods (in memory and offloaded to disk) and the weight-only ones (in memory), and
+write exactly one process's files."""
 
 import filecmp
 import os
@@ -26,6 +27,11 @@ CONFIGS = {
     ),
 }
 
+WEIGHT_ONLY = {
+    "fp8-gsq": fq.FP8Config(gsq=fq.GSQConfig(steps=5, modules=[r".*o_proj"])),
+    "nvfp4-rtn": fq.NVFP4Config(global_scale="fused"),
+}
+
 
 def _samples():
     return calibration_samples(num_samples=6, seq_len=64)
@@ -49,6 +55,11 @@ def _runs(out: Path, group) -> None:
                 process_group=group,
             )  # fmt: skip
             assert (out / key / "offload").is_dir()  # every process returns once it is written
+        for key, config in WEIGHT_ONLY.items():  # in memory (offloaded, they are not shared)
+            model = fq.load(TINY_LLAMA_DIR, quantize_config=config)
+            model.quantize(progress=False, process_group=group)
+            if first:
+                model.save(out / key / "memory")
     finally:
         torch.set_num_threads(threads)
 
@@ -81,6 +92,8 @@ def test_two_processes_write_one_processs_files(tmp_path):
     for key in CONFIGS:
         for kind in ("memory", "offload"):
             _same_files(tmp_path / "one" / key / kind, tmp_path / "two" / key / kind)
+    for key in WEIGHT_ONLY:
+        _same_files(tmp_path / "one" / key / "memory", tmp_path / "two" / key / "memory")
 
 
 def test_a_group_is_refused_where_it_cannot_be_used(tmp_path):

@@ -387,6 +387,8 @@ def torchrun_setup(backend: str | None = None) -> tuple[Any, torch.device]:
     Raises:
       RuntimeError: not started by ``torchrun`` (no ``WORLD_SIZE`` / ``LOCAL_RANK``), or more
         local processes than GPUs.
+
+    Numerics: none (it joins the process group and picks the device).
     """
     import os
 
