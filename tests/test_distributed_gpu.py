@@ -13,9 +13,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def _job(group, device: torch.device) -> dict:
-    """GPTQ and NVFP4 GPTQ with W4A4 scales of the tiny Llama on ``device``: every buffer."""
+    """GPTQ, NVFP4 GPTQ with W4A4 scales, NVFP4 round to nearest and FP8 with weight-only GSQ of
+    the tiny Llama on ``device``: every buffer."""
     import floatxq as fq
     from floatxq.lifecycle.calibration import prepare_calibration
+    from floatxq.lifecycle.fp8 import quantize_fp8_modules
+    from floatxq.lifecycle.nvfp4 import quantize_nvfp4_modules
     from floatxq.lifecycle.gptq import quantize_gptq_model
     from floatxq.lifecycle.nvfp4_calibrated import quantize_nvfp4_calibrated
     from floatxq.tiny import TINY_LLAMA_DIR, calibration_samples
@@ -30,6 +33,14 @@ def _job(group, device: torch.device) -> dict:
     config = fq.NVFP4Config(method="gptq", activations="nvfp4")
     quantize_nvfp4_calibrated(model, config, prepared, device=device, process_group=group)
     out["nvfp4"] = {k: v.cpu() for k, v in model.state_dict().items()}
+    model = fq.load(TINY_LLAMA_DIR).model  # weight-only: modules spread, built on the GPU
+    config = fq.NVFP4Config(global_scale="fused")
+    quantize_nvfp4_modules(model, config, device=device, work_device=device, process_group=group)
+    out["nvfp4-rtn"] = {k: v.cpu() for k, v in model.state_dict().items()}
+    model = fq.load(TINY_LLAMA_DIR).model
+    config = fq.FP8Config(gsq=fq.GSQConfig(steps=5, modules=[r".*o_proj"]))
+    quantize_fp8_modules(model, config, device=device, work_device=device, process_group=group)
+    out["fp8-gsq"] = {k: v.cpu() for k, v in model.state_dict().items()}
     return out
 
 
