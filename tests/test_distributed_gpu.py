@@ -18,8 +18,8 @@ def _job(group, device: torch.device) -> dict:
     import floatxq as fq
     from floatxq.lifecycle.calibration import prepare_calibration
     from floatxq.lifecycle.fp8 import quantize_fp8_modules
-    from floatxq.lifecycle.nvfp4 import quantize_nvfp4_modules
     from floatxq.lifecycle.gptq import quantize_gptq_model
+    from floatxq.lifecycle.nvfp4 import quantize_nvfp4_modules
     from floatxq.lifecycle.nvfp4_calibrated import quantize_nvfp4_calibrated
     from floatxq.tiny import TINY_LLAMA_DIR, calibration_samples
 
