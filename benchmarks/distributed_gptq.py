@@ -145,6 +145,7 @@ def worker(args: argparse.Namespace) -> None:
             "per_process": [{k: v for k, v in p.items() if k != "hashes"} for p in everyone],
             "ranks_agree": all(p["hashes"] == hashes for p in everyone),
             "losses": {m.name: float(m.loss) for m in qm.report.modules},
+            "solve_seconds": {m.name: float(m.seconds) for m in qm.report.modules},
             "hashes": hashes,
         }
         pathlib.Path(args.result).write_text(json.dumps(record, indent=1))
@@ -154,6 +155,37 @@ def worker(args: argparse.Namespace) -> None:
             flush=True,
         )
     dist.destroy_process_group()
+
+
+INPUT_GROUPS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("o_proj",),
+    ("gate_proj", "up_proj"),
+    ("down_proj",),
+)
+"""A Llama layer's modules that read the same input (solved together, spread over processes)."""
+
+
+def project(run: dict[str, Any], n: int) -> float:
+    """The seconds of an ``n``-process run that a one-process ``run`` predicts if communication
+    were free: everything but the module solves divided by ``n``, and each input group's solves
+    (their measured seconds) spread as ``owners`` spreads them, the group taking its slowest
+    process. An upper bound on the speedup, not a measurement."""
+    from floatxq.lifecycle.distributed import owners
+
+    solves: dict[str, float] = run["solve_seconds"]
+    groups: dict[tuple[str, int], list[float]] = {}
+    for name, seconds in solves.items():
+        parent, _, leaf = name.rpartition(".")
+        index = next((i for i, g in enumerate(INPUT_GROUPS) if leaf in g), len(INPUT_GROUPS))
+        groups.setdefault((parent if index < len(INPUT_GROUPS) else name, index), []).append(
+            seconds
+        )
+    spread = 0.0
+    for times in groups.values():
+        owner = owners(times, n)
+        spread += max(sum(t for t, o in zip(times, owner, strict=True) if o == r) for r in range(n))
+    return (run["quantize_seconds"] - sum(solves.values())) / n + spread
 
 
 def compare(base: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
@@ -216,7 +248,20 @@ def main() -> int:
             f"{n:>3} {runs[n]['quantize_seconds']:>10.1f} {row['speedup']:>8.2f} "
             f"{'yes' if row['codes_equal'] else 'NO':>11} {row['max_rel_loss_diff']:>12.3g}"
         )
+    projection = {}
+    if counts[0] == 1 and "solve_seconds" in base:
+        solves = sum(base["solve_seconds"].values())
+        print(
+            f"\none process: {base['quantize_seconds']:.1f} s, of it module solves {solves:.1f} s"
+        )
+        for n in (2, 4, 8):
+            projection[n] = project(base, n)
+            print(
+                f"  N={n} if communication were free: {projection[n]:.1f} s "
+                f"({base['quantize_seconds'] / projection[n]:.2f}x)"
+            )
     record = {
+        "projection_seconds": projection,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "host": platform.node(),
         "cpu_count": os.cpu_count(),

@@ -58,3 +58,18 @@ def test_the_cpu_smoke_run_gives_one_processs_codes_with_two(tmp_path):
     assert two["losses"] == one["losses"] and len(one["losses"]) == 14
     assert [row["codes_equal"] for row in record["comparison"]] == [True, True]
     assert record["comparison"][1]["max_rel_loss_diff"] == 0.0
+
+
+def test_the_projection_divides_the_forwards_and_spreads_each_groups_solves(bench):
+    """One layer: 19 s of solves in a 40 s run; two processes take 21/2 s of the rest, then per
+    input group the slower process: q (4) against k+v (2), o (2), gate | up (3), down (5)."""
+    solves = {"q_proj": 4.0, "k_proj": 1.0, "v_proj": 1.0, "o_proj": 2.0, "gate_proj": 3.0,
+              "up_proj": 3.0, "down_proj": 5.0}  # fmt: skip
+    parent = {"q": "self_attn", "k": "self_attn", "v": "self_attn", "o": "self_attn"}
+    named = {
+        f"model.layers.0.{parent.get(leaf[0], 'mlp')}.{leaf}": seconds
+        for leaf, seconds in solves.items()
+    }
+    run = {"quantize_seconds": 40.0, "solve_seconds": named}
+    assert bench.project(run, 1) == pytest.approx(40.0)
+    assert bench.project(run, 2) == pytest.approx(21.0 / 2 + 4 + 2 + 3 + 5)
