@@ -85,7 +85,11 @@ def test_shards_cover_the_batches_in_order_and_bad_input_is_refused():
     assert fold.states()["amax"].amax.item() == 4.0
 
 
-def _gptq(group) -> dict:
+def _gptq_split(group) -> dict:
+    return _gptq(group, split_rows=True)
+
+
+def _gptq(group, split_rows: bool = False) -> dict:
     """The tiny Llama's GPTQ run (this process's share of 8 batches with ``group``)."""
     import floatxq as fq
     import floatxq.lifecycle.gptq as gptq
@@ -98,18 +102,24 @@ def _gptq(group) -> dict:
     torch.set_num_threads(1)  # CPU kernels pick their blocking by thread count: one for all
     real, solved = gptq._solve_module, []
     gptq._solve_module = lambda name, *args: solved.append(name) or real(name, *args)
+    real_solve, rows = gptq.gptq_solve, []
+    gptq.gptq_solve = lambda w, *args: rows.append(w.shape[0]) or real_solve(w, *args)
     try:
         model = fq.load(TINY_LLAMA_DIR).model
         samples = calibration_samples(num_samples=8, seq_len=64)
         prepared = prepare_calibration(samples, batch_size=1)
         config = fq.GPTQConfig(bits=4, group_size=32)
         cpu = torch.device("cpu")
-        report = quantize_gptq_model(model, config, prepared, device=cpu, process_group=group)
+        report = quantize_gptq_model(
+            model, config, prepared, device=cpu, process_group=group, split_rows=split_rows
+        )
     finally:
         torch.set_num_threads(threads)
         gptq._solve_module = real
+        gptq.gptq_solve = real_solve
     codes = {n: m.qweight.clone() for n, m in model.named_modules() if isinstance(m, GPTQLinear)}
-    return {"loss": {m.name: m.loss for m in report.modules}, "codes": codes, "solved": solved}
+    return {"loss": {m.name: m.loss for m in report.modules}, "codes": codes, "solved": solved,
+            "rows": rows}  # fmt: skip
 
 
 def test_two_processes_solve_the_tiny_llama_as_one_does(tmp_path):
@@ -161,3 +171,19 @@ def test_three_processes_calibrate_nvfp4_as_one_does(tmp_path):
         for name, buffers in one.items():
             for key, value in buffers.items():
                 assert torch.equal(got[name][key], value), (rank, name, key)
+
+
+def test_two_processes_splitting_rows_solve_half_of_every_module(tmp_path):
+    """``split_rows``: each process solves half the rows of every module and both end with the
+    joined solutions; on this CPU the codes are one process's too, and the losses agree to FP64
+    rounding (the parts' losses are summed in another order)."""
+    ranks = _spawn(tmp_path, _gptq_split, 2)
+    one = _gptq(None)
+    assert ranks[0]["solved"] == ranks[1]["solved"] == one["solved"]
+    assert ranks[0]["rows"] == ranks[1]["rows"] == [r // 2 for r in one["rows"]]
+    for name, codes in one["codes"].items():
+        assert torch.equal(ranks[0]["codes"][name], ranks[1]["codes"][name])
+        assert torch.equal(codes, ranks[0]["codes"][name]), name
+    assert ranks[0]["loss"] == ranks[1]["loss"]
+    for name, loss in one["loss"].items():
+        assert ranks[0]["loss"][name] == pytest.approx(loss, rel=1e-12, abs=0)

@@ -55,6 +55,17 @@ def _runs(out: Path, group) -> None:
                 process_group=group,
             )  # fmt: skip
             assert (out / key / "offload").is_dir()  # every process returns once it is written
+        if group is not None:  # GPTQ's solves split by rows: one process's files here too
+            config = CONFIGS["gptq"][0]
+            model = fq.load(TINY_LLAMA_DIR, quantize_config=config)
+            model.quantize(_samples(), progress=False, process_group=group, split_rows=True)
+            if first:
+                model.save(out / "gptq-split" / "memory")
+            offloaded = fq.load(TINY_LLAMA_DIR, quantize_config=config, offload="disk")
+            offloaded.quantize(
+                _samples(), out=out / "gptq-split" / "offload", progress=False,
+                process_group=group, split_rows=True,
+            )  # fmt: skip
         for key, config in WEIGHT_ONLY.items():  # in memory (offloaded, they are not shared)
             model = fq.load(TINY_LLAMA_DIR, quantize_config=config)
             model.quantize(progress=False, process_group=group)
@@ -92,6 +103,7 @@ def test_two_processes_write_one_processs_files(tmp_path):
     for key in CONFIGS:
         for kind in ("memory", "offload"):
             _same_files(tmp_path / "one" / key / kind, tmp_path / "two" / key / kind)
+        _same_files(tmp_path / "one" / "gptq" / kind, tmp_path / "two" / "gptq-split" / kind)
     for key in WEIGHT_ONLY:
         _same_files(tmp_path / "one" / key / "memory", tmp_path / "two" / key / "memory")
 
@@ -110,7 +122,13 @@ def test_a_group_is_refused_where_it_cannot_be_used(tmp_path):
         fp8 = fq.load(TINY_LLAMA_DIR, quantize_config=fq.FP8Config(), offload="disk")
         with pytest.raises(ValueError, match="not shared by a process group"):
             fp8.quantize(out=tmp_path / "y", process_group=group)
+        with pytest.raises(ValueError, match="give both a GPTQConfig and a process_group"):
+            fq.load(TINY_LLAMA_DIR, quantize_config=fq.FP8Config()).quantize(
+                process_group=group, split_rows=True
+            )
         model = fq.load(TINY_LLAMA_DIR, quantize_config=config)
+        with pytest.raises(ValueError, match="give both a GPTQConfig and a process_group"):
+            model.quantize(_samples(), split_rows=True)
         with pytest.raises(TypeError, match="must be a torch.distributed ProcessGroup"):
             model.quantize(_samples(), process_group="world")
         few = calibration_samples(num_samples=1, seq_len=64)
@@ -145,3 +163,9 @@ def test_torchrun_setup_joins_the_run_torchrun_describes(monkeypatch):
         assert again is group
     finally:
         dist.destroy_process_group()
+
+
+def test_split_rows_must_be_a_bool(production_checks):
+    model = fq.load(TINY_LLAMA_DIR, quantize_config=fq.GPTQConfig(bits=4, group_size=32))
+    with pytest.raises(TypeError, match="split_rows must be a bool, got int"):
+        model.quantize(_samples(), split_rows=1)

@@ -36,7 +36,10 @@ __all__ = [
     "ProcessShare",
     "broadcast_module",
     "check_process_group",
+    "check_split_rows",
+    "gather_rows",
     "owners",
+    "row_share",
     "shard_batches",
     "share_calibration",
     "spread",
@@ -57,6 +60,9 @@ class ProcessShare(NamedTuple):
     """The group's size."""
     batches: int
     """The whole calibration's batch count (batch ``b`` is process ``b % world``'s)."""
+    split_rows: bool = False
+    """GPTQ: every module's rows split over the processes (:func:`row_share`) instead of whole
+    modules dealt out; the same bits only where the GEMMs do not depend on the row count."""
 
     def global_rank(self, rank: int) -> int:
         """``rank`` of the group as the default group numbers it (what send/recv take)."""
@@ -80,7 +86,7 @@ def shard_batches(batches: Sequence[T], rank: int, world: int) -> list[T]:
 
 
 def share_calibration(
-    calibration: CalibrationSet, group: Any, *, where: str
+    calibration: CalibrationSet, group: Any, *, where: str, split_rows: bool = False
 ) -> tuple[CalibrationSet, ProcessShare]:
     """This process's batches of ``calibration`` (the sample and token counts stay the whole's)
     and its :class:`ProcessShare` of ``group``.
@@ -96,7 +102,7 @@ def share_calibration(
             f"at least one batch per process (more samples or a smaller batch_size)"
         )
     mine = calibration._replace(batches=tuple(shard_batches(calibration.batches, rank, world)))
-    return mine, ProcessShare(group, rank, world, total)
+    return mine, ProcessShare(group, rank, world, total, split_rows)
 
 
 def _gloo(share: ProcessShare) -> bool:
@@ -411,3 +417,49 @@ def torchrun_setup(backend: str | None = None) -> tuple[Any, torch.device]:
         chosen = backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(chosen, device_id=device if chosen == "nccl" else None)
     return dist.group.WORLD, device
+
+
+def gather_rows(parts: Sequence[torch.Tensor], share: ProcessShare) -> list[torch.Tensor]:
+    """Each of ``parts`` (this process's rows, the same shape on every process) joined along
+    its first axis in rank order, on every process: every process's rows broadcast as bytes.
+
+    Numerics: exact (bytes moved).
+    """
+    joined = []
+    for part in parts:
+        rows = part.shape[0]
+        whole = torch.empty((share.world * rows, *part.shape[1:]), dtype=part.dtype,
+                            device=part.device)  # fmt: skip
+        for rank in range(share.world):
+            piece = whole[rank * rows : (rank + 1) * rows]
+            if rank == share.rank:
+                piece.copy_(part)
+            _broadcast_into(piece, rank, share)
+        joined.append(whole)
+    return joined
+
+
+def row_share(rows: int, share: ProcessShare | None) -> slice | None:
+    """This process's rows of a module solved by rows (:attr:`ProcessShare.split_rows`): an
+    equal contiguous share; None when the module is solved whole (no split asked, one process,
+    or ``rows`` not a multiple of the process count)."""
+    if share is None or not share.split_rows or share.world == 1 or rows % share.world:
+        return None
+    part = rows // share.world
+    return slice(share.rank * part, (share.rank + 1) * part)
+
+
+def check_split_rows(split_rows: object, group: Any, gptq: bool, *, where: str) -> bool:
+    """``split_rows`` if it can be honoured: a bool, True only with a process group and GPTQ.
+
+    Raises:
+      TypeError: not a bool. ValueError: True without a group or for another method.
+    """
+    if not isinstance(split_rows, bool):
+        raise TypeError(f"{where}: split_rows must be a bool, got {type(split_rows).__name__}")
+    if split_rows and (group is None or not gptq):
+        raise ValueError(
+            f"{where}: split_rows=True splits GPTQ's module solves over a process_group; give "
+            f"both a GPTQConfig and a process_group, or leave it False"
+        )
+    return split_rows

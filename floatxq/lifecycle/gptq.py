@@ -56,7 +56,14 @@ from floatxq.lifecycle.decoder import (
     output_embedding,
     spill_inputs,
 )
-from floatxq.lifecycle.distributed import BatchFold, ProcessShare, share_calibration, spread
+from floatxq.lifecycle.distributed import (
+    BatchFold,
+    ProcessShare,
+    gather_rows,
+    row_share,
+    share_calibration,
+    spread,
+)
 from floatxq.lifecycle.gptq_replay import replay_outputs, replay_setup, replay_solve
 from floatxq.lifecycle.replay import RoundingMemo
 from floatxq.stats import HESSIAN, Statistic, finalize_all
@@ -373,12 +380,25 @@ def _solve_module(
     rows: int,
     layer: int | None,
     device: torch.device,
+    share: ProcessShare | None = None,
 ) -> tuple[nn.Module, GPTQModuleReport]:
+    """Solve and pack one module; with a row-splitting ``share``, this process's rows solved and
+    every process's joined (each row's solve is independent given the Hessian)."""
     from floatxq.nn.gptq_linear import GPTQLinear
 
     start = time.perf_counter()
     weight = _dense_weight(module, device)
-    solution = gptq_solve(weight, hessian, gptq_solve_options(config))
+    rows_here = row_share(weight.shape[0], share)
+    if rows_here is None:
+        solution = gptq_solve(weight, hessian, gptq_solve_options(config))
+    else:
+        assert share is not None
+        mine = gptq_solve(weight[rows_here], hessian, gptq_solve_options(config))
+        fields = (mine.dequantized, mine.codes, mine.scales, mine.zeros, mine.loss.reshape(1))
+        dequantized, codes, scales, zeros, losses = gather_rows(fields, share)
+        solution = mine._replace(
+            dequantized=dequantized, codes=codes, scales=scales, zeros=zeros, loss=losses.sum()
+        )  # the loss: the parts' sum in rank order (the FP64 sum reassociated)
     del weight
     bias = getattr(module, "bias", None)
     packed = GPTQLinear.from_solution(
@@ -476,7 +496,8 @@ class _LayerStep(NamedTuple):
         solved: dict[str, nn.Module],
         reports: list[GPTQModuleReport],
     ) -> None:
-        if self.share is not None and self.share.world > 1:  # each solved once, sent to all
+        split = self.share is not None and self.share.split_rows
+        if self.share is not None and self.share.world > 1 and not split:  # each solved once
 
             def solve(i: int) -> tuple[nn.Module, GPTQModuleReport]:
                 name, module = group[i]
@@ -497,8 +518,9 @@ class _LayerStep(NamedTuple):
         while group:  # popped, so the replaced module is released once it is solved
             name, module = group.pop(0)
             built, report = _solve_module(
-                name, module, hessian, configs[name], self.rows, self.index, self.device
-            )
+                name, module, hessian, configs[name], self.rows, self.index, self.device,
+                self.share,
+            )  # fmt: skip
             del module
             solved[name] = built
             self.model.set_submodule(name, _DecodedStandIn(built))
@@ -519,6 +541,7 @@ def quantize_gptq_model(
     hooks: LayerHooks | None = None,
     activation_budget: int | None = None,
     process_group: Any = None,
+    split_rows: bool = False,
 ) -> GPTQRunReport:
     """Quantize ``model`` with GPTQ in place, layer by layer (see the module docstring).
 
@@ -531,10 +554,10 @@ def quantize_gptq_model(
       on_module, on_layer: called with a module's name once solved, ``(index, count)`` per layer.
       reports: a list each module's report is appended to once solved (what a failed run did).
       hooks: layers on the meta device, read before they run, handed off once solved.
-      activation_budget: the work device's bytes for the calibration activations; beyond it
-        they live in host memory, a batch copied over at a time (the same bytes).
+      activation_budget: the work device's bytes for calibration activations (more: on host).
       process_group: a ``torch.distributed`` group sharing the run (the same bits as one
-        process: :mod:`~floatxq.lifecycle.distributed`).
+        process: :mod:`~floatxq.lifecycle.distributed`); ``split_rows``: each module's rows
+        split over it instead (``docs/distributed.md``).
 
     Returns:
       :class:`GPTQRunReport`.
@@ -560,7 +583,9 @@ def quantize_gptq_model(
     if process_group is not None:
         if replay is not None:
             raise ValueError("GPTQ: a process group is not taken with an activation policy")
-        calibration, share = share_calibration(calibration, process_group, where="GPTQ")
+        calibration, share = share_calibration(
+            calibration, process_group, where="GPTQ", split_rows=split_rows
+        )
     if replay is not None and activation_budget is not None:
         raise ValueError(
             "GPTQ: activation_budget is not taken with an activation policy, whose replay keeps "
@@ -642,9 +667,10 @@ def quantize_gptq_model(
                     fold.add(norm(item.hidden.to(device)), mask=item.mask)
                 hessian = _finalized(statistics, fold.states(), [name])["hessian"]
                 solve = lambda _: _solve_module(
-                    name, module, hessian, head_plan.config, rows, None, device
+                    name, module, hessian, head_plan.config, rows, None, device, share
                 )
-                built, report = next(spread([0.0], solve, share, device))
+                whole = share if share is None or not share.split_rows else None
+                built, report = next(spread([0.0], solve, whole, device))
                 model.set_submodule(name, built.to(outside_home))
                 reports.append(report)
                 if on_module is not None:

@@ -26,7 +26,7 @@ from floatxq.interop.checkpoint import (
     write_checkpoint,
 )
 from floatxq.interop.export import DEFAULT_LAYOUT, export_layout
-from floatxq.lifecycle.distributed import check_process_group
+from floatxq.lifecycle.distributed import check_process_group, check_split_rows
 from floatxq.lifecycle.fp8 import quantize_fp8_modules
 from floatxq.lifecycle.w4a_install import install_activation_stream, install_w4a_modules
 from floatxq.nn.fp8_linear import TorchFP8Linear
@@ -154,6 +154,7 @@ class QuantizedModel:
         max_shard_size: int | str = "4GB",
         activation_budget: int | str | None = None,
         process_group: Any = None,
+        split_rows: bool = False,
     ) -> "QuantizedModel":
         """Quantize the model's linear modules in place.
 
@@ -192,7 +193,7 @@ class QuantizedModel:
             starts them: :func:`~floatxq.lifecycle.distributed.torchrun_setup`) sharing the work:
             calibration batches dealt out, statistics folded in one process's order, module
             solves spread; every process ends with the model one process alone gives
-            (``docs/distributed.md``).
+            (``docs/distributed.md``). ``split_rows``: GPTQ splits every module's rows over it.
 
         Raises:
           RuntimeError: no quantize_config, or the model is already quantized.
@@ -225,6 +226,8 @@ class QuantizedModel:
             "activation_budget": _parse_budget(activation_budget),
             "process_group": check_process_group(process_group, where="quantize"),
         }
+        gptq = isinstance(self.quantize_config, GPTQConfig)
+        options["split_rows"] = check_split_rows(split_rows, process_group, gptq, where="quantize")
         if process_group is not None and progress is True:  # one bar: the first process's
             progress = torch.distributed.get_rank(process_group) == 0
         if self.offload is not None or out is not None:
@@ -233,7 +236,7 @@ class QuantizedModel:
                 prepared = self._prepared(calibration, batch_size, tokenizer, options)
             return self._quantize_offloaded(
                 out, layout, resume, overwrite, max_shard_size, progress, prepared,
-                options["activation_budget"], options["process_group"],
+                options,
             )  # fmt: skip
         self._check_resume(resume)
         if layout is not None:
@@ -290,7 +293,7 @@ class QuantizedModel:
 
     def _quantize_offloaded(
         self, out: Any, layout: Any, resume: bool, overwrite: bool, size: Any, progress: Any,
-        calibration: Any, activation_budget: int | None, process_group: Any,
+        calibration: Any, options: Mapping[str, Any],
     ) -> "QuantizedModel":  # fmt: skip
         """``offload="disk"``: layer by layer from the shards, written to ``out`` as it goes
         (:func:`~floatxq.lifecycle.offload.quantize_offloaded`)."""
@@ -315,8 +318,8 @@ class QuantizedModel:
                 self, out=out, layout=layout, resume=resume, overwrite=overwrite,
                 max_shard_bytes=_parse_size(size),
                 work_device=self.device or _default_work_device(self.model),
-                calibration=calibration, activation_budget=activation_budget,
-                process_group=process_group,
+                calibration=calibration, activation_budget=options["activation_budget"],
+                process_group=options["process_group"], split_rows=options["split_rows"],
                 on_layer=None if callback is None else lambda i, n: callback(f"layer {i}"),
             )  # fmt: skip
         finally:
@@ -470,7 +473,7 @@ class QuantizedModel:
                     report = quantize_gptq_model(
                         self.model, config, prepared, device=work, on_module=callback,
                         reports=reports, activation_budget=options["activation_budget"],
-                        process_group=options["process_group"],
+                        process_group=options["process_group"], split_rows=options["split_rows"],
                     )  # fmt: skip
                     report = report._replace(modules=(*earlier, *report.modules))
             finally:

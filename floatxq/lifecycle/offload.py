@@ -220,6 +220,7 @@ def quantize_offloaded(
     on_layer: Callable[[int, int], None] | None = None,
     on_module: Callable[[str], None] | None = None,
     process_group: Any = None,
+    split_rows: bool = False,
 ) -> OffloadReport:
     """Quantize an offloaded model (see the module docstring) and write it to ``out``.
 
@@ -284,7 +285,7 @@ def quantize_offloaded(
     else:
         fill = walk.calibrated(calibrated, calibration, empties, originals, inside, resume,
                                work_device, on_module, reports, activation_budget,
-                               process_group)  # fmt: skip
+                               process_group, split_rows)  # fmt: skip
     extra = {n: source.path / n for n in SIDE_FILES if (source.path / n).is_file()}
     try:
         if writes:
@@ -416,7 +417,7 @@ class _Walk:
         originals: dict[str, nn.Module], inside: dict[str, Any], resume: bool,
         work_device: torch.device,
         on_module: Callable[[str], None] | None, reports: list[Any], budget: int | None,
-        group: Any = None,
+        group: Any = None, split_rows: bool = False,
     ) -> Callable[[ShardWriter | None], None]:  # fmt: skip
         """GPTQ, NVFP4 GPTQ / W4A4, calibrated GSQ: the method's own lifecycle, hooked to read
         each layer before it runs and write it once solved; the long-lived tensors last (the
@@ -474,7 +475,7 @@ class _Walk:
             self.result = calibrated.run(
                 shell, calibration, device=work_device, hooks=LayerHooks(enter, leave, begin),
                 on_module=on_module, amax=amax, activation_budget=budget,
-                process_group=group,
+                process_group=group, **({"split_rows": True} if split_rows else {}),
             )  # fmt: skip
             reports.extend(self.result.modules)
             self.write(writer, self.outside())
