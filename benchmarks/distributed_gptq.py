@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per process")
     parser.add_argument("--same-gpu", action="store_true", help="every process on cuda:0, gloo")
+    parser.add_argument(
+        "--split-rows", action="store_true", help="split every module's rows over the processes"
+    )
     parser.add_argument("--cpu", action="store_true", help="no GPU: gloo on the CPU, small model")
     parser.add_argument("--out", default=None, help="write the JSON record here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -117,8 +120,9 @@ def worker(args: argparse.Namespace) -> None:
     dist.barrier(group)
     start = time.perf_counter()
     qm.quantize(
-        list(ids.unbind(0)), batch_size=args.batch_size, progress=False, process_group=group
-    )
+        list(ids.unbind(0)), batch_size=args.batch_size, progress=False, process_group=group,
+        split_rows=args.split_rows and world > 1,
+    )  # fmt: skip
     if cuda:
         torch.cuda.synchronize(device)
     dist.barrier(group)
@@ -231,6 +235,7 @@ def main() -> int:
     passed = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (*preset, "batch_size")]
     passed += [f"--seed={args.seed}", f"--threads={threads}"]
     passed += ["--same-gpu"] * args.same_gpu + ["--cpu"] * args.cpu
+    passed += ["--split-rows"] * args.split_rows
     runs: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in counts:
