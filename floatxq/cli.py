@@ -228,6 +228,9 @@ def quantize(
         False, help="Read MODEL a decoder layer at a time, writing --out as it goes."
     ),
     resume: bool = typer.Option(False, help="With --offload: finish a run cut short."),
+    split_rows: bool = typer.Option(
+        False, help="Under torchrun, GPTQ: split every module's rows over the processes."
+    ),
     layout: str | None = typer.Option(
         None,
         help="Checkpoint layout: compressed-tensors (the default; transformers with "
@@ -407,6 +410,8 @@ def quantize(
         start = time.perf_counter()
         if offload:
             options.update(out=out, overwrite=overwrite, resume=resume)
+        if split_rows:
+            options.update(split_rows=True)
         source.quantize(
             cal, batch_size=batch_size, progress=not _quiet(), layout=layout,
             process_group=group, **options,

@@ -63,11 +63,12 @@ def _same_files(a: Path, b: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("offload", [False, True], ids=["memory", "offload"])
-def test_two_processes_write_the_one_process_commands_files(tmp_path, offload):
-    extra = ["--offload", "--device", "cpu"] if offload else []  # cpu: gloo, whatever the host
-    one = _cli([*GPTQ, *extra, "--out", str(tmp_path / "one")], 1)
-    two = _cli([*GPTQ, *extra, "--out", str(tmp_path / "two")], 2)
+@pytest.mark.parametrize("kind", ["memory", "offload", "split-rows"])
+def test_two_processes_write_the_one_process_commands_files(tmp_path, kind):
+    extra = {"memory": [], "offload": ["--offload", "--device", "cpu"], "split-rows": []}[kind]
+    one = _cli([*GPTQ, *extra, "--out", str(tmp_path / "one")], 1)  # cpu: gloo, whatever the host
+    split = ["--split-rows"] if kind == "split-rows" else []  # each process solves half the rows
+    two = _cli([*GPTQ, *extra, *split, "--out", str(tmp_path / "two")], 2)
     _same_files(tmp_path / "one", tmp_path / "two")
     assert one.count("quantized ") == 1
     assert two.count("quantized ") == 1  # the first process's summary only
@@ -102,3 +103,10 @@ def test_one_gpu_for_every_process_is_refused(monkeypatch, capsys):
     )
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert cli._torchrun_group("cuda:1") == (None, "cuda:1")  # one process: as it was
+
+
+def test_split_rows_without_torchrun_is_refused(tmp_path):
+    result = CliRunner().invoke(app, [*GPTQ, "--split-rows", "--out", str(tmp_path / "o")])
+    assert result.exit_code != 0
+    assert "split_rows=True splits GPTQ's module solves over a process_group" in result.output
+    assert not (tmp_path / "o").exists()
