@@ -80,3 +80,34 @@ def test_two_processes_on_cuda_give_one_processs_buffers(tmp_path, backend, same
             assert got[method].keys() == state.keys()
             for key, value in state.items():
                 assert torch.equal(got[method][key], value), (rank, method, key)
+
+
+@needs_cuda
+@pytest.mark.parametrize("out,k,extra", [(4096, 14336, {}), (1024, 4096, {"desc_act": True})])
+def test_row_slices_solve_as_the_whole_on_cuda(out, k, extra):
+    """What ``split_rows`` relies on, at Llama-3-8B shapes on this GPU: GPTQ of row slices with
+    the same Hessian gives the whole solve's rows bit for bit (on CPUs at small row counts it
+    does not always, so ``split_rows`` is opt-in)."""
+    import floatxq as fq
+    from floatxq.lifecycle.gptq import gptq_solve_options
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out, k, generator=gen).cuda()
+    x = torch.randn(2 * k, k, generator=gen).cuda()
+    hessian = x.T @ x * (2 / x.shape[0])
+    options = gptq_solve_options(
+        fq.GPTQConfig(
+            bits=4, group_size=128, **extra, **({"act_group_aware": False} if extra else {})
+        )
+    )
+    whole = fq.gptq_solve(weight, hessian, options)
+    for parts in (2, 4):
+        step = out // parts
+        pieces = [
+            fq.gptq_solve(weight[i : i + step], hessian, options) for i in range(0, out, step)
+        ]
+        for field in ("codes", "scales", "zeros", "dequantized"):
+            joined = torch.cat([getattr(p, field) for p in pieces])
+            assert torch.equal(joined, getattr(whole, field)), (parts, field)
+        total = sum(float(p.loss) for p in pieces)
+        assert total == pytest.approx(float(whole.loss), rel=1e-12)
