@@ -14,7 +14,11 @@ process's batch order, the module solves spread over the processes and their res
   last bits of its Hessian.
 - :func:`spread` solves each of a group of modules on one process (:func:`owners`: the largest
   first, each to the least loaded) and broadcasts every built module and its report to all
-  (:func:`broadcast_module`), so every process continues with the same model.
+  (:func:`broadcast_module`), so every process continues with the same model. With
+  ``split_rows`` GPTQ instead solves a share of every module's rows on each process
+  (:func:`row_share`) and joins them (:func:`gather_rows`).
+- :func:`torchrun_setup` joins the run ``torchrun`` started; :func:`check_process_group` and
+  :func:`check_split_rows` check ``quantize``'s arguments.
 
 Over gloo, CUDA tensors travel through host memory (gloo sends only CPU tensors).
 """
