@@ -68,6 +68,17 @@ class ProcessShare(NamedTuple):
     """GPTQ: every module's rows split over the processes (:func:`row_share`) instead of whole
     modules dealt out; the same bits only where the GEMMs do not depend on the row count."""
 
+    @classmethod
+    def of(cls, group: Any, batches: int = 0, split_rows: bool = False) -> "ProcessShare":
+        """``group``'s share for this process (``batches``: the calibration's, 0 without)."""
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        return cls(group, rank, world, batches, split_rows)
+
+    @property
+    def gloo(self) -> bool:
+        """Over gloo, which sends CPU tensors only (CUDA ones go through host memory)."""
+        return dist.get_backend(self.group) == "gloo"
+
     def global_rank(self, rank: int) -> int:
         """``rank`` of the group as the default group numbers it (what send/recv take)."""
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -98,31 +109,29 @@ def share_calibration(
     Raises:
       ValueError: fewer batches than processes.
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    total = len(calibration.batches)
+    share = ProcessShare.of(group, len(calibration.batches), split_rows)
+    total, world = share.batches, share.world
     if total < world:
         raise ValueError(
             f"{where}: {total} calibration batches cannot be shared by {world} processes; give "
             f"at least one batch per process (more samples or a smaller batch_size)"
         )
-    mine = calibration._replace(batches=tuple(shard_batches(calibration.batches, rank, world)))
-    return mine, ProcessShare(group, rank, world, total, split_rows)
-
-
-def _gloo(share: ProcessShare) -> bool:
-    return dist.get_backend(share.group) == "gloo"
+    mine = calibration._replace(
+        batches=tuple(shard_batches(calibration.batches, share.rank, world))
+    )
+    return mine, share
 
 
 def _send(state: Any, dst: int, share: ProcessShare) -> None:
     for tensor in state:
-        out = tensor.cpu() if tensor.is_cuda and _gloo(share) else tensor.contiguous()
+        out = tensor.cpu() if tensor.is_cuda and share.gloo else tensor.contiguous()
         dist.send(out, dst=share.global_rank(dst), group=share.group)
 
 
 def _recv(like: Any, src: int, share: ProcessShare) -> Any:
     fields = []
     for tensor in like:
-        staged = tensor.is_cuda and _gloo(share)
+        staged = tensor.is_cuda and share.gloo
         buf = torch.empty(tensor.shape, dtype=tensor.dtype) if staged else torch.empty_like(tensor)
         dist.recv(buf, src=share.global_rank(src), group=share.group)
         fields.append(buf.to(tensor.device) if staged else buf)
@@ -134,7 +143,7 @@ def _broadcast_into(tensor: torch.Tensor, src: int, share: ProcessShare) -> torc
     if tensor.numel() == 0:
         return tensor
     data = tensor.reshape(-1).view(torch.uint8)
-    if tensor.is_cuda and _gloo(share):
+    if tensor.is_cuda and share.gloo:
         staged = data.cpu()
         dist.broadcast(staged, src=share.global_rank(src), group=share.group)
         data.copy_(staged)
@@ -308,7 +317,7 @@ def broadcast_module(
     """
     if (share.rank == src) != (built is not None):
         raise ValueError("broadcast_module: the source process gives its module, no other")
-    on = device if device.type == "cuda" and not _gloo(share) else None
+    on = device if device.type == "cuda" and not share.gloo else None
     payload: list[Any] = [None]
     if isinstance(built, Exception):
         payload = [pickle.dumps(_Failure.of(built))]

@@ -496,37 +496,34 @@ class _LayerStep(NamedTuple):
         solved: dict[str, nn.Module],
         reports: list[GPTQModuleReport],
     ) -> None:
-        split = self.share is not None and self.share.split_rows
-        if self.share is not None and self.share.world > 1 and not split:  # each solved once
-
-            def solve(i: int) -> tuple[nn.Module, GPTQModuleReport]:
-                name, module = group[i]
-                config = configs[name]
-                return _solve_module(
-                    name, module, hessian, config, self.rows, self.index, self.device
-                )
-
-            costs = [_solve_cost(module) for _, module in group]
-            results = spread(costs, solve, self.share, self.device)
-            for (name, _), (built, report) in zip(list(group), results, strict=True):
-                solved[name] = built
-                self.model.set_submodule(name, _DecodedStandIn(built))
-                reports.append(report)
-                if self.on_module is not None:
-                    self.on_module(name)
-            group.clear()
-        while group:  # popped, so the replaced module is released once it is solved
-            name, module = group.pop(0)
-            built, report = _solve_module(
-                name, module, hessian, configs[name], self.rows, self.index, self.device,
-                self.share,
-            )  # fmt: skip
-            del module
+        def install(name: str, built: nn.Module, report: GPTQModuleReport) -> None:
             solved[name] = built
             self.model.set_submodule(name, _DecodedStandIn(built))
             reports.append(report)
             if self.on_module is not None:
                 self.on_module(name)
+
+        share = self.share
+        if share is not None and share.world > 1 and not share.split_rows:  # each solved once
+
+            def solve(i: int) -> tuple[nn.Module, GPTQModuleReport]:
+                name, module = group[i]
+                return _solve_module(
+                    name, module, hessian, configs[name], self.rows, self.index, self.device
+                )
+
+            costs = [_solve_cost(module) for _, module in group]
+            results = spread(costs, solve, share, self.device)
+            for (name, _), result in zip(list(group), results, strict=True):
+                install(name, *result)
+            group.clear()
+        while group:  # popped, so the replaced module is released once it is solved
+            name, module = group.pop(0)
+            result = _solve_module(
+                name, module, hessian, configs[name], self.rows, self.index, self.device, share
+            )
+            del module
+            install(name, *result)
 
 
 def quantize_gptq_model(

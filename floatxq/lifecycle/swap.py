@@ -75,7 +75,7 @@ def swap_modules(
             results = (built(i) for i in range(len(names)))
         else:
             assert costs is not None and places is not None
-            landing = torch.device("cpu") if _gloo(share) else _cuda_here()
+            landing = torch.device("cpu") if share.gloo else _cuda_here()
             results = (
                 (module.to(places[i]), report)
                 for i, (module, report) in enumerate(spread(costs, built, share, landing))
@@ -101,11 +101,7 @@ def _share(group: Any) -> ProcessShare | None:
     """``group``'s share of a swap (None: no group, or one process)."""
     if group is None or dist.get_world_size(group) == 1:
         return None
-    return ProcessShare(group, dist.get_rank(group), dist.get_world_size(group), 0)
-
-
-def _gloo(share: ProcessShare) -> bool:
-    return dist.get_backend(share.group) == "gloo"
+    return ProcessShare.of(group)
 
 
 def _cuda_here() -> torch.device:
